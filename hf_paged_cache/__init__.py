@@ -1,0 +1,23 @@
+"""hf-paged-cache: a paged KV cache for HuggingFace transformers' `generate()`."""
+
+from .attention import ATTENTION_NAME, register_paged_attention
+from .block_pool import BlockPool
+from .cache import PagedCache
+from .config import PagedCacheConfig, parse_bytes
+from .errors import OutOfBlocksError
+from .memory import CacheMetrics, estimate_kv_bytes, kv_bytes_per_token
+
+__all__ = [
+    "ATTENTION_NAME",
+    "BlockPool",
+    "CacheMetrics",
+    "OutOfBlocksError",
+    "PagedCache",
+    "PagedCacheConfig",
+    "estimate_kv_bytes",
+    "kv_bytes_per_token",
+    "parse_bytes",
+    "register_paged_attention",
+]
+
+__version__ = "0.1.0"

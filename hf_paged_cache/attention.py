@@ -1,0 +1,126 @@
+"""The `"paged"` attention implementation: attention that reads K/V straight from a `PagedCache`'s blocks.
+
+`register_paged_attention()` registers it (and its mask function) with transformers; then
+`from_pretrained(..., attn_implementation="paged")` or `model.set_attn_implementation("paged")`
+selects it. CUDA tensors go to the Triton kernels of `hf_paged_cache.kernels`; everything else runs
+the torch path below, which reads each row's blocks as a view when they form one contiguous run (no
+copy of the history per step) and gathers them otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .layers import PAGED_KV_KWARG, PagedKV
+
+ATTENTION_NAME = "paged"
+
+
+def register_paged_attention() -> None:
+    """Register the `"paged"` attention function and its mask function with transformers (idempotent).
+
+    The mask function is transformers' `sdpa_mask` (a boolean `[batch, 1, q, kv]` mask, or None when
+    plain causality suffices): without a mask function registered under the same name, transformers
+    would hand the attention no mask at all and left-padded batches would silently go wrong.
+    """
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: `query` is `[batch, heads, q, head_dim]`, the result `[batch, q, heads, head_dim]`.
+
+    When `update()` left a `PagedKV` in the kwargs, `key`/`value` are only this step's new states and
+    the history is read from the blocks; otherwise (a model that calls `update()` without kwargs, or no
+    `PagedCache`) `key`/`value` are complete and are used as given.
+    """
+    paged_kv: PagedKV | None = kwargs.get(PAGED_KV_KWARG)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    softcap = kwargs.get("softcap")
+    if paged_kv is None:
+        out = attend(query, key, value, attention_mask, scale, softcap)
+    elif query.is_cuda and (attention_mask is None or paged_kv.plan.padding_exact):
+        return _kernel_attention(query, paged_kv, scale, softcap), None
+    else:
+        out = torch.cat([_attend_row(query, paged_kv, row, attention_mask, scale, softcap) for row in range(len(query))])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _attend_row(query, paged_kv: PagedKV, row: int, attention_mask, scale: float, softcap: float | None):
+    keys, values, first = paged_kv.row(row)
+    mask = None
+    if attention_mask is not None:
+        start = first - paged_kv.plan.kv_offset
+        mask = attention_mask[row : row + 1, :, :, start : start + keys.shape[1]]
+    return attend(query[row : row + 1], keys.unsqueeze(0), values.unsqueeze(0), mask, scale, softcap)
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of `query` `[b, heads, q, d]` over `key`/`value` `[b, kv_heads, n, d]` (grouped heads).
+
+    `mask` is boolean `[b, 1, q, n]` (True = attend) or None, meaning causal with the queries aligned to
+    the last `q` keys. Query rows with nothing to attend to return 0, never NaN.
+    """
+    q_len, n = query.shape[2], key.shape[2]
+    if mask is None and q_len > 1:
+        mask = torch.ones(q_len, n, dtype=torch.bool, device=query.device).tril(n - q_len)[None, None]
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            query, key.to(query.dtype), value.to(query.dtype), attn_mask=mask, scale=scale,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )  # fmt: skip
+    else:
+        out = _softcapped_attention(query, key.to(query.dtype), value.to(query.dtype), mask, scale, softcap)
+    if mask is not None:
+        out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    return out
+
+
+def _softcapped_attention(query, key, value, mask, scale: float, softcap: float) -> torch.Tensor:
+    """Gemma-2-style logit soft-capping (`softcap * tanh(logits / softcap)`), which SDPA cannot do."""
+    batch, heads, q_len, head_dim = query.shape
+    groups = heads // key.shape[1]
+    grouped = query.view(batch, key.shape[1], groups, q_len, head_dim)
+    logits = torch.matmul(grouped, key.unsqueeze(2).transpose(-1, -2)) * scale
+    logits = softcap * torch.tanh(logits / softcap)
+    if mask is not None:
+        logits = logits.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value.unsqueeze(2)).view(batch, heads, q_len, value.shape[-1])
+
+
+def _kernel_attention(query: torch.Tensor, paged_kv: PagedKV, scale: float, softcap: float | None) -> torch.Tensor:
+    """Triton kernels over the blocks; returns `[batch, q, heads, head_dim]`."""
+    from .kernels import paged_decode_attention, paged_prefill_attention
+
+    plan, layer, device = paged_kv.plan, paged_kv.layer, query.device
+    tables, seq_lens = plan.tensor("block_tables", device), plan.tensor("seq_lens", device)
+    window, softcap = paged_kv.sliding_window or 0, softcap or 0.0
+    if query.shape[2] == 1:
+        out = paged_decode_attention(
+            query[:, :, 0], layer.key_blocks, layer.value_blocks, tables, seq_lens, scale, window, softcap
+        )
+        return out.unsqueeze(1)
+    return paged_prefill_attention(
+        query.transpose(1, 2).contiguous(), layer.key_blocks, layer.value_blocks, tables, seq_lens,
+        plan.tensor("query_lens", device), scale, window, softcap,
+    )  # fmt: skip

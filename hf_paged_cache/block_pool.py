@@ -1,0 +1,109 @@
+"""The block allocator: block ids, a free-block queue and reference counts — nothing else.
+
+Storage tensors live in the cache layers; this class only decides which block ids are in use.
+
+Invariants (checked by the hypothesis state machine in `tests/test_block_pool.py`):
+- ids run from 1 to `num_blocks`; id 0 is the null block (always zeros, never handed out) and doubles
+  as the sentinel node of the free queue;
+- a block is in the free queue exactly when its reference count is 0;
+- `num_used + num_free == num_blocks` after every call;
+- every call either succeeds completely or raises before changing anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+NULL_BLOCK = 0
+
+
+class BlockPool:
+    """Free-block queue (a doubly linked list over block ids, O(1) pop / remove / append) plus ref counts.
+
+    Freed blocks go to the tail, so the head holds the blocks freed longest ago. `allocate` prefers
+    the block right after a given one when it is free, so a row's blocks form contiguous runs that
+    readers can view without copying.
+    """
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"`num_blocks` must be positive, got {num_blocks}")
+        self.num_blocks = 0
+        self.num_free = 0
+        # Node 0 is the sentinel: _next[0] is the queue's head, _prev[0] its tail.
+        self._next = [NULL_BLOCK]
+        self._prev = [NULL_BLOCK]
+        self._ref = [1]  # the null block is permanently "in use"
+        self.grow(num_blocks)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def ref_count(self, block: int) -> int:
+        return self._ref[block]
+
+    def is_free(self, block: int) -> bool:
+        return 0 < block <= self.num_blocks and self._ref[block] == 0
+
+    def grow(self, extra_blocks: int) -> None:
+        """Append `extra_blocks` new free ids at the end of the id range (and of the free queue)."""
+        first = self.num_blocks + 1
+        self._next.extend([NULL_BLOCK] * extra_blocks)
+        self._prev.extend([NULL_BLOCK] * extra_blocks)
+        self._ref.extend([0] * extra_blocks)
+        self.num_blocks += extra_blocks
+        for block in range(first, self.num_blocks + 1):
+            self._append(block)
+
+    def allocate(self, count: int, after: int | None = None) -> list[int]:
+        """Take `count` free blocks (ref count 1), continuing the run that ends at `after` where possible."""
+        if count > self.num_free:
+            raise ValueError(f"asked for {count} blocks but only {self.num_free} are free")
+        blocks = []
+        previous = after
+        for _ in range(count):
+            candidate = previous + 1 if previous is not None else NULL_BLOCK
+            block = candidate if self.is_free(candidate) else self._next[NULL_BLOCK]
+            self._remove(block)
+            self._ref[block] = 1
+            blocks.append(block)
+            previous = block
+        return blocks
+
+    def fork(self, blocks: Iterable[int]) -> None:
+        """Add one reference to each block (a second table now points at it)."""
+        blocks = list(blocks)
+        for block in blocks:
+            if not 0 < block <= self.num_blocks or self._ref[block] == 0:
+                raise ValueError(f"cannot fork block {block}: it is not allocated")
+        for block in blocks:
+            self._ref[block] += 1
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Drop one reference from each block; blocks whose count reaches 0 return to the queue's tail."""
+        blocks = list(blocks)
+        drops: dict[int, int] = {}
+        for block in blocks:
+            drops[block] = drops.get(block, 0) + 1
+        for block, count in drops.items():
+            if not 0 < block <= self.num_blocks or self._ref[block] < count:
+                raise ValueError(f"cannot free block {block}: it holds fewer than {count} references")
+        for block in blocks:
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                self._append(block)
+
+    def _append(self, block: int) -> None:
+        tail = self._prev[NULL_BLOCK]
+        self._next[tail] = block
+        self._prev[block] = tail
+        self._next[block] = NULL_BLOCK
+        self._prev[NULL_BLOCK] = block
+        self.num_free += 1
+
+    def _remove(self, block: int) -> None:
+        previous, following = self._prev[block], self._next[block]
+        self._next[previous] = following
+        self._prev[following] = previous
+        self.num_free -= 1

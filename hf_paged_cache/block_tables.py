@@ -1,0 +1,287 @@
+"""Per-row block tables of one group of layers that always hold the same tokens.
+
+All full-attention layers of a model see the same tokens, so they share one set of tables (and one
+`BlockPool` of ids); sliding-window layers of one window size share another. A layer's storage is
+indexed by these ids, so a step is planned once per group and every layer of the group reuses the plan.
+
+Per row the state is explicit:
+- `pads[b]`: left-padding tokens, which occupy no blocks;
+- `base[b]`: logical position held by slot 0 of the row's first block (tokens are stored contiguously
+  from there on; sliding groups advance it when whole blocks leave the window);
+- `tables[b]`: block ids, in order;
+- `run_from[b]`: index in `tables[b]` from which the ids are consecutive, so a read that starts there
+  is a view of the storage rather than a copy.
+The logical length (`length`) counts pads and is shared by every row, as in `DynamicCache`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_pool import NULL_BLOCK, BlockPool
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class StepPlan:
+    """What one forward step writes and reads for a group; computed once, used by each of its layers.
+
+    Stored indices count a row's stored tokens from slot 0 of its first block.
+    """
+
+    q_len: int
+    new_len: int  # logical length after the step
+    kv_offset: int  # first logical position attention reads
+    write_slots: torch.Tensor  # int64 [stored new tokens]: destination slot of each, row-major
+    write_tokens: torch.Tensor | None  # int64: which of the B*q new tokens are stored (None: all of them)
+    read_start: list[int]  # per row: first stored index to read
+    read_stop: list[int]  # per row: stored tokens after the step (exclusive end of the read)
+    new_tokens: list[int]  # per row: stored new tokens of this step
+    run_start: list[int | None]  # per row: first block id when the read is one contiguous run, else None
+    padding_exact: bool  # every stored token is a real one (no padding was stored)
+    tables: BlockTables
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    def tensor(self, name: str, device: torch.device) -> torch.Tensor:
+        """A plan tensor on `device`, built and moved once per step (each layer may live elsewhere)."""
+        key = (name, device)
+        if key not in self._memo:
+            self._memo[key] = self._build(name).to(device)
+        return self._memo[key]
+
+    def _build(self, name: str) -> torch.Tensor:
+        if name in ("write_slots", "write_tokens"):
+            return getattr(self, name)
+        if name == "read_slots":
+            return self.tables.gather_slots(self.kv_offset, self.new_len)
+        if name == "block_tables":
+            return self.tables.table_tensor().to(torch.int32)
+        if name == "seq_lens":
+            return torch.tensor(self.read_stop, dtype=torch.int32)
+        if name == "query_lens":
+            return torch.tensor(self.new_tokens, dtype=torch.int32)
+        raise KeyError(name)
+
+
+class BlockTables:
+    """Block tables, pads and lengths for the rows of one layer group, plus the step planning."""
+
+    def __init__(self, name: str, pool: BlockPool | None, block_size: int, sliding_window: int | None = None):
+        self.name = name
+        self.pool = pool  # None until a `max_memory` cache learns its bytes per block
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.record_past = False
+        self.padding_exact = True
+        self.plan: StepPlan | None = None
+        self._clear()
+
+    def _clear(self) -> None:
+        self.length = 0
+        self.tables: list[list[int]] = []
+        self.pads: list[int] = []
+        self.base: list[int] = []
+        self.run_from: list[int] = []
+        self.plan = None
+
+    @property
+    def batch_size(self) -> int | None:
+        return len(self.tables) if self.length > 0 else None
+
+    def stored_tokens(self, row: int) -> int:
+        return max(self.length - self.base[row], 0) if self.length > 0 else 0
+
+    # ------------------------------------------------------------------ planning a step
+    def read_offset(self, length: int) -> int:
+        """First logical position attention reads at a step that starts at `length` (HF's `kv_offset`)."""
+        if self.sliding_window is None:
+            return 0
+        return max(length - self.sliding_window + 1, 0)
+
+    def blocks_needed(self, q_len: int, pads: list[int]) -> tuple[int, int]:
+        """(blocks the step must allocate, blocks its drops would return to the free queue)."""
+        drops = self._drops()
+        returned = {}
+        for row, count in enumerate(drops):
+            for block in self.tables[row][:count] if self.tables else ():
+                returned[block] = returned.get(block, 0) + 1
+        freed = sum(1 for block, refs in returned.items() if self.pool.ref_count(block) == refs)
+        needed = 0
+        for row, (stored, held, new) in enumerate(self._row_growth(q_len, pads, drops)):
+            needed += max(_ceil_div(stored + new, self.block_size) - held, 0)
+            if new and stored % self.block_size and self.pool.ref_count(self.tables[row][-1]) > 1:
+                needed += 1  # copy-on-write of a shared, partly filled last block
+        return needed, freed
+
+    def _drops(self, keep_past: bool | None = None) -> list[int]:
+        """Leading blocks per row that lie wholly before the next step's window (sliding groups only)."""
+        keep_past = self.record_past if keep_past is None else keep_past
+        if self.sliding_window is None or keep_past or self.length == 0:
+            return [0] * len(self.tables)
+        keep_from = self.read_offset(self.length)
+        return [max(keep_from - base, 0) // self.block_size for base in self.base]
+
+    def _drop_front(self, row: int, count: int) -> None:
+        table = self.tables[row]
+        self.pool.free(table[:count])
+        del table[:count]
+        self.base[row] += count * self.block_size
+        self.run_from[row] = max(self.run_from[row] - count, 0)
+
+    def _row_growth(self, q_len: int, pads: list[int], drops: list[int]):
+        """Per row: (stored tokens after drops, blocks held after drops, new stored tokens)."""
+        rows = len(pads) if self.length == 0 else len(self.tables)
+        for row in range(rows):
+            if self.length == 0:
+                yield 0, 0, q_len - pads[row]
+            else:
+                stored = self.stored_tokens(row) - drops[row] * self.block_size
+                yield stored, len(self.tables[row]) - drops[row], q_len
+
+    def apply_step(self, q_len: int, pads: list[int], copy_blocks) -> StepPlan:
+        """Drop, copy-on-write and allocate for a step of `q_len` tokens; the caller checked the free blocks.
+
+        `copy_blocks(src, dst)` copies block contents in every layer of the group (for copy-on-write).
+        """
+        bs = self.block_size
+        start = self.length
+        if start == 0:
+            self.tables = [[] for _ in pads]
+            self.pads = list(pads)
+            self.base = list(pads)
+            self.run_from = [0] * len(pads)
+        drops = self._drops()
+        cow_src, cow_dst = [], []
+        write_slots, write_tokens = [], []
+        for row, ((stored, _held, new), drop) in enumerate(zip(self._row_growth(q_len, pads, drops), drops)):
+            table = self.tables[row]
+            if drop:
+                self._drop_front(row, drop)
+            if new and stored % bs and self.pool.ref_count(table[-1]) > 1:
+                previous = table[-1]
+                (copy,) = self.pool.allocate(1, after=table[-2] if len(table) > 1 else None)
+                self.pool.free([previous])
+                cow_src.append(previous)
+                cow_dst.append(copy)
+                self._set_last(row, copy)
+            extra = _ceil_div(stored + new, bs) - len(table)
+            if extra > 0:
+                fresh = self.pool.allocate(extra, after=table[-1] if table else None)
+                if table and fresh[0] != table[-1] + 1:
+                    self.run_from[row] = len(table)
+                table.extend(fresh)
+            if new:
+                first_token = row * q_len + (q_len - new)
+                write_slots.append(self._slots(table, stored, new))
+                write_tokens.append(torch.arange(first_token, first_token + new))
+        if cow_src:
+            copy_blocks(cow_src, cow_dst)
+        self.length = start + q_len
+        slots = torch.cat(write_slots) if write_slots else torch.empty(0, dtype=torch.long)
+        tokens = torch.cat(write_tokens) if write_tokens else torch.empty(0, dtype=torch.long)
+        all_written = tokens.numel() == q_len * len(self.tables)
+        kv_offset = self.read_offset(start)
+        read_start = [max(kv_offset - base, 0) for base in self.base]
+        read_stop = [self.stored_tokens(row) for row in range(len(self.tables))]
+        self.plan = StepPlan(
+            q_len=q_len,
+            new_len=self.length,
+            kv_offset=kv_offset,
+            write_slots=slots,
+            write_tokens=None if all_written else tokens,
+            read_start=read_start,
+            read_stop=read_stop,
+            new_tokens=[q_len - pads[row] if start == 0 else q_len for row in range(len(self.tables))],
+            run_start=[self._run_start(row, a, b) for row, (a, b) in enumerate(zip(read_start, read_stop))],
+            padding_exact=self.padding_exact,
+            tables=self,
+        )
+        return self.plan
+
+    def _set_last(self, row: int, block: int) -> None:
+        table = self.tables[row]
+        table[-1] = block
+        if len(table) > 1 and block != table[-2] + 1:
+            self.run_from[row] = len(table) - 1
+
+    def _slots(self, table: list[int], first: int, count: int) -> torch.Tensor:
+        stored = torch.arange(first, first + count)
+        blocks = torch.tensor(table, dtype=torch.long)[stored // self.block_size]
+        return blocks * self.block_size + stored % self.block_size
+
+    def _run_start(self, row: int, start: int, stop: int) -> int | None:
+        if stop <= start:
+            return None
+        first = start // self.block_size
+        return self.tables[row][first] if first >= self.run_from[row] else None
+
+    # ------------------------------------------------------------------ reading
+    def table_tensor(self) -> torch.Tensor:
+        """Block tables as one int64 tensor `[rows, max blocks]`, short rows padded with the null block."""
+        width = max((len(table) for table in self.tables), default=0)
+        return torch.tensor([table + [NULL_BLOCK] * (width - len(table)) for table in self.tables], dtype=torch.long)
+
+    def gather_slots(self, kv_offset: int, new_len: int) -> torch.Tensor:
+        """Slot of every logical position in [kv_offset, new_len) per row; unstored ones map to the null slot."""
+        positions = torch.arange(kv_offset, new_len)
+        stored = positions[None, :] - torch.tensor(self.base)[:, None]
+        valid = stored >= 0
+        stored = stored.clamp(min=0)
+        table = self.table_tensor()
+        if table.shape[1] == 0:
+            return torch.zeros(stored.shape, dtype=torch.long)
+        blocks = table.gather(1, (stored // self.block_size).clamp(max=table.shape[1] - 1))
+        slots = blocks * self.block_size + stored % self.block_size
+        return torch.where(valid, slots, NULL_BLOCK * self.block_size)
+
+    # ------------------------------------------------------------------ whole-batch edits
+    def reorder(self, order: list[int]) -> None:
+        """Row i becomes a copy of row order[i] (beam search): shares blocks by reference count."""
+        tables = [list(self.tables[source]) for source in order]
+        self.pool.fork(block for table in tables for block in table)
+        self.pool.free(block for table in self.tables for block in table)
+        self.tables = tables
+        self.pads = [self.pads[source] for source in order]
+        self.base = [self.base[source] for source in order]
+        self.run_from = [self.run_from[source] for source in order]
+        self.plan = None
+
+    def check_crop(self, new_len: int) -> None:
+        """Raise (changing nothing) if cropping to `new_len` would need tokens that were already dropped."""
+        needed_from = self.read_offset(new_len)
+        for row in range(len(self.tables)):
+            if self.base[row] > self.pads[row] and needed_from < self.base[row]:
+                raise RuntimeError(
+                    f"Cannot crop the {self.name} layers to {new_len} tokens: their sliding window already dropped "
+                    f"positions before {self.base[row]}. Call `cache.activate_past_recording()` before generating "
+                    "to keep them until the crop."
+                )
+
+    def crop(self, new_len: int) -> None:
+        """Forget every token at or after logical position `new_len`."""
+        for row, table in enumerate(self.tables):
+            keep = _ceil_div(max(new_len - self.base[row], 0), self.block_size)
+            self.pool.free(table[keep:])
+            del table[keep:]
+            self.run_from[row] = min(self.run_from[row], max(len(table) - 1, 0))
+        self.length = new_len
+        self.plan = None
+        if new_len == 0:
+            self._clear()
+
+    def release(self) -> None:
+        """Return every block to the pool and forget all rows."""
+        self.pool.free(block for table in self.tables for block in table)
+        self._clear()
+
+    def trim_to_window(self) -> None:
+        """Free the blocks a recorded past kept beyond the window (after `crop` in assisted decoding)."""
+        for row, drop in enumerate(self._drops(keep_past=False)):
+            if drop:
+                self._drop_front(row, drop)
+        self.plan = None

@@ -1,0 +1,275 @@
+"""`PagedCache`: a `transformers.Cache` whose attention layers keep K/V in blocks of a preallocated pool."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
+
+from .attention import ATTENTION_NAME
+from .block_pool import BlockPool
+from .block_tables import BlockTables, StepPlan
+from .config import PagedCacheConfig
+from .errors import OutOfBlocksError
+from .layers import PagedLayer, PagedSlidingLayer
+from .memory import SLIDING_TYPES, CacheMetrics
+
+
+class PagedCache(Cache):
+    """A drop-in replacement for `DynamicCache` that stores K/V in fixed-size blocks.
+
+    ```python
+    cache = PagedCache(model.config, block_size=16, max_memory="2GiB")
+    out = model.generate(**inputs, cache=cache, max_new_tokens=64)
+    ```
+
+    Full-attention layers share one set of block tables, sliding-window layers of each window size
+    another; layers the paged store does not own (linear attention, KV-sharing consumers) use
+    transformers' own layer classes. Options are those of `PagedCacheConfig`, given either as keyword
+    arguments or as one `PagedCacheConfig`.
+    """
+
+    def __init__(self, config: PretrainedConfig, options: PagedCacheConfig | None = None, **kwargs: Any):
+        if options is not None and kwargs:
+            raise ValueError("Pass either a `PagedCacheConfig` or keyword options to PagedCache, not both")
+        if options is not None and not isinstance(options, PagedCacheConfig):
+            raise TypeError(f"`options` must be a PagedCacheConfig, got {type(options).__name__}")
+        if options is None:
+            try:
+                options = PagedCacheConfig(**kwargs)
+            except TypeError as error:
+                known = ", ".join(PagedCacheConfig.__dataclass_fields__)
+                raise TypeError(f"{error}; PagedCache options are: {known}") from None
+        if not isinstance(config, PretrainedConfig):
+            raise TypeError(f"PagedCache needs the model's config (`model.config`), got {type(config).__name__}")
+        self.options = options
+        self.model_config = config.get_text_config(decoder=True)
+        self.groups: dict[str, BlockTables] = {}
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(self.model_config)
+        layers = []
+        for layer_type, kwargs_of_layer in zip(layer_types, layer_kwargs):
+            if layer_type == "full_attention":
+                layers.append(PagedLayer(self._group("full_attention", None), options, self))
+            elif layer_type in SLIDING_TYPES:
+                window = kwargs_of_layer["sliding_window"]
+                layers.append(PagedSlidingLayer(self._group(f"sliding_attention[{window}]", window), options, self))
+            else:
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs_of_layer))
+        super().__init__(layers=layers)
+
+    def _group(self, name: str, window: int | None) -> BlockTables:
+        if name not in self.groups:
+            pool = None if self.options.max_memory is not None else BlockPool(self._fixed_pool_size())
+            self.groups[name] = BlockTables(name, pool, self.options.block_size, window)
+        return self.groups[name]
+
+    def _fixed_pool_size(self) -> int:
+        return self.options.num_blocks or self.options.initial_blocks
+
+    @property
+    def paged_layers(self) -> list[PagedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, PagedLayer)]
+
+    # ------------------------------------------------------------------ the write path
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx >= len(self.layers):
+            raise ValueError(
+                f"This PagedCache was built for a model with {len(self.layers)} layers but layer {layer_idx} wrote to "
+                "it: build the cache from the config of the model that uses it (`PagedCache(model.config)`)."
+            )
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, PagedLayer):
+            return layer.update(key_states, value_states, *args, **kwargs)
+        return layer.update(key_states, value_states, kwargs.get("kwargs"))
+
+    def reads_in_place(self) -> bool:
+        """Whether the model runs the `"paged"` attention, which reads K/V from the blocks itself."""
+        return getattr(self.model_config, "_attn_implementation", None) == ATTENTION_NAME
+
+    def begin_step(self, layer: PagedLayer, key_states: torch.Tensor, attention_kwargs: dict | None) -> StepPlan:
+        """The plan of `layer`'s group for this forward; the first layer of a forward plans every group.
+
+        Planning checks the free blocks of every group before it changes any, so running out of blocks
+        leaves the cache exactly as it was.
+        """
+        batch, q_len = key_states.shape[0], key_states.shape[2]
+        tables = layer.tables
+        if tables.plan is not None and layer.seq_len + q_len == tables.length and tables.plan.q_len == q_len:
+            return tables.plan
+        if layer.seq_len != tables.length:
+            raise RuntimeError(
+                f"PagedCache layer holds {layer.seq_len} tokens but its group holds {tables.length}: a forward pass "
+                "was interrupted. Call `cache.reset()` (or `cache.crop(...)`) before using it again."
+            )
+        rows = len(tables.tables)
+        if tables.length > 0 and batch != rows:
+            raise ValueError(
+                f"PagedCache holds {rows} sequences from an earlier generation but received a batch of {batch}: "
+                "call `cache.reset()` before reusing it for a different batch, or build a new PagedCache."
+            )
+        if q_len == 0:
+            raise ValueError("PagedCache.update received no new tokens (query length 0)")
+        self._ensure_pools(key_states)
+        stepping = [group for group in self.groups.values() if group.length == tables.length]
+        pads = [0] * batch
+        if tables.length == 0:
+            pads, exact = _left_padding(attention_kwargs, batch, q_len)
+            for group in stepping:
+                group.padding_exact = exact
+        growth = []
+        for group in stepping:
+            needed, freed = group.blocks_needed(q_len, pads)
+            available = group.pool.num_free + freed
+            if needed > available:
+                if not self.options.growable:
+                    raise OutOfBlocksError(group.name, needed, available, group.pool.num_blocks, tables.block_size)
+                growth.append((group, max(needed - available, group.pool.num_blocks)))
+        for group, extra in growth:
+            group.pool.grow(extra)
+        for group in stepping:
+            group.apply_step(q_len, pads, self._copier(group))
+        return tables.plan
+
+    def _ensure_pools(self, key_states: torch.Tensor) -> None:
+        """Create the pools of a `max_memory` cache once the first K/V reveal bytes per block (heads per
+        rank under tensor parallelism), assuming every paged layer stores K/V of that shape."""
+        if self.options.max_memory is None or all(group.pool is not None for group in self.groups.values()):
+            return
+        element = torch.empty((), dtype=self.options.dtype or key_states.dtype).element_size()
+        heads, head_dim = key_states.shape[1], key_states.shape[-1]
+        per_block = 2 * self.options.block_size * heads * head_dim * element * len(self.paged_layers)
+        num_blocks = self.options.max_memory // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"`max_memory`={self.options.max_memory} bytes cannot hold one block of every layer "
+                f"({per_block} bytes): raise `max_memory` or lower `block_size`."
+            )
+        for group in self.groups.values():
+            group.pool = BlockPool(num_blocks)
+
+    def _copier(self, group: BlockTables):
+        def copy_blocks(sources: list[int], targets: list[int]) -> None:
+            for layer in self.paged_layers:
+                if layer.tables is group:
+                    layer.copy_blocks(sources, targets)
+
+        return copy_blocks
+
+    # ------------------------------------------------------------------ whole-cache edits used by generate()
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i continues beam `beam_idx[i]`. Rows share blocks by reference; no K/V is copied."""
+        self._reorder(beam_idx.tolist())
+        for layer in self.layers:
+            if not isinstance(layer, PagedLayer):
+                layer.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        rows = len(next(iter(self.groups.values())).tables) if self.groups else 0
+        self._reorder([row for row in range(rows) for _ in range(repeats)])
+        for layer in self.layers:
+            if not isinstance(layer, PagedLayer):
+                layer.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._reorder(indices.tolist())
+        for layer in self.layers:
+            if not isinstance(layer, PagedLayer):
+                layer.batch_select_indices(indices)
+
+    def _reorder(self, order: list[int]) -> None:
+        for group in self.groups.values():
+            if group.length > 0:
+                group.reorder(order)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `-tokens_to_remove` tokens (assisted and prompt-lookup decoding roll back this way)."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache instead."
+            )
+        targets = {}
+        for name, group in self.groups.items():
+            if group.length == 0:
+                continue
+            targets[name] = group.length + tokens_to_remove
+            if targets[name] < 0:
+                raise ValueError(f"Cannot crop {-tokens_to_remove} tokens: the cache holds only {group.length}")
+            group.check_crop(targets[name])
+        for name, target in targets.items():
+            self.groups[name].crop(target)
+            self.groups[name].trim_to_window()
+        for layer in self.layers:
+            if isinstance(layer, PagedLayer):
+                layer.seq_len = layer.tables.length
+            else:
+                layer.crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        """Return every block to the pool; storage stays allocated for the next generation."""
+        for group in self.groups.values():
+            group.release()
+        for layer in self.layers:
+            if isinstance(layer, PagedLayer):
+                layer.seq_len = 0
+            else:
+                layer.reset()
+
+    def activate_past_recording(self) -> None:
+        for group in self.groups.values():
+            group.record_past = True
+        super().activate_past_recording()
+
+    # ------------------------------------------------------------------ accounting
+    def metrics(self) -> CacheMetrics:
+        """Blocks, tokens and bytes held right now, per group and in total."""
+        groups = {}
+        for name, group in self.groups.items():
+            layers = [layer for layer in self.paged_layers if layer.tables is group]
+            block_bytes = sum(layer.block_bytes for layer in layers)
+            pool = group.pool
+            tokens = sum(group.stored_tokens(row) for row in range(len(group.tables)))
+            used = pool.num_used * block_bytes if pool else 0
+            ideal = tokens * block_bytes // group.block_size
+            groups[name] = {
+                "layers": len(layers),
+                "blocks_total": pool.num_blocks if pool else 0,
+                "blocks_used": pool.num_used if pool else 0,
+                "blocks_free": pool.num_free if pool else 0,
+                "tokens_stored": tokens,
+                "pool_bytes": sum(layer.storage_bytes for layer in layers),
+                "used_bytes": used,
+                "ideal_bytes": ideal,
+                "waste_bytes": max(used - ideal, 0),
+                "table_bytes": 4 * sum(len(table) for table in group.tables),
+            }
+        total = {key: sum(group[key] for group in groups.values()) for key in next(iter(groups.values()), {})}
+        total.pop("layers", None)
+        return CacheMetrics(block_size=self.options.block_size, groups=groups, **total)
+
+    def __repr__(self) -> str:
+        return f"PagedCache(groups={list(self.groups)}, block_size={self.options.block_size}, layers={len(self.layers)})"
+
+
+def _left_padding(attention_kwargs: dict | None, batch: int, q_len: int) -> tuple[list[int], bool]:
+    """Left-padding tokens per row of a first chunk, and whether that count is exact.
+
+    They are read from the `position_ids` that generate() derives from the attention mask (padding and
+    the first real token all sit at position 0). A chunk whose positions are all 0 keeps its last token
+    (it may be the first real one); models that pass no `position_ids` store their padding like any
+    token. Both stay correct because masks hide stored padding; only the Triton path, which reads no
+    mask, needs the count to be exact.
+    """
+    positions = attention_kwargs.get("position_ids") if attention_kwargs else None
+    if not isinstance(positions, torch.Tensor) or positions.shape[-1] != q_len:
+        return [0] * batch, False
+    if positions.dim() == 3:  # multimodal rope: [sections, batch, q]
+        positions = positions[0]
+    positions = positions.expand(batch, q_len)
+    leading_zeros = (positions == 0).int().cumprod(-1).sum(-1)
+    exact = q_len == 1 or bool((leading_zeros < q_len).all())
+    return (leading_zeros - 1).clamp(min=0).tolist(), exact

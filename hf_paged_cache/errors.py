@@ -1,0 +1,17 @@
+"""Exceptions that are part of the public API."""
+
+from __future__ import annotations
+
+
+class OutOfBlocksError(RuntimeError):
+    """The pool has fewer free blocks than a step needs. Raised before anything changes, so the cache is
+    exactly as it was before the failed call and can be used again (e.g. after `reset()`)."""
+
+    def __init__(self, group: str, needed: int, free: int, total: int, block_size: int):
+        self.group, self.needed, self.free, self.total, self.block_size = group, needed, free, total, block_size
+        super().__init__(
+            f"PagedCache ran out of blocks for its {group} layers: this step needs {needed} blocks but only {free} "
+            f"of {total} ({block_size} tokens each) are free. Remedies: give a larger `num_blocks` or `max_memory` "
+            "(or neither, to let the pool grow), generate fewer or shorter sequences, or call `cache.reset()` to "
+            "return every block before a new generation."
+        )

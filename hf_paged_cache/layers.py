@@ -1,0 +1,212 @@
+"""Cache layers whose keys and values live in blocks: one class per layer behaviour, as in transformers.
+
+A layer owns its storage (`key_blocks` / `value_blocks`, `[blocks + 1, block_size, kv_heads, head_dim]`,
+block 0 being the all-zero null block) and shares block tables with the other layers of its group.
+It writes a step's new tokens into their slots and either returns the K/V gathered through the block
+tables (any attention implementation) or leaves them in place for the `"paged"` attention to read.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .block_tables import BlockTables, StepPlan
+
+if TYPE_CHECKING:
+    from .cache import PagedCache
+    from .config import PagedCacheConfig
+
+PAGED_KV_KWARG = "paged_kv"
+
+
+class PagedKV:
+    """The handle `update()` passes to the `"paged"` attention function in place of gathered K/V."""
+
+    def __init__(self, layer: PagedLayer, plan: StepPlan):
+        self.layer = layer
+        self.plan = plan
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.layer.tables.sliding_window
+
+    def row(self, row: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Row `row`'s readable K and V as `[kv_heads, tokens, head_dim]`, and the logical position of the first."""
+        plan = self.plan
+        first = plan.new_len - (plan.read_stop[row] - plan.read_start[row])
+        view = self.layer.row_view(plan, row)
+        if view is not None:
+            return (*view, first)
+        slots = plan.tensor("read_slots", self.layer.device)[row, first - plan.kv_offset :]
+        return (*self.layer.read_slots(slots), first)
+
+
+class PagedLayer(CacheLayerMixin):
+    """A full-attention layer stored in blocks."""
+
+    is_sliding = False
+    is_croppable = True
+    is_compileable = False
+
+    def __init__(self, tables: BlockTables, options: PagedCacheConfig, owner: PagedCache):
+        super().__init__()
+        self.tables = tables
+        self.options = options
+        self._owner = owner
+        self.seq_len = 0
+        self.key_blocks: torch.Tensor | None = None
+        self.value_blocks: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(group={self.tables.name!r}, tokens={self.seq_len})"
+
+    # ------------------------------------------------------------------ storage
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = self.options.device or key_states.device
+        self.dtype = self.options.dtype or key_states.dtype
+        self.kv_shape = (key_states.shape[1], key_states.shape[-1])
+        self.value_dim = value_states.shape[-1]
+        self.key_blocks = self._allocate(self.kv_shape[1])
+        self.value_blocks = self._allocate(self.value_dim)
+        self.is_initialized = True
+
+    def _allocate(self, head_dim: int, blocks: int | None = None) -> torch.Tensor:
+        blocks = self.tables.pool.num_blocks + 1 if blocks is None else blocks
+        shape = (blocks, self.options.block_size, self.kv_shape[0], head_dim)
+        storage = torch.empty(shape, dtype=self.dtype, device=self.device)
+        storage[0].zero_()  # the null block: what unstored positions (padding) read as
+        return storage
+
+    def _fit_pool(self) -> None:
+        """Grow the storage after the (growable) pool grew; existing blocks keep their ids."""
+        blocks = self.tables.pool.num_blocks + 1
+        if self.key_blocks.shape[0] < blocks:
+            grown_keys, grown_values = self._allocate(self.kv_shape[1], blocks), self._allocate(self.value_dim, blocks)
+            grown_keys[: self.key_blocks.shape[0]] = self.key_blocks
+            grown_values[: self.value_blocks.shape[0]] = self.value_blocks
+            self.key_blocks, self.value_blocks = grown_keys, grown_values
+
+    def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
+        if self.is_initialized:
+            self._fit_pool()
+            src = torch.tensor(sources, device=self.device)
+            dst = torch.tensor(targets, device=self.device)
+            self.key_blocks.index_copy_(0, dst, self.key_blocks.index_select(0, src))
+            self.value_blocks.index_copy_(0, dst, self.value_blocks.index_select(0, src))
+
+    @property
+    def storage_bytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.key_blocks, self.value_blocks))
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block of this layer holds (keys and values)."""
+        if not self.is_initialized:
+            return 0
+        return self.storage_bytes // self.key_blocks.shape[0]
+
+    # ------------------------------------------------------------------ the HF layer contract
+    def get_seq_length(self) -> int:
+        return self.seq_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seq_len + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, attention_kwargs: dict | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the step's new K/V into blocks; return K/V for the attention function.
+
+        With the `"paged"` attention implementation and an attention-kwargs dict, the return value is
+        the new states only and `attention_kwargs["paged_kv"]` tells the attention where the rest is.
+        """
+        heads, head_dim = key_states.shape[1], key_states.shape[-1]
+        if self.is_initialized and (heads, head_dim) != self.kv_shape:
+            raise ValueError(
+                f"This PagedCache layer stores {self.kv_shape[0]} KV heads of size {self.kv_shape[1]} but received "
+                f"{heads} heads of size {head_dim}: the cache was built for a different model. Build a new "
+                "`PagedCache(model.config)` for this model."
+            )
+        plan = self._owner.begin_step(self, key_states, attention_kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._fit_pool()
+        self._write(plan, key_states, value_states)
+        self.seq_len = plan.new_len
+        if attention_kwargs is not None and self._owner.reads_in_place():
+            attention_kwargs[PAGED_KV_KWARG] = PagedKV(self, plan)
+            return key_states, value_states
+        return self._gather(plan)
+
+    def _write(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        slots = plan.tensor("write_slots", self.device)
+        if slots.numel() == 0:
+            return
+        tokens = None if plan.write_tokens is None else plan.tensor("write_tokens", self.device)
+        for states, blocks in ((key_states, self.key_blocks), (value_states, self.value_blocks)):
+            rows = states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[-1])
+            if tokens is not None:
+                rows = rows.index_select(0, tokens.to(rows.device))
+            blocks.view(-1, *blocks.shape[2:]).index_copy_(0, slots, rows.to(device=self.device, dtype=self.dtype))
+
+    # ------------------------------------------------------------------ reading
+    def row_view(self, plan: StepPlan, row: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Row `row`'s readable K/V as views `[kv_heads, tokens, head_dim]` when its blocks are one run."""
+        start_block = plan.run_start[row]
+        if start_block is None:
+            return None
+        bs = self.options.block_size
+        start, stop = plan.read_start[row], plan.read_stop[row]
+        first = start // bs
+        count = -(-stop // bs) - first
+        offset = start - first * bs
+        views = []
+        for blocks in (self.key_blocks, self.value_blocks):
+            flat = blocks[start_block : start_block + count].view(-1, *blocks.shape[2:])
+            views.append(flat[offset : offset + stop - start].transpose(0, 1))
+        return views[0], views[1]
+
+    def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V at the given slots (any shape `S`), as `[*S[:-1], kv_heads, S[-1], head_dim]`."""
+        out = []
+        for blocks in (self.key_blocks, self.value_blocks):
+            gathered = blocks.view(-1, *blocks.shape[2:]).index_select(0, slots.reshape(-1))
+            out.append(gathered.view(*slots.shape, *blocks.shape[2:]).transpose(-3, -2))
+        return out[0], out[1]
+
+    def _gather(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V for logical positions [kv_offset, new_len) of every row; padding reads as zeros."""
+        if len(plan.read_start) == 1 and plan.new_len - plan.kv_offset == plan.read_stop[0] - plan.read_start[0]:
+            view = self.row_view(plan, 0)
+            if view is not None:
+                return view[0].unsqueeze(0), view[1].unsqueeze(0)
+        return self.read_slots(plan.tensor("read_slots", self.device))
+
+
+class PagedSlidingLayer(PagedLayer):
+    """A sliding-window layer stored in blocks: blocks that leave the window go back to the pool.
+
+    Lengths and returned K/V match transformers' `DynamicSlidingWindowLayer` (the previous
+    `window - 1` tokens plus the new ones), so masks built for it apply unchanged.
+    """
+
+    is_sliding = True
+
+    @property
+    def sliding_window(self) -> int:
+        return self.tables.sliding_window
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        kv_offset = self.tables.read_offset(self.seq_len)
+        return self.seq_len - kv_offset + query_length, kv_offset
+
+    def get_max_length(self) -> int:
+        return self.sliding_window

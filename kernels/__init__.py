@@ -1,0 +1,47 @@
+"""Triton kernels of hf_paged_cache, each beside a torch reference with the same signature.
+
+Kernels (CUDA tensors; CPU tensors only under ``TRITON_INTERPRET=1``):
+
+- ``write_kv(k_cache, v_cache, key, value, slot_mapping)`` -- store a step's K/V at their slots.
+- ``paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=0,
+  softcap=0.0, num_splits=None)`` -- one query per row; GQA-aware, split-K for small batches.
+- ``paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_lens, scale,
+  sliding_window=0, softcap=0.0)`` -- several causal queries per row (prefill, chunked prefill,
+  warm-cache extension, speculative verification).
+
+References (any device, plain torch): ``write_kv_ref``, ``paged_decode_attention_ref``,
+``paged_prefill_attention_ref``.
+
+Layout: ``k_cache``/``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` (contiguous,
+fp32/fp16/bf16); ``block_tables`` int32 ``[batch, max_blocks_per_row]``; ``seq_lens`` int32
+``[batch]`` counts each row's stored tokens including this step's; token ``s`` of row ``b`` lives at
+``block_tables[b, s // block_size]``, offset ``s % block_size``.
+
+Names are resolved lazily (PEP 562): importing this package imports neither triton nor a kernel
+module, so the references work without triton, and TRITON_INTERPRET (read by ``@triton.jit`` when a
+kernel module is imported) can still be set by whoever imports a kernel first.
+``python -m hf_paged_cache.kernels.compile_check`` compiles every kernel variant for sm80 / sm90.
+"""
+
+from importlib import import_module
+
+_EXPORTS = {
+    "write_kv": ".cache_write",
+    "paged_decode_attention": ".paged_decode",
+    "paged_prefill_attention": ".paged_prefill",
+    "write_kv_ref": ".reference",
+    "paged_decode_attention_ref": ".reference",
+    "paged_prefill_attention_ref": ".reference",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name], __name__), name)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,280 @@
+"""Paged decode attention: one query per row (its last stored token) over the row's cached keys.
+
+Decode is memory-bound: every KV byte of the context is read once per step. So the work is laid out
+to read each KV head exactly once:
+
+* GQA-aware programs. One program owns a (row, KV head) pair and computes the whole query group of
+  that head at once -- the group is the M dimension of a ``tl.dot``, padded up to 16 rows (the GPU's
+  minimum) with masked rows. K/V tiles are loaded once per group instead of once per query head.
+* Split-K ("flash-decoding"). With few (row, KV head) pairs a single pass leaves most SMs idle, so the
+  context of each row is cut into ``num_splits`` chunks handled by separate programs; each writes a
+  partial (max, sum, unnormalised output) in fp32 and a small reduce kernel merges them.
+  ``choose_num_splits`` is the heuristic; ``num_splits`` overrides it (1 = single pass, which writes
+  the output directly).
+
+Keys visible from the query (stored index ``seq_len - 1``): s < seq_len, and with a sliding window
+``s > seq_len - 1 - sliding_window``. Rows with seq_len 0 produce 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (
+    MIN_DOT,
+    Launch,
+    attend_key_range,
+    block_d,
+    check_paged_kv,
+    dot_dtype,
+    first_visible_key,
+    is_interpreted,
+    last_dim_contiguous,
+    normalize,
+)
+
+# Split-K heuristic knobs (see choose_num_splits).
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 64
+# Used when the device reports no SM count (CPU / interpreter): an H100-class GPU.
+DEFAULT_NUM_SMS = 132
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    out_ptr,
+    part_acc,
+    part_ml,
+    stride_qb,
+    stride_qh,
+    stride_kv_block,
+    stride_kv_tok,
+    stride_kv_head,
+    stride_table,
+    stride_ob,
+    stride_oh,
+    num_kv_heads,
+    scale,
+    softcap,
+    window,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """Grid (batch * num_kv_heads, num_splits). SPLIT=False writes ``out``; SPLIT=True writes partials."""
+    pid = tl.program_id(0)
+    row = pid // num_kv_heads
+    kv_head = pid % num_kv_heads
+    split = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+
+    seq_len = tl.load(seq_lens + row)
+    q_last = seq_len - 1
+    # Whole tiles from the first visible key to the end, shared out evenly between the splits.
+    key_lo = first_visible_key(q_last, window) // BLOCK_N * BLOCK_N
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - key_lo, BLOCK_N), num_splits)
+    lo = key_lo + split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    io_mask = g_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(
+        q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=io_mask, other=0.0
+    ).to(DOT_DTYPE)
+    q_pos = tl.where(g_mask, q_last, -1)
+
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc, m_i, l_i = attend_key_range(
+        acc, m_i, l_i, q, q_pos, lo, hi,
+        k_cache + kv_head * stride_kv_head, v_cache + kv_head * stride_kv_head,
+        block_tables + row * stride_table, stride_kv_block, stride_kv_tok,
+        scale, softcap, window,
+        BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_SOFTCAP, DOT_DTYPE,
+    )  # fmt: skip
+
+    if SPLIT:
+        # Partials are laid out [batch, num_q_heads, num_splits, (HEAD_DIM | 2)].
+        part = (row * num_kv_heads * GROUP + heads) * num_splits + split
+        tl.store(part_acc + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=io_mask)
+        tl.store(part_ml + part * 2, m_i, mask=g_mask)
+        tl.store(part_ml + part * 2 + 1, l_i, mask=g_mask)
+    else:
+        out = normalize(acc, l_i)
+        out_ptrs = out_ptr + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_acc,
+    part_ml,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    num_q_heads,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Grid (batch * num_q_heads,): merge the split partials of one (row, query head)."""
+    pid = tl.program_id(0)
+    row = pid // num_q_heads
+    head = pid % num_q_heads
+    first = pid * num_splits
+
+    m_max = tl.full([], float("-inf"), dtype=tl.float32)
+    for s in range(num_splits):
+        m_max = tl.maximum(m_max, tl.load(part_ml + (first + s) * 2))
+    # All splits empty (seq_len 0): weights exp(-inf - 0) = 0 and the output stays 0.
+    m_shift = tl.where(m_max == float("-inf"), 0.0, m_max)
+
+    offs_d = tl.arange(0, BLOCK_D)[None, :]
+    d_mask = offs_d < HEAD_DIM
+    acc = tl.zeros([1, BLOCK_D], dtype=tl.float32)
+    l_sum = tl.zeros([1], dtype=tl.float32)
+    for s in range(num_splits):
+        w = tl.exp(tl.load(part_ml + (first + s) * 2) - m_shift)
+        l_sum += w * tl.load(part_ml + (first + s) * 2 + 1)
+        acc += w * tl.load(part_acc + (first + s) * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
+    out = normalize(acc, l_sum)
+    out_ptrs = out_ptr + row * stride_ob + head * stride_oh + offs_d
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Flash-decoding heuristic: how many programs share one (row, KV head) context.
+
+    With at least one (row, KV head) program per SM the single pass already fills the GPU: 1.
+    Otherwise aim at about two programs per SM, but give every split at least MIN_KEYS_PER_SPLIT keys
+    of the longest possible context (so the partial writes and the reduce stay cheap next to the KV
+    reads) and never more than MAX_SPLITS. ``max_context`` is an upper bound read from shapes
+    (block-table width x block size) so that choosing needs no device-to-host sync.
+    """
+    programs = batch * num_kv_heads
+    if programs >= num_sms:
+        return 1
+    by_occupancy = triton.cdiv(2 * num_sms, programs)
+    by_length = max_context // MIN_KEYS_PER_SPLIT
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def decode_meta(head_dim: int, block_size: int, group: int, softcap: float, dot_dtype) -> tuple[dict, int, int]:
+    """Constexprs, num_warps and num_stages of the decode kernel (shared by the launcher and compile_check)."""
+    constexprs = dict(
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d(head_dim),
+        GROUP=group,
+        BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)),
+        # 32 keys per tile: a few KiB of K and V in flight per program; tiles are aligned, so with
+        # block_size >= 32 a tile never straddles two cache blocks.
+        BLOCK_N=32 if head_dim <= 128 else MIN_DOT,
+        USE_SOFTCAP=softcap > 0,
+        DOT_DTYPE=dot_dtype,
+    )
+    return constexprs, 4, 2
+
+
+def plan_paged_decode(
+    query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=0, softcap=0.0, num_splits=None
+) -> tuple[torch.Tensor, list[Launch]]:
+    """Validate inputs, allocate the output (and split partials) and describe the launches."""
+    check_paged_kv(k_cache, v_cache)
+    batch, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, kv_head_dim = k_cache.shape
+    if kv_head_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"query {tuple(query.shape)} does not match a cache with {num_kv_heads} KV heads of dim {kv_head_dim}"
+        )
+    query = last_dim_contiguous(query)
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if num_splits is None:
+        props = torch.cuda.get_device_properties(query.device) if query.is_cuda else None
+        num_sms = props.multi_processor_count if props is not None else DEFAULT_NUM_SMS
+        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, num_sms)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if batch == 0:
+        return out, []
+
+    constexprs, num_warps, num_stages = decode_meta(
+        head_dim, block_size, num_q_heads // num_kv_heads, softcap,
+        dot_dtype(k_cache.dtype, is_interpreted(_paged_decode_kernel)),
+    )  # fmt: skip
+    split = num_splits > 1
+    part_acc = query.new_empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32) if split else None
+    part_ml = query.new_empty((batch, num_q_heads, num_splits, 2), dtype=torch.float32) if split else None
+    decode = Launch(
+        _paged_decode_kernel,
+        grid=(batch * num_kv_heads, num_splits),
+        args=dict(
+            q_ptr=query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
+            out_ptr=out, part_acc=part_acc, part_ml=part_ml,
+            stride_qb=query.stride(0), stride_qh=query.stride(1),
+            stride_kv_block=k_cache.stride(0), stride_kv_tok=k_cache.stride(1), stride_kv_head=k_cache.stride(2),
+            stride_table=block_tables.stride(0), stride_ob=out.stride(0), stride_oh=out.stride(1),
+            num_kv_heads=num_kv_heads, scale=float(scale), softcap=float(softcap), window=int(sliding_window),
+        ),
+        constexprs=dict(constexprs, SPLIT=split),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )  # fmt: skip
+    if not split:
+        return out, [decode]
+    reduce = Launch(
+        _reduce_splits_kernel,
+        grid=(batch * num_q_heads,),
+        args=dict(
+            part_acc=part_acc, part_ml=part_ml, out_ptr=out, stride_ob=out.stride(0), stride_oh=out.stride(1),
+            num_q_heads=num_q_heads, num_splits=num_splits,
+        ),
+        constexprs=dict(HEAD_DIM=head_dim, BLOCK_D=constexprs["BLOCK_D"]),
+        num_warps=1 if head_dim <= 128 else 2,
+        num_stages=1,
+    )  # fmt: skip
+    return out, [decode, reduce]
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of each row's last token over its paged K/V.
+
+    query ``[batch, num_q_heads, head_dim]``; k/v_cache ``[num_blocks, block_size, num_kv_heads,
+    head_dim]``; block_tables int32 ``[batch, max_blocks_per_row]``; seq_lens int32 ``[batch]``
+    (stored tokens per row, this step's included). ``sliding_window`` 0 = none; ``softcap`` > 0 applies
+    ``softcap * tanh(logits / softcap)`` after scaling; ``num_splits`` None = heuristic, 1 = single
+    pass. Returns ``[batch, num_q_heads, head_dim]`` in the query's dtype (fp32 accumulation).
+    """
+    out, launches = plan_paged_decode(
+        query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, num_splits
+    )
+    for launch in launches:
+        launch.run()
+    return out

@@ -1,0 +1,107 @@
+"""Torch references for the paged kernels: same signatures, written to be obviously right.
+
+Each reference gathers a row's K/V through its block table into contiguous tensors and runs plain
+attention in fp32 with an explicit boolean mask and softmax. They are slow (a Python loop over rows)
+and exist to define the semantics the Triton kernels are tested against; they are themselves checked
+against ``torch.nn.functional.scaled_dot_product_attention`` on dense K/V in the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_ref(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store token i of ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping[i]``.
+
+    slot = block_id * block_size + offset; a negative slot (padding) is skipped. Writes in place.
+    """
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache[slots // block_size, slots % block_size] = key[keep].to(k_cache.dtype)
+    v_cache[slots // block_size, slots % block_size] = value[keep].to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, length: int) -> torch.Tensor:
+    """Stored tokens 0..length-1 of one row as a contiguous ``[length, num_kv_heads, head_dim]`` tensor."""
+    block_size = cache.shape[1]
+    s = torch.arange(length, device=cache.device)
+    return cache[block_table_row[s // block_size].long(), s % block_size]
+
+
+def attention_ref(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Masked attention of queries ``q [Lq, Hq, D]`` at stored indices ``q_pos [Lq]`` over ``k, v [Lk, Hkv, D]``.
+
+    Key s is visible from query position p iff s <= p and (sliding_window == 0 or s > p - sliding_window).
+    GQA: query head h uses KV head h // (Hq // Hkv). Queries that see no key get 0. Returns fp32.
+    """
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    logits = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap > 0:
+        logits = softcap * torch.tanh(logits / softcap)
+    k_pos = torch.arange(k.shape[0], device=q.device)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window > 0:
+        mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+    probs = torch.where(mask.any(dim=-1, keepdim=True), probs, 0.0)  # all-masked rows: NaN -> 0
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def paged_decode_attention_ref(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Reference for ``paged_decode_attention``; ``num_splits`` is accepted for signature parity and ignored."""
+    out = torch.zeros_like(query)
+    for b, n in enumerate(seq_lens.tolist()):
+        k = gather_kv(k_cache, block_tables[b], n)
+        v = gather_kv(v_cache, block_tables[b], n)
+        q_pos = torch.tensor([n - 1], device=query.device)
+        out[b] = attention_ref(query[b, None], q_pos, k, v, scale, sliding_window, softcap)[0].to(query.dtype)
+    return out
+
+
+def paged_prefill_attention_ref(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Reference for ``paged_prefill_attention``: the last ``query_lens[b]`` positions of row b are its
+    last stored tokens (causal); the leading positions are padding and come out as 0."""
+    q_len = query.shape[1]
+    out = torch.zeros_like(query)
+    for b, (n, ql) in enumerate(zip(seq_lens.tolist(), query_lens.tolist())):
+        k = gather_kv(k_cache, block_tables[b], n)
+        v = gather_kv(v_cache, block_tables[b], n)
+        q_pos = torch.arange(n - ql, n, device=query.device)
+        out[b, q_len - ql :] = attention_ref(query[b, q_len - ql :], q_pos, k, v, scale, sliding_window, softcap).to(
+            query.dtype
+        )
+    return out
