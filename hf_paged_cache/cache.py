@@ -46,6 +46,7 @@ class PagedCache(Cache):
             raise TypeError(f"PagedCache needs the model's config (`model.config`), got {type(config).__name__}")
         self.options = options
         self.model_config = config.get_text_config(decoder=True)
+        self.reads_in_place = False
         self.groups: dict[str, BlockTables] = {}
         layer_types, layer_kwargs = get_layer_types_and_kwargs(self.model_config)
         layers = []
@@ -86,9 +87,6 @@ class PagedCache(Cache):
             return layer.update(key_states, value_states, *args, **kwargs)
         return layer.update(key_states, value_states, kwargs.get("kwargs"))
 
-    def reads_in_place(self) -> bool:
-        """Whether the model runs the `"paged"` attention, which reads K/V from the blocks itself."""
-        return getattr(self.model_config, "_attn_implementation", None) == ATTENTION_NAME
 
     def begin_step(self, layer: PagedLayer, key_states: torch.Tensor, attention_kwargs: dict | None) -> StepPlan:
         """The plan of `layer`'s group for this forward; the first layer of a forward plans every group.
@@ -114,6 +112,8 @@ class PagedCache(Cache):
         if q_len == 0:
             raise ValueError("PagedCache.update received no new tokens (query length 0)")
         self._ensure_pools(key_states)
+        # Whether this forward runs the "paged" attention, which reads K/V from the blocks itself.
+        self.reads_in_place = getattr(self.model_config, "_attn_implementation", None) == ATTENTION_NAME
         stepping = [group for group in self.groups.values() if group.length == tables.length]
         pads = [0] * batch
         if tables.length == 0:

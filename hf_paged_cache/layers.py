@@ -83,7 +83,7 @@ class PagedLayer(CacheLayerMixin):
     def _fit_pool(self) -> None:
         """Grow the storage after the (growable) pool grew; existing blocks keep their ids."""
         blocks = self.tables.pool.num_blocks + 1
-        if self.key_blocks.shape[0] < blocks:
+        if len(self.key_blocks) < blocks:
             grown_keys, grown_values = self._allocate(self.kv_shape[1], blocks), self._allocate(self.value_dim, blocks)
             grown_keys[: self.key_blocks.shape[0]] = self.key_blocks
             grown_values[: self.value_blocks.shape[0]] = self.value_blocks
@@ -141,7 +141,7 @@ class PagedLayer(CacheLayerMixin):
         self._fit_pool()
         self._write(plan, key_states, value_states)
         self.seq_len = plan.new_len
-        if attention_kwargs is not None and self._owner.reads_in_place():
+        if attention_kwargs is not None and self._owner.reads_in_place:
             attention_kwargs[PAGED_KV_KWARG] = PagedKV(self, plan)
             return key_states, value_states
         return self._gather(plan)
@@ -155,7 +155,9 @@ class PagedLayer(CacheLayerMixin):
             rows = states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[-1])
             if tokens is not None:
                 rows = rows.index_select(0, tokens.to(rows.device))
-            blocks.view(-1, *blocks.shape[2:]).index_copy_(0, slots, rows.to(device=self.device, dtype=self.dtype))
+            if rows.dtype != self.dtype or rows.device != self.device:
+                rows = rows.to(device=self.device, dtype=self.dtype)
+            blocks.view(-1, *blocks.shape[2:]).index_copy_(0, slots, rows)
 
     # ------------------------------------------------------------------ reading
     def row_view(self, plan: StepPlan, row: int) -> tuple[torch.Tensor, torch.Tensor] | None:

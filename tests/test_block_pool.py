@@ -1,0 +1,135 @@
+"""Allocator invariants: a hypothesis state machine drives allocate / fork / free / grow against a model."""
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hf_paged_cache.block_pool import NULL_BLOCK, BlockPool
+
+
+class BlockPoolMachine(RuleBasedStateMachine):
+    """The model is a dict block -> expected reference count; the free queue's order is checked too."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = BlockPool(8)
+        self.refs: dict[int, int] = {}
+        self.owned: list[int] = []  # one entry per reference handed out
+
+    @rule(count=st.integers(0, 4), continue_run=st.booleans())
+    def allocate(self, count, continue_run):
+        after = self.owned[-1] if continue_run and self.owned else None
+        continues_run = after is not None and self.pool.is_free(after + 1)
+        if count > self.pool.num_free:
+            with pytest.raises(ValueError):
+                self.pool.allocate(count, after=after)
+            return
+        blocks = self.pool.allocate(count, after=after)
+        assert len(set(blocks)) == count
+        for block in blocks:
+            assert block != NULL_BLOCK and block not in self.refs, "handed out a block that is in use"
+            self.refs[block] = 1
+            self.owned.append(block)
+        if blocks and continues_run:
+            assert blocks[0] == after + 1, "did not continue the run although the next block was free"
+
+    @precondition(lambda self: self.owned)
+    @rule(data=st.data())
+    def fork(self, data):
+        block = data.draw(st.sampled_from(self.owned))
+        self.pool.fork([block])
+        self.refs[block] += 1
+        self.owned.append(block)
+
+    @precondition(lambda self: self.owned)
+    @rule(data=st.data())
+    def free(self, data):
+        block = data.draw(st.sampled_from(self.owned))
+        self.pool.free([block])
+        self.owned.remove(block)
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            del self.refs[block]
+
+    @rule(block=st.integers(0, 20))
+    def free_unowned_is_rejected_and_changes_nothing(self, block):
+        if block in self.refs:
+            return
+        before = (self.pool.num_free, list(self.pool._next), list(self.pool._ref))
+        with pytest.raises(ValueError):
+            self.pool.free([block])
+        assert before == (self.pool.num_free, list(self.pool._next), list(self.pool._ref))
+
+    @rule(block=st.integers(0, 20))
+    def fork_unallocated_is_rejected(self, block):
+        if block not in self.refs:
+            with pytest.raises(ValueError):
+                self.pool.fork([block])
+
+    @precondition(lambda self: self.pool.num_blocks < 32)
+    @rule(extra=st.integers(1, 4))
+    def grow(self, extra):
+        before = self.pool.num_blocks
+        self.pool.grow(extra)
+        assert self.pool.num_blocks == before + extra
+
+    @invariant()
+    def counts_add_up(self):
+        assert self.pool.num_used + self.pool.num_free == self.pool.num_blocks
+        assert self.pool.num_used == len(self.refs)
+
+    @invariant()
+    def ref_counts_match(self):
+        for block in range(1, self.pool.num_blocks + 1):
+            assert self.pool.ref_count(block) == self.refs.get(block, 0)
+            assert self.pool.is_free(block) == (block not in self.refs)
+
+    @invariant()
+    def free_queue_holds_exactly_the_free_blocks(self):
+        queue, node = [], self.pool._next[NULL_BLOCK]
+        while node != NULL_BLOCK:
+            queue.append(node)
+            node = self.pool._next[node]
+            assert len(queue) <= self.pool.num_blocks, "cycle in the free queue"
+        assert sorted(queue) == [b for b in range(1, self.pool.num_blocks + 1) if b not in self.refs]
+
+
+TestBlockPoolMachine = BlockPoolMachine.TestCase
+TestBlockPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_freed_blocks_go_to_the_tail_in_order():
+    pool = BlockPool(4)
+    first = pool.allocate(4)
+    assert first == [1, 2, 3, 4]
+    pool.free([3])
+    pool.free([1])
+    assert pool.allocate(2) == [3, 1]
+
+
+def test_allocation_continues_a_run_when_the_next_block_is_free():
+    pool = BlockPool(8)
+    a = pool.allocate(2)  # 1, 2
+    b = pool.allocate(2)  # 3, 4
+    pool.free(b)
+    assert pool.allocate(2, after=a[-1]) == [3, 4]
+    assert pool.allocate(1, after=a[-1]) == [5]  # 3 is taken, so the head of the queue
+
+
+def test_shared_block_returns_to_the_pool_only_with_its_last_reference():
+    pool = BlockPool(2)
+    (block,) = pool.allocate(1)
+    pool.fork([block])
+    pool.free([block])
+    assert not pool.is_free(block) and pool.num_free == 1
+    pool.free([block])
+    assert pool.is_free(block) and pool.num_free == 2
+
+
+def test_allocate_more_than_free_changes_nothing():
+    pool = BlockPool(3)
+    pool.allocate(2)
+    with pytest.raises(ValueError, match="only 1 are free"):
+        pool.allocate(2)
+    assert pool.num_free == 1

@@ -1,0 +1,185 @@
+"""PagedCache behaviour beyond exactness: pool sizing, errors that leave the cache unchanged, metrics,
+sliding windows returning blocks, sharing on reorder."""
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from hf_paged_cache import OutOfBlocksError, PagedCache, estimate_kv_bytes, kv_bytes_per_token
+
+
+def tiny_llama(layers=2, kv_heads=2):
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=kv_heads, pad_token_id=0,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_mistral(window=8):
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=window, pad_token_id=0,
+    )  # fmt: skip
+    return MistralForCausalLM(config).eval()
+
+
+def forward(model, cache, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, cache=cache, use_cache=True).logits
+
+
+def snapshot(cache: PagedCache):
+    metrics = cache.metrics().as_dict()
+    groups = {name: (g.length, [list(t) for t in g.tables], list(g.base)) for name, g in cache.groups.items()}
+    return metrics, groups, [layer.get_seq_length() for layer in cache.layers]
+
+
+def test_out_of_blocks_raises_names_counts_and_leaves_cache_unchanged():
+    model = tiny_llama()
+    cache = PagedCache(model.config, block_size=4, num_blocks=5)
+    ids = torch.randint(1, 128, (1, 14))
+    forward(model, cache, ids[:, :10])  # 3 blocks
+    before = snapshot(cache)
+    with pytest.raises(OutOfBlocksError) as error:
+        forward(model, cache, torch.randint(1, 128, (1, 12)))  # needs 3 more (10+12=22 -> 6 blocks), 2 free
+    assert isinstance(error.value, RuntimeError)
+    message = str(error.value)
+    assert "needs 3 blocks" in message and "only 2 of 5" in message and "num_blocks" in message
+    assert snapshot(cache) == before
+    # The cache still works and still matches DynamicCache.
+    reference = DynamicCache(config=model.config)
+    forward(model, reference, ids[:, :10])
+    torch.testing.assert_close(forward(model, cache, ids[:, 10:]), forward(model, reference, ids[:, 10:]))
+
+
+def test_growable_pool_doubles_and_keeps_contents():
+    model = tiny_llama()
+    cache = PagedCache(model.config, block_size=4, initial_blocks=2)
+    reference = DynamicCache(config=model.config)
+    ids = torch.randint(1, 128, (2, 30))
+    torch.testing.assert_close(forward(model, cache, ids[:, :20]), forward(model, reference, ids[:, :20]))
+    assert cache.metrics().blocks_total >= 10
+    torch.testing.assert_close(forward(model, cache, ids[:, 20:]), forward(model, reference, ids[:, 20:]))
+
+
+def test_max_memory_sets_blocks_from_the_first_key_values():
+    model = tiny_llama(layers=2, kv_heads=2)
+    per_block = 2 * 8 * 2 * 16 * 4 * 2  # K+V, block 8, 2 heads, head dim 16, fp32, 2 layers
+    cache = PagedCache(model.config, block_size=8, max_memory=per_block * 10 + 5)
+    forward(model, cache, torch.randint(1, 128, (1, 5)))
+    assert cache.metrics().blocks_total == 10
+    assert cache.metrics().pool_bytes == per_block * 11  # plus the null block of each layer
+
+
+def test_max_memory_too_small_is_a_clear_error():
+    model = tiny_llama()
+    cache = PagedCache(model.config, max_memory=100)
+    with pytest.raises(ValueError, match="max_memory"):
+        forward(model, cache, torch.randint(1, 128, (1, 5)))
+
+
+def test_cache_of_another_model_fails_clearly():
+    small, large = tiny_llama(layers=2), tiny_llama(layers=3)
+    with pytest.raises(ValueError, match="2 layers"):
+        forward(large, PagedCache(small.config), torch.randint(1, 128, (1, 4)))
+    mqa = tiny_llama(layers=2, kv_heads=1)
+    cache = PagedCache(small.config)
+    forward(small, cache, torch.randint(1, 128, (1, 4)))
+    cache.reset()
+    with pytest.raises(ValueError, match="different model"):
+        forward(mqa, cache, torch.randint(1, 128, (1, 4)))
+
+
+def test_unknown_option_lists_the_options():
+    model = tiny_llama()
+    with pytest.raises(TypeError, match="block_size"):
+        PagedCache(model.config, blocksize=16)
+
+
+def test_batch_change_without_reset_is_an_error_and_reset_returns_every_block():
+    model = tiny_llama()
+    cache = PagedCache(model.config, block_size=4)
+    forward(model, cache, torch.randint(1, 128, (2, 9)))
+    with pytest.raises(ValueError, match="reset"):
+        forward(model, cache, torch.randint(1, 128, (3, 1)))
+    cache.reset()
+    assert cache.metrics().blocks_used == 0 and cache.get_seq_length() == 0
+    forward(model, cache, torch.randint(1, 128, (3, 5)))
+    assert cache.metrics().blocks_used == 3 * 2
+
+
+def test_waste_is_at_most_one_partial_block_per_row_and_matches_the_estimate():
+    model = tiny_llama()
+    cache = PagedCache(model.config, block_size=16)
+    forward(model, cache, torch.randint(1, 128, (3, 37)))
+    metrics = cache.metrics()
+    per_token = kv_bytes_per_token(model.config, torch.float32)
+    assert metrics.tokens_stored == 3 * 37
+    assert metrics.ideal_bytes == 3 * 37 * per_token
+    assert metrics.waste_bytes <= 3 * 16 * per_token
+    assert metrics.used_bytes == estimate_kv_bytes(model.config, 3, 37, 16, torch.float32)
+    assert metrics.table_bytes == 4 * 3 * 3
+
+
+def test_sliding_layers_return_blocks_that_leave_the_window():
+    model = tiny_mistral(window=8)
+    cache = PagedCache(model.config, block_size=4)
+    reference = DynamicCache(config=model.config)
+    ids = torch.randint(1, 128, (1, 40))
+    torch.testing.assert_close(forward(model, cache, ids[:, :12]), forward(model, reference, ids[:, :12]))
+    for step in range(12, 40):
+        torch.testing.assert_close(
+            forward(model, cache, ids[:, step : step + 1]), forward(model, reference, ids[:, step : step + 1])
+        )
+        # the previous window-1 tokens plus the new one, rounded out to blocks: at most 4 blocks of 4
+        assert cache.metrics().blocks_used <= 4
+    assert cache.get_seq_length() == 40
+
+
+def test_crop_beyond_a_dropped_window_raises_and_changes_nothing():
+    model = tiny_mistral(window=8)
+    cache = PagedCache(model.config, block_size=4)
+    forward(model, cache, torch.randint(1, 128, (1, 30)))
+    forward(model, cache, torch.randint(1, 128, (1, 1)))
+    before = snapshot(cache)
+    with pytest.raises(RuntimeError, match="activate_past_recording"):
+        cache.crop(-10)
+    assert snapshot(cache) == before
+    with pytest.raises(ValueError, match="negative"):
+        cache.crop(3)
+
+
+def test_crop_with_recorded_past_is_exact():
+    model = tiny_mistral(window=8)
+    ids = torch.randint(1, 128, (1, 30))
+    cache, reference = PagedCache(model.config, block_size=4), DynamicCache(config=model.config)
+    cache.activate_past_recording()
+    reference.activate_past_recording()
+    for c in (cache, reference):
+        forward(model, c, ids[:, :20])
+        forward(model, c, ids[:, 20:25])
+        c.crop(-3)
+    assert cache.get_seq_length() == reference.get_seq_length() == 22
+    torch.testing.assert_close(forward(model, cache, ids[:, 22:]), forward(model, reference, ids[:, 22:]))
+
+
+def test_reorder_shares_blocks_and_copies_on_write():
+    model = tiny_llama()
+    cache = PagedCache(model.config, block_size=4)
+    reference = DynamicCache(config=model.config)
+    ids = torch.randint(1, 128, (2, 6))
+    for c in (cache, reference):
+        forward(model, c, ids)
+    used = cache.metrics().blocks_used  # 2 rows x 2 blocks
+    beams = torch.tensor([1, 1])
+    cache.reorder_cache(beams)
+    reference.reorder_cache(beams)
+    assert cache.metrics().blocks_used == used // 2  # both rows now point at row 1's blocks
+    step = torch.randint(1, 128, (2, 1))
+    torch.testing.assert_close(forward(model, cache, step), forward(model, reference, step))
+    # Each row wrote into the shared partial block, so one of them got a private copy.
+    group = cache.groups["full_attention"]
+    assert group.tables[0][0] == group.tables[1][0] and group.tables[0][1] != group.tables[1][1]
