@@ -3,8 +3,8 @@
 `register_paged_attention()` registers it (and its mask function) with transformers; then
 `from_pretrained(..., attn_implementation="paged")` or `model.set_attn_implementation("paged")`
 selects it. CUDA tensors go to the Triton kernels of `hf_paged_cache.kernels`; everything else runs
-the torch path below, which reads each row's blocks as a view when they form one contiguous run (no
-copy of the history per step) and gathers them otherwise.
+the torch path below, which reads a single row's blocks as a view when they form one contiguous run
+(no copy of the history per step) and gathers them through the block tables otherwise.
 """
 
 from __future__ import annotations
@@ -54,17 +54,8 @@ def paged_attention_forward(
     elif query.is_cuda and (attention_mask is None or paged_kv.plan.padding_exact):
         return _kernel_attention(query, paged_kv, scale, softcap), None
     else:
-        out = torch.cat([_attend_row(query, paged_kv, row, attention_mask, scale, softcap) for row in range(len(query))])
+        out = attend(query, *paged_kv.gather(), attention_mask, scale, softcap)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _attend_row(query, paged_kv: PagedKV, row: int, attention_mask, scale: float, softcap: float | None):
-    keys, values, first = paged_kv.row(row)
-    mask = None
-    if attention_mask is not None:
-        start = first - paged_kv.plan.kv_offset
-        mask = attention_mask[row : row + 1, :, :, start : start + keys.shape[1]]
-    return attend(query[row : row + 1], keys.unsqueeze(0), values.unsqueeze(0), mask, scale, softcap)
 
 
 def attend(

@@ -33,15 +33,9 @@ class PagedKV:
     def sliding_window(self) -> int | None:
         return self.layer.tables.sliding_window
 
-    def row(self, row: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Row `row`'s readable K and V as `[kv_heads, tokens, head_dim]`, and the logical position of the first."""
-        plan = self.plan
-        first = plan.new_len - (plan.read_stop[row] - plan.read_start[row])
-        view = self.layer.row_view(plan, row)
-        if view is not None:
-            return (*view, first)
-        slots = plan.tensor("read_slots", self.layer.device)[row, first - plan.kv_offset :]
-        return (*self.layer.read_slots(slots), first)
+    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of logical positions [kv_offset, new_len) of every row, `[batch, kv_heads, n, head_dim]`."""
+        return self.layer.gather(self.plan)
 
 
 class PagedLayer(CacheLayerMixin):
@@ -144,7 +138,7 @@ class PagedLayer(CacheLayerMixin):
         if attention_kwargs is not None and self._owner.reads_in_place:
             attention_kwargs[PAGED_KV_KWARG] = PagedKV(self, plan)
             return key_states, value_states
-        return self._gather(plan)
+        return self.gather(plan)
 
     def _write(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         slots = plan.tensor("write_slots", self.device)
@@ -184,8 +178,11 @@ class PagedLayer(CacheLayerMixin):
             out.append(gathered.view(*slots.shape, *blocks.shape[2:]).transpose(-3, -2))
         return out[0], out[1]
 
-    def _gather(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V for logical positions [kv_offset, new_len) of every row; padding reads as zeros."""
+    def gather(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V for logical positions [kv_offset, new_len) of every row; padding reads as zeros.
+
+        A single row whose blocks form one run comes back as a strided view of the storage: no copy.
+        """
         if len(plan.read_start) == 1 and plan.new_len - plan.kv_offset == plan.read_stop[0] - plan.read_start[0]:
             view = self.row_view(plan, 0)
             if view is not None:
