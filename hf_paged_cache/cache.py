@@ -88,7 +88,9 @@ class PagedCache(Cache):
         return layer.update(key_states, value_states, kwargs.get("kwargs"))
 
 
-    def begin_step(self, layer: PagedLayer, key_states: torch.Tensor, attention_kwargs: dict | None) -> StepPlan:
+    def begin_step(
+        self, layer: PagedLayer, key_states: torch.Tensor, value_states: torch.Tensor, attention_kwargs: dict | None
+    ) -> StepPlan:
         """The plan of `layer`'s group for this forward; the first layer of a forward plans every group.
 
         Planning checks the free blocks of every group before it changes any, so running out of blocks
@@ -111,7 +113,7 @@ class PagedCache(Cache):
             )
         if q_len == 0:
             raise ValueError("PagedCache.update received no new tokens (query length 0)")
-        self._ensure_pools(key_states)
+        self._ensure_pools(key_states, value_states)
         # Whether this forward runs the "paged" attention, which reads K/V from the blocks itself.
         self.reads_in_place = getattr(self.model_config, "_attn_implementation", None) == ATTENTION_NAME
         stepping = [group for group in self.groups.values() if group.length == tables.length]
@@ -134,19 +136,20 @@ class PagedCache(Cache):
             group.apply_step(q_len, pads, self._copier(group))
         return tables.plan
 
-    def _ensure_pools(self, key_states: torch.Tensor) -> None:
+    def _ensure_pools(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Create the pools of a `max_memory` cache once the first K/V reveal bytes per block (heads per
-        rank under tensor parallelism), assuming every paged layer stores K/V of that shape."""
+        rank under tensor parallelism), assuming every paged layer stores K/V of that shape. Each
+        layer's storage also holds the null block, so the budget must fit `num_blocks + 1` blocks."""
         if self.options.max_memory is None or all(group.pool is not None for group in self.groups.values()):
             return
         element = torch.empty((), dtype=self.options.dtype or key_states.dtype).element_size()
-        heads, head_dim = key_states.shape[1], key_states.shape[-1]
-        per_block = 2 * self.options.block_size * heads * head_dim * element * len(self.paged_layers)
-        num_blocks = self.options.max_memory // per_block
+        per_token = key_states.shape[1] * (key_states.shape[-1] + value_states.shape[-1]) * element
+        per_block = self.options.block_size * per_token * len(self.paged_layers)
+        num_blocks = self.options.max_memory // per_block - 1
         if num_blocks < 1:
             raise ValueError(
-                f"`max_memory`={self.options.max_memory} bytes cannot hold one block of every layer "
-                f"({per_block} bytes): raise `max_memory` or lower `block_size`."
+                f"`max_memory`={self.options.max_memory} bytes cannot hold two blocks of every layer (one of them "
+                f"the all-zero null block), {2 * per_block} bytes: raise `max_memory` or lower `block_size`."
             )
         for group in self.groups.values():
             group.pool = BlockPool(num_blocks)

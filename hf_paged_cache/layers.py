@@ -129,7 +129,7 @@ class PagedLayer(CacheLayerMixin):
                 f"{heads} heads of size {head_dim}: the cache was built for a different model. Build a new "
                 "`PagedCache(model.config)` for this model."
             )
-        plan = self._owner.begin_step(self, key_states, attention_kwargs)
+        plan = self._owner.begin_step(self, key_states, value_states, attention_kwargs)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._fit_pool()

@@ -1,0 +1,163 @@
+"""Tiny random-weight causal LMs (fp32, eval mode) covering the attention variants a paged cache must handle.
+
+Every builder returns `(model, config)`; `MODELS` lists them with the attention implementation the
+"gather" read path uses for that architecture (Gemma-2's logit soft-capping needs "eager"). Weights
+are drawn with a fixed seed and a wide `initializer_range`, so logits are peaked enough that greedy
+choices are not near-ties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import transformers
+from transformers import PretrainedConfig, PreTrainedModel
+
+VOCAB = 128
+HIDDEN = 64
+PAD_ID = 0
+BOS_ID = 1
+INIT_RANGE = 0.1
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    name: str
+    build: Callable[[], tuple[PreTrainedModel, PretrainedConfig]]
+    gather_impl: str = "sdpa"  # attention implementation of the "gather" read path (and of the reference)
+    sliding_window: int | None = None  # smallest sliding window of the model, if any
+    passes_position_ids: bool = True  # attention layers receive `position_ids` (left padding is not stored)
+    passes_attention_kwargs: bool = True  # calls `cache.update(..., kwargs=...)`; if not, "paged" falls back to gather
+
+
+def _make(model_class, config: PretrainedConfig, seed: int = 0) -> tuple[PreTrainedModel, PretrainedConfig]:
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    # Generation is not stopped at EOS, so every row has the same length and second generate() calls
+    # continue from rows of equal shape.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = PAD_ID
+    return model, config
+
+
+def _common(**overrides) -> dict:
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=2,
+        initializer_range=INIT_RANGE,
+        tie_word_embeddings=False,
+    )
+    base.update(overrides)
+    return base
+
+
+def llama_gqa():
+    return _make(transformers.LlamaForCausalLM, transformers.LlamaConfig(**_common()))
+
+
+def llama_mqa():
+    return _make(transformers.LlamaForCausalLM, transformers.LlamaConfig(**_common(num_key_value_heads=1)))
+
+
+def qwen2_sliding():
+    config = transformers.Qwen2Config(
+        **_common(num_hidden_layers=3),
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )
+    return _make(transformers.Qwen2ForCausalLM, config)
+
+
+def qwen3():
+    return _make(transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**_common(), head_dim=16))
+
+
+def mistral_sliding():
+    return _make(transformers.MistralForCausalLM, transformers.MistralConfig(**_common(), sliding_window=8))
+
+
+def gemma2():
+    config = transformers.Gemma2Config(
+        **_common(num_hidden_layers=4),
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+    )
+    return _make(transformers.Gemma2ForCausalLM, config)
+
+
+def gemma3():
+    config = transformers.Gemma3TextConfig(
+        **_common(num_hidden_layers=4),
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    )
+    return _make(transformers.Gemma3ForCausalLM, config)
+
+
+def phi3():
+    return _make(transformers.Phi3ForCausalLM, transformers.Phi3Config(**_common()))
+
+
+def gpt2():
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=HIDDEN,
+        n_layer=2,
+        n_head=4,
+        n_positions=256,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=2,
+        initializer_range=INIT_RANGE,
+    )
+    return _make(transformers.GPT2LMHeadModel, config)
+
+
+def gpt_neox():
+    config = transformers.GPTNeoXConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=2,
+        initializer_range=INIT_RANGE,
+        tie_word_embeddings=False,
+    )
+    return _make(transformers.GPTNeoXForCausalLM, config)
+
+
+MODELS: list[TinyModel] = [
+    TinyModel("llama_gqa", llama_gqa),
+    TinyModel("llama_mqa", llama_mqa),
+    TinyModel("qwen2_sliding", qwen2_sliding, sliding_window=8),
+    TinyModel("qwen3", qwen3),
+    TinyModel("mistral_sliding", mistral_sliding, sliding_window=8),
+    TinyModel("gemma2", gemma2, gather_impl="eager", sliding_window=8),
+    TinyModel("gemma3", gemma3, sliding_window=8),
+    TinyModel("phi3", phi3),
+    TinyModel("gpt2", gpt2, gather_impl="eager"),
+    TinyModel("gpt_neox", gpt_neox, passes_position_ids=False, passes_attention_kwargs=False),
+]
+MODELS_BY_NAME = {entry.name: entry for entry in MODELS}
