@@ -2,7 +2,8 @@
 
 `register_paged_attention()` registers it (and its mask function) with transformers; then
 `from_pretrained(..., attn_implementation="paged")` or `model.set_attn_implementation("paged")`
-selects it. CUDA tensors go to the Triton kernels of `hf_paged_cache.kernels`; everything else runs
+selects it. CUDA tensors go to the Triton kernels of `hf_paged_cache.kernels` (the cache's `backend`
+option decides); everything else runs
 the torch path below, which reads a single row's blocks as a view when they form one contiguous run
 (no copy of the history per step) and gathers them through the block tables otherwise.
 """
@@ -51,7 +52,7 @@ def paged_attention_forward(
     softcap = kwargs.get("softcap")
     if paged_kv is None:
         out = attend(query, key, value, attention_mask, scale, softcap)
-    elif query.is_cuda and (attention_mask is None or paged_kv.plan.padding_exact):
+    elif paged_kv.uses_kernels and (attention_mask is None or paged_kv.plan.padding_exact):
         return _kernel_attention(query, paged_kv, scale, softcap), None
     else:
         out = attend(query, *paged_kv.gather(), attention_mask, scale, softcap)

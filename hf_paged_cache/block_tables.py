@@ -57,6 +57,11 @@ class StepPlan:
     def _build(self, name: str) -> torch.Tensor:
         if name in ("write_slots", "write_tokens"):
             return getattr(self, name)
+        if name == "slot_mapping":  # every new token's slot, -1 for padding that is not stored
+            slots = torch.full((self.q_len * len(self.read_start),), -1, dtype=torch.long)
+            tokens = slice(None) if self.write_tokens is None else self.write_tokens
+            slots[tokens] = self.write_slots
+            return slots
         if name == "read_slots":
             return self.tables.gather_slots(self.kv_offset, self.new_len)
         if name == "block_tables":

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+BACKENDS = ("auto", "torch", "triton")
+
 _UNITS = {
     "": 1,
     "B": 1,
@@ -62,6 +64,9 @@ class PagedCacheConfig:
         device: storage device; `None` keeps each layer's blocks on the device of its own key/value
             states, so models split over devices with accelerate's `device_map` keep working.
         initial_blocks: blocks a growable pool starts with (ignored for fixed pools).
+        backend: who reads and writes blocks under the `"paged"` attention: `"auto"` runs the Triton
+            kernels on CUDA tensors and torch elsewhere; `"torch"` always torch; `"triton"` always the
+            kernels (on CPU only under `TRITON_INTERPRET=1`, which is how the tests check them).
     """
 
     block_size: int = 16
@@ -70,6 +75,7 @@ class PagedCacheConfig:
     dtype: torch.dtype | None = None
     device: str | torch.device | None = None
     initial_blocks: int = 64
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
@@ -91,6 +97,13 @@ class PagedCacheConfig:
                 raise ValueError(f"`device`={self.device!r} is not a torch device: {error}") from None
         if isinstance(self.initial_blocks, bool) or not isinstance(self.initial_blocks, int) or self.initial_blocks < 1:
             raise ValueError(f"`initial_blocks` must be a positive int, got {self.initial_blocks!r}")
+
+        if self.backend not in BACKENDS:
+            raise ValueError(f"`backend` must be one of {BACKENDS}, got {self.backend!r}")
+
+    def uses_kernels(self, device: torch.device) -> bool:
+        """Whether blocks on `device` are read and written by the Triton kernels."""
+        return self.backend == "triton" or (self.backend == "auto" and device.type == "cuda")
 
     @property
     def growable(self) -> bool:

@@ -33,6 +33,10 @@ class PagedKV:
     def sliding_window(self) -> int | None:
         return self.layer.tables.sliding_window
 
+    @property
+    def uses_kernels(self) -> bool:
+        return self.layer.options.uses_kernels(self.layer.device)
+
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of logical positions [kv_offset, new_len) of every row, `[batch, kv_heads, n, head_dim]`."""
         return self.layer.gather(self.plan)
@@ -141,6 +145,13 @@ class PagedLayer(CacheLayerMixin):
         return self.gather(plan)
 
     def _write(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if self.options.uses_kernels(self.device):
+            from .kernels import write_kv
+
+            tokens = [states.transpose(1, 2).reshape(-1, *states.shape[1:2], states.shape[-1]).to(self.dtype)
+                      for states in (key_states, value_states)]  # fmt: skip
+            write_kv(self.key_blocks, self.value_blocks, *tokens, plan.tensor("slot_mapping", self.device))
+            return
         slots = plan.tensor("write_slots", self.device)
         if slots.numel() == 0:
             return
