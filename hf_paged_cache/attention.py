@@ -113,6 +113,6 @@ def _kernel_attention(query: torch.Tensor, paged_kv: PagedKV, scale: float, soft
         )
         return out.unsqueeze(1)
     return paged_prefill_attention(
-        query.transpose(1, 2).contiguous(), layer.key_blocks, layer.value_blocks, tables, seq_lens,
+        query.transpose(1, 2), layer.key_blocks, layer.value_blocks, tables, seq_lens,
         plan.tensor("query_lens", device), scale, window, softcap,
     )  # fmt: skip

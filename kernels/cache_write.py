@@ -50,7 +50,7 @@ def _write_kv_kernel(
     FORMAT: tl.constexpr,
 ):
     """Grid (num_tokens,)."""
-    tok = tl.program_id(0)
+    tok = tl.program_id(0).to(tl.int64)  # num_tokens x heads x head_dim may exceed 2**31 elements
     slot = tl.load(slot_mapping + tok).to(tl.int64)
     if slot >= 0:
         offs_h = tl.arange(0, BLOCK_H)[:, None]
@@ -88,7 +88,9 @@ def plan_write_kv(k_cache, v_cache, key, value, slot_mapping) -> list[Launch]:
             f"match a cache with {num_kv_heads} KV heads of dim {head_dim}"
         )
     if key.dtype != k_cache.dtype or value.dtype != v_cache.dtype:
-        raise TypeError(f"the plain format stores K/V unchanged: got {key.dtype}/{value.dtype} for a {k_cache.dtype} cache")
+        raise TypeError(
+            f"the plain format stores K/V unchanged: got {key.dtype}/{value.dtype} for a {k_cache.dtype} cache"
+        )
     if key.shape[0] == 0:
         return []
     key, value = last_dim_contiguous(key), last_dim_contiguous(value)

@@ -14,7 +14,9 @@ copy of the constexpr logic to drift.
 Numerics: every loaded value is converted to the *dot dtype* right after the load and every softmax
 statistic is fp32. The dot dtype is the cache's own dtype for fp16/bf16 (tensor-core dots, fp32
 accumulation, probabilities rounded to 16 bits before the P.V product as in FlashAttention) and fp32
-with ``input_precision="ieee"`` for fp32 caches (exact, no tf32). Under the Triton interpreter bf16
+with ``input_precision="ieee"`` for fp32 caches (exact, no tf32; these run on FMA units, so their
+launchers pick smaller tiles to stay spill-free; the precision argument is moot for 16-bit operands).
+Under the Triton interpreter bf16
 arithmetic is wrong (it operates on raw bits), so there bf16 caches use fp32 dots instead; fp16 dots
 are exact in the interpreter and keep the GPU code path under test.
 """
@@ -83,6 +85,31 @@ def check_paged_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     """Kernels take explicit strides for every dim but the last, which must have stride 1."""
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+# Reductions go through tl.reduce with combine functions defined here, not tl.max / tl.sum, and the
+# kernels avoid tl.zeros / tl.cdiv: those are @jit functions of triton's standard library, created
+# when triton is first imported. If that import came before TRITON_INTERPRET=1 was set (importing
+# transformers imports triton), the interpreter cannot call them ("Cannot call @triton.jit'd outside
+# of the scope of a kernel"); functions defined in this package are decorated late enough.
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _add_combine(a, b):
+    return a + b
+
+
+@triton.jit
+def row_max(x):
+    return tl.reduce(x, 1, _max_combine)
+
+
+@triton.jit
+def row_sum(x):
+    return tl.reduce(x, 1, _add_combine)
 
 
 @triton.jit
@@ -166,12 +193,12 @@ def attend_key_range(
             s = softcap_logits(s, softcap)
         s = tl.where(visible(q_pos, k_pos, window), s, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, row_max(s))
         # Rows that have seen no visible key yet keep m = -inf; shift them by 0 so exp() gives 0, not NaN.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_shift)
         p = tl.exp(s - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + row_sum(p)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
         m_i = m_new
     return acc, m_i, l_i

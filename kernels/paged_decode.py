@@ -18,6 +18,8 @@ Keys visible from the query (stored index ``seq_len - 1``): s < seq_len, and wit
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -85,7 +87,8 @@ def _paged_decode_kernel(
     q_last = seq_len - 1
     # Whole tiles from the first visible key to the end, shared out evenly between the splits.
     key_lo = first_visible_key(q_last, window) // BLOCK_N * BLOCK_N
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - key_lo, BLOCK_N), num_splits)
+    num_tiles = (seq_len - key_lo + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = (num_tiles + num_splits - 1) // num_splits
     lo = key_lo + split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
 
@@ -99,9 +102,9 @@ def _paged_decode_kernel(
     ).to(DOT_DTYPE)
     q_pos = tl.where(g_mask, q_last, -1)
 
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    acc = tl.full([BLOCK_G, BLOCK_D], 0.0, dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    l_i = tl.full([BLOCK_G], 0.0, dtype=tl.float32)
     acc, m_i, l_i = attend_key_range(
         acc, m_i, l_i, q, q_pos, lo, hi,
         k_cache + kv_head * stride_kv_head, v_cache + kv_head * stride_kv_head,
@@ -148,8 +151,8 @@ def _reduce_splits_kernel(
 
     offs_d = tl.arange(0, BLOCK_D)[None, :]
     d_mask = offs_d < HEAD_DIM
-    acc = tl.zeros([1, BLOCK_D], dtype=tl.float32)
-    l_sum = tl.zeros([1], dtype=tl.float32)
+    acc = tl.full([1, BLOCK_D], 0.0, dtype=tl.float32)
+    l_sum = tl.full([1], 0.0, dtype=tl.float32)
     for s in range(num_splits):
         w = tl.exp(tl.load(part_ml + (first + s) * 2) - m_shift)
         l_sum += w * tl.load(part_ml + (first + s) * 2 + 1)
@@ -176,6 +179,11 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
+@functools.lru_cache
+def _num_sms(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def decode_meta(head_dim: int, block_size: int, group: int, softcap: float, dot_dtype) -> tuple[dict, int, int]:
     """Constexprs, num_warps and num_stages of the decode kernel (shared by the launcher and compile_check)."""
     constexprs = dict(
@@ -184,9 +192,10 @@ def decode_meta(head_dim: int, block_size: int, group: int, softcap: float, dot_
         BLOCK_D=block_d(head_dim),
         GROUP=group,
         BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)),
-        # 32 keys per tile: a few KiB of K and V in flight per program; tiles are aligned, so with
-        # block_size >= 32 a tile never straddles two cache blocks.
-        BLOCK_N=32 if head_dim <= 128 else MIN_DOT,
+        # Keys per tile. fp32 dots (ieee) run on FMA units and need registers for whole fp32 tiles,
+        # as do 256-wide heads: 16 keys keeps them spill-free. Tiles are aligned, so a tile never
+        # straddles two cache blocks when block_size >= BLOCK_N.
+        BLOCK_N=MIN_DOT if dot_dtype == tl.float32 or head_dim > 128 else 32,
         USE_SOFTCAP=softcap > 0,
         DOT_DTYPE=dot_dtype,
     )
@@ -206,14 +215,13 @@ def plan_paged_decode(
         )
     query = last_dim_contiguous(query)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    if num_splits is None:
-        props = torch.cuda.get_device_properties(query.device) if query.is_cuda else None
-        num_sms = props.multi_processor_count if props is not None else DEFAULT_NUM_SMS
-        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, num_sms)
-    if num_splits < 1:
+    if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if batch == 0:
         return out, []
+    if num_splits is None:
+        num_sms = _num_sms(query.device.index) if query.is_cuda else DEFAULT_NUM_SMS
+        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, num_sms)
 
     constexprs, num_warps, num_stages = decode_meta(
         head_dim, block_size, num_q_heads // num_kv_heads, softcap,

@@ -73,6 +73,9 @@ def _paged_prefill_kernel(
     row = pid // num_kv_heads
     kv_head = pid % num_kv_heads
 
+    # The row offset in int64: batch x q_len x heads x head_dim may exceed 2**31 elements.
+    q_row = q_ptr + row.to(tl.int64) * stride_qb
+    out_row = out_ptr + row.to(tl.int64) * stride_ob
     seq_len = tl.load(seq_lens + row)
     first_real = q_len - tl.load(query_lens + row)  # query position of the row's first real query
     pos_to_stored = seq_len - q_len  # stored index = query position + pos_to_stored
@@ -84,7 +87,7 @@ def _paged_prefill_kernel(
     in_tile = (offs_r < TILE_Q * GROUP) & (pos < q_len)
     real = in_tile & (pos >= first_real)
     q = tl.load(
-        q_ptr + row * stride_qb + pos[:, None] * stride_qm + heads[:, None] * stride_qh + offs_d[None, :],
+        q_row + pos[:, None] * stride_qm + heads[:, None] * stride_qh + offs_d[None, :],
         mask=real[:, None] & (offs_d[None, :] < HEAD_DIM),
         other=0.0,
     ).to(DOT_DTYPE)
@@ -96,9 +99,9 @@ def _paged_prefill_kernel(
     key_lo = first_visible_key(first_pos + pos_to_stored, window) // BLOCK_N * BLOCK_N
     key_hi = tl.where(first_pos <= last_pos, last_pos + pos_to_stored + 1, key_lo)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc, m_i, l_i = attend_key_range(
         acc, m_i, l_i, q, q_pos, key_lo, key_hi,
         k_cache + kv_head * stride_kv_head, v_cache + kv_head * stride_kv_head,
@@ -108,14 +111,17 @@ def _paged_prefill_kernel(
     )  # fmt: skip
 
     out = normalize(acc, l_i)  # padding rows: 0
-    out_ptrs = out_ptr + row * stride_ob + pos[:, None] * stride_om + heads[:, None] * stride_oh + offs_d[None, :]
+    out_ptrs = out_row + pos[:, None] * stride_om + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=in_tile[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
 def prefill_meta(head_dim: int, block_size: int, group: int, softcap: float, dot_dtype) -> tuple[dict, int, int]:
     """Constexprs, num_warps and num_stages of the prefill kernel (shared by the launcher and compile_check)."""
-    rows = 64 if head_dim <= 128 else 32  # query rows per program: the register budget of q and acc
-    block_m = max(rows, MIN_DOT, triton.next_power_of_2(group))
+    # Query rows and keys per tile are bounded by registers (q, acc, K, V and the logits all live
+    # there). fp32 dots (ieee) run on FMA units and hold fp32 operand tiles: smaller tiles, more warps.
+    fma = dot_dtype == tl.float32
+    rows = 32 if fma or head_dim > 128 else 64
+    block_m = max(rows, triton.next_power_of_2(group))
     constexprs = dict(
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
@@ -123,11 +129,11 @@ def prefill_meta(head_dim: int, block_size: int, group: int, softcap: float, dot
         GROUP=group,
         TILE_Q=block_m // group,
         BLOCK_M=block_m,
-        BLOCK_N=32,
+        BLOCK_N=MIN_DOT if fma else 32,
         USE_SOFTCAP=softcap > 0,
         DOT_DTYPE=dot_dtype,
     )
-    return constexprs, 4, 2
+    return constexprs, 8 if fma else 4, 2
 
 
 def plan_paged_prefill(

@@ -1,9 +1,19 @@
-"""Shared pytest setup: the "paged" attention is registered once, and every test starts from a fixed seed."""
+"""Shared pytest setup.
 
-import pytest
+Without a GPU the Triton kernels run under the interpreter; `TRITON_INTERPRET` must be set before
+anything imports triton (transformers does, through `hf_paged_cache`), so it is set first of all.
+"""
+
+import os
+
 import torch
 
-from hf_paged_cache import register_paged_attention
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from hf_paged_cache import register_paged_attention  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)

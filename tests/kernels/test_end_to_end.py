@@ -1,0 +1,64 @@
+"""generate() with the "paged" attention routed through the Triton kernels (the interpreter on CPU)
+gives DynamicCache's tokens: cache writes, prefill, chunked prefill on a warm cache, decode, sliding
+windows and soft-capping all run in the kernels."""
+
+import pytest
+import torch
+from transformers import (
+    DynamicCache,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
+
+from hf_paged_cache import PagedCache, attention
+
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, pad_token_id=0)  # fmt: skip
+
+MODELS = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON)),
+    "mistral-window6": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=6)),
+    "gemma2-softcap": lambda: Gemma2ForCausalLM(
+        Gemma2Config(**COMMON, sliding_window=6, attn_logit_softcapping=20.0, final_logit_softcapping=None)
+    ),
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["prefill", "chunked"])
+@pytest.mark.parametrize("name", MODELS)
+def test_generate_through_kernels_matches_dynamic_cache(name, chunked, monkeypatch):
+    torch.manual_seed(0)
+    model = MODELS[name]().eval()
+    ids = torch.randint(1, 96, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # fewer pads than a chunk, so padding is known exactly and the kernels may read
+    settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                    output_scores=True, return_dict_in_generate=True, eos_token_id=None)  # fmt: skip
+    if chunked:
+        settings["prefill_chunk_size"] = 4
+    model.set_attn_implementation("eager")
+    expected = model.generate(**settings, cache=DynamicCache(config=model.config))
+
+    kernel_calls = []
+    kernel_attention = attention._kernel_attention
+    monkeypatch.setattr(
+        attention, "_kernel_attention", lambda query, *args: kernel_calls.append(query.shape[2]) or kernel_attention(query, *args)
+    )
+    model.set_attn_implementation("paged")
+    actual = model.generate(**settings, cache=PagedCache(model.config, block_size=4, backend="triton"))
+    assert 1 in kernel_calls and any(q > 1 for q in kernel_calls), "decode and prefill kernels were not both used"
+    assert torch.equal(actual.sequences, expected.sequences)
+    for got, want in zip(actual.scores, expected.scores):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
