@@ -52,6 +52,8 @@ def paged_attention_forward(
     softcap = kwargs.get("softcap")
     if paged_kv is None:
         out = attend(query, key, value, attention_mask, scale, softcap)
+    elif paged_kv.layer.is_quantized:  # torch only: decodes the quantized history chunk by chunk
+        out = paged_kv.layer.attend(query, paged_kv.plan, attention_mask, scale, softcap)
     elif paged_kv.uses_kernels and (attention_mask is None or paged_kv.plan.padding_exact):
         return _kernel_attention(query, paged_kv, scale, softcap), None
     else:

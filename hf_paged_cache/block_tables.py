@@ -45,6 +45,10 @@ class StepPlan:
     run_start: list[int | None]  # per row: first block id when the read is one contiguous run, else None
     padding_exact: bool  # every stored token is a real one (no padding was stored)
     tables: BlockTables
+    # Quantized groups only: per row, the sealed (quantized) block ids that precede the full-precision
+    # blocks, and the logical position of slot 0 of the first full-precision block.
+    quantized_tables: list[list[int]] = field(default_factory=list)
+    base: list[int] = field(default_factory=list)
     _memo: dict = field(default_factory=dict, repr=False)
 
     def tensor(self, name: str, device: torch.device) -> torch.Tensor:
@@ -108,9 +112,13 @@ class BlockTables:
             return 0
         return max(length - self.sliding_window + 1, 0)
 
+    def demands(self, q_len: int, pads: list[int]) -> list[tuple[BlockPool, int, int, str]]:
+        """Per pool of the group: (pool, blocks the step allocates, blocks it returns, name for errors)."""
+        return [(self.pool, *self.blocks_needed(q_len, pads), self.name)]
+
     def blocks_needed(self, q_len: int, pads: list[int]) -> tuple[int, int]:
         """(blocks the step must allocate, blocks its drops would return to the free queue)."""
-        drops = self._drops()
+        drops = self._step_drops(q_len)
         returned = {}
         for row, count in enumerate(drops):
             for block in self.tables[row][:count] if self.tables else ():
@@ -122,6 +130,10 @@ class BlockTables:
             if new and stored % self.block_size and self.pool.ref_count(self.tables[row][-1]) > 1:
                 needed += 1  # copy-on-write of a shared, partly filled last block
         return needed, freed
+
+    def _step_drops(self, q_len: int) -> list[int]:
+        """Leading blocks per row that leave the (full-precision) tables at a step of `q_len` tokens."""
+        return self._drops()
 
     def _drops(self, keep_past: bool | None = None) -> list[int]:
         """Leading blocks per row that lie wholly before the next step's window (sliding groups only)."""
@@ -160,7 +172,7 @@ class BlockTables:
             self.pads = list(pads)
             self.base = list(pads)
             self.run_from = [0] * len(pads)
-        drops = self._drops()
+        drops = self._step_drops(q_len)
         cow_src, cow_dst = [], []
         write_slots, write_tokens = [], []
         for row, ((stored, _held, new), drop) in enumerate(zip(self._row_growth(q_len, pads, drops), drops)):
@@ -177,9 +189,10 @@ class BlockTables:
             extra = _ceil_div(stored + new, bs) - len(table)
             if extra > 0:
                 fresh = self.pool.allocate(extra, after=table[-1] if table else None)
-                if table and fresh[0] != table[-1] + 1:
-                    self.run_from[row] = len(table)
                 table.extend(fresh)
+                for index in range(max(len(table) - extra, 1), len(table)):  # the run may break inside `fresh` too
+                    if table[index] != table[index - 1] + 1:
+                        self.run_from[row] = index
             if new:
                 first_token = row * q_len + (q_len - new)
                 write_slots.append(self._slots(table, stored, new))
@@ -256,14 +269,19 @@ class BlockTables:
         self.run_from = [self.run_from[source] for source in order]
         self.plan = None
 
+    def first_stored(self, row: int) -> int:
+        """Logical position of the first token the row still stores."""
+        return self.base[row]
+
     def check_crop(self, new_len: int) -> None:
         """Raise (changing nothing) if cropping to `new_len` would need tokens that were already dropped."""
         needed_from = self.read_offset(new_len)
         for row in range(len(self.tables)):
-            if self.base[row] > self.pads[row] and needed_from < self.base[row]:
+            first = self.first_stored(row)
+            if first > self.pads[row] and needed_from < first:
                 raise RuntimeError(
                     f"Cannot crop the {self.name} layers to {new_len} tokens: their sliding window already dropped "
-                    f"positions before {self.base[row]}. Call `cache.activate_past_recording()` before generating "
+                    f"positions before {first}. Call `cache.activate_past_recording()` before generating "
                     "to keep them until the crop."
                 )
 

@@ -12,9 +12,11 @@ from .attention import ATTENTION_NAME
 from .block_pool import BlockPool
 from .block_tables import BlockTables, StepPlan
 from .config import PagedCacheConfig
+from .quantization import parse_kv_format
 from .errors import OutOfBlocksError
 from .layers import PagedLayer, PagedSlidingLayer
 from .memory import SLIDING_TYPES, CacheMetrics
+from .quantized_layers import QuantizedBlockTables, QuantizedLayer, QuantizedSlidingLayer
 
 
 class PagedCache(Cache):
@@ -49,21 +51,44 @@ class PagedCache(Cache):
         self.reads_in_place = False
         self.groups: dict[str, BlockTables] = {}
         layer_types, layer_kwargs = get_layer_types_and_kwargs(self.model_config)
+        for index, spec in (options.quant_layers or {}).items():
+            if index >= len(layer_types) or (
+                spec is not None and layer_types[index] != "full_attention" and layer_types[index] not in SLIDING_TYPES
+            ):
+                kind = "does not exist" if index >= len(layer_types) else f"is a {layer_types[index]!r} layer"
+                raise ValueError(
+                    f"`quant_layers` names layer {index}, which {kind}: only the attention layers of this model's "
+                    f"{len(layer_types)} layers are stored in blocks and can be quantized"
+                )
         layers = []
-        for layer_type, kwargs_of_layer in zip(layer_types, layer_kwargs):
+        for index, (layer_type, kwargs_of_layer) in enumerate(zip(layer_types, layer_kwargs)):
+            quant = options.layer_quant(index)
             if layer_type == "full_attention":
-                layers.append(PagedLayer(self._group("full_attention", None), options, self))
+                tables = self._group("full_attention", None, quant)
+                layer_class = QuantizedLayer if quant else PagedLayer
+                layers.append(layer_class(tables, options, self))
             elif layer_type in SLIDING_TYPES:
                 window = kwargs_of_layer["sliding_window"]
-                layers.append(PagedSlidingLayer(self._group(f"sliding_attention[{window}]", window), options, self))
+                tables = self._group(f"sliding_attention[{window}]", window, quant)
+                layer_class = QuantizedSlidingLayer if quant else PagedSlidingLayer
+                layers.append(layer_class(tables, options, self))
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs_of_layer))
         super().__init__(layers=layers)
 
-    def _group(self, name: str, window: int | None) -> BlockTables:
+    def _group(self, name: str, window: int | None, quant: str | None = None) -> BlockTables:
+        """The tables of layers of one kind (full, or sliding with one window) and one storage format."""
+        if quant is not None:
+            name = f"{name}/{quant.strip()}"
         if name not in self.groups:
             pool = None if self.options.max_memory is not None else BlockPool(self._fixed_pool_size())
-            self.groups[name] = BlockTables(name, pool, self.options.block_size, window)
+            if quant is None:
+                self.groups[name] = BlockTables(name, pool, self.options.block_size, window)
+            else:
+                self.groups[name] = QuantizedBlockTables(
+                    name, pool, BlockPool(self._fixed_pool_size()), self.options.block_size, window,
+                    parse_kv_format(quant), self.options.residual_length, self._sealer(name),
+                )  # fmt: skip
         return self.groups[name]
 
     def _fixed_pool_size(self) -> int:
@@ -124,14 +149,14 @@ class PagedCache(Cache):
                 group.padding_exact = exact
         growth = []
         for group in stepping:
-            needed, freed = group.blocks_needed(q_len, pads)
-            available = group.pool.num_free + freed
-            if needed > available:
-                if not self.options.growable:
-                    raise OutOfBlocksError(group.name, needed, available, group.pool.num_blocks, tables.block_size)
-                growth.append((group, max(needed - available, group.pool.num_blocks)))
-        for group, extra in growth:
-            group.pool.grow(extra)
+            for pool, needed, freed, name in group.demands(q_len, pads):
+                available = pool.num_free + freed
+                if needed > available:
+                    if not self.options.growable:
+                        raise OutOfBlocksError(name, needed, available, pool.num_blocks, tables.block_size)
+                    growth.append((pool, max(needed - available, pool.num_blocks)))
+        for pool, extra in growth:
+            pool.grow(extra)
         for group in stepping:
             group.apply_step(q_len, pads, self._copier(group))
         return tables.plan
@@ -161,6 +186,14 @@ class PagedCache(Cache):
                     layer.copy_blocks(sources, targets)
 
         return copy_blocks
+
+    def _sealer(self, name: str):
+        def seal(sources: list[int], targets: list[int]) -> None:
+            for layer in self.paged_layers:
+                if layer.tables is self.groups[name]:
+                    layer.seal(sources, targets)
+
+        return seal
 
     # ------------------------------------------------------------------ whole-cache edits used by generate()
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -238,6 +271,22 @@ class PagedCache(Cache):
             tokens = sum(group.stored_tokens(row) for row in range(len(group.tables)))
             used = pool.num_used * block_bytes if pool else 0
             ideal = tokens * block_bytes // group.block_size
+            quantized = {"quantized_blocks_total": 0, "quantized_blocks_used": 0, "quantized_tokens": 0,
+                         "quantized_bytes": 0}  # fmt: skip
+            table_entries = sum(len(table) for table in group.tables)
+            if isinstance(group, QuantizedBlockTables):
+                qblock_bytes = sum(layer.quantized_block_bytes for layer in layers)
+                qtokens = sum(group.quantized_tokens(row) for row in range(len(group.qtables)))
+                quantized = {
+                    "quantized_blocks_total": group.qpool.num_blocks,
+                    "quantized_blocks_used": group.qpool.num_used,
+                    "quantized_tokens": qtokens,
+                    "quantized_bytes": group.qpool.num_used * qblock_bytes,
+                }
+                tokens += qtokens
+                used += quantized["quantized_bytes"]
+                ideal += qtokens * qblock_bytes // group.block_size
+                table_entries += sum(len(table) for table in group.qtables)
             groups[name] = {
                 "layers": len(layers),
                 "blocks_total": pool.num_blocks if pool else 0,
@@ -248,11 +297,17 @@ class PagedCache(Cache):
                 "used_bytes": used,
                 "ideal_bytes": ideal,
                 "waste_bytes": max(used - ideal, 0),
-                "table_bytes": 4 * sum(len(table) for table in group.tables),
+                "table_bytes": 4 * table_entries,
+                **quantized,
             }
         total = {key: sum(group[key] for group in groups.values()) for key in next(iter(groups.values()), {})}
         total.pop("layers", None)
-        return CacheMetrics(block_size=self.options.block_size, groups=groups, **total)
+        quant_error = {
+            index: layer.quant_error()
+            for index, layer in enumerate(self.layers)
+            if isinstance(layer, QuantizedLayer) and layer.error_stats["key"][1]
+        }
+        return CacheMetrics(block_size=self.options.block_size, groups=groups, quant_error=quant_error, **total)
 
     def __repr__(self) -> str:
         return f"PagedCache(groups={list(self.groups)}, block_size={self.options.block_size}, layers={len(self.layers)})"

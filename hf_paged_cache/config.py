@@ -7,9 +7,12 @@ parameter's name instead of deep inside `generate()`.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+
+from .quantization import KVFormat, parse_kv_format
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -67,6 +70,16 @@ class PagedCacheConfig:
         backend: who reads and writes blocks under the `"paged"` attention: `"auto"` runs the Triton
             kernels on CUDA tensors and torch elsewhere; `"torch"` always torch; `"triton"` always the
             kernels (on CPU only under `TRITON_INTERPRET=1`, which is how the tests check them).
+            Quantized layers always run torch (the kernels have no quantized variants yet).
+        quant: KV quantization of every attention layer: None (full precision) or a format spec of
+            `parse_kv_format`: "int8", "int4", "int2", "fp8" / "fp8_e4m3", "fp8_e5m2", "K4V2", "K8V4", ...
+        quant_layers: `{layer index: spec or None}`, overriding `quant` and `full_precision_layers` for
+            those layers.
+        full_precision_layers: keep the first N layers in full precision (unless `quant_layers` says otherwise).
+        residual_length: the most recent R tokens of a quantized layer stay in full precision; a full
+            block is quantized (once, never again) at the first step that starts after it is older than
+            that. 0 quantizes every full block at the next step. Quantized pools are sized by `num_blocks`
+            like the full-precision ones (one pool of each per quantized group), or grow.
     """
 
     block_size: int = 16
@@ -76,6 +89,10 @@ class PagedCacheConfig:
     device: str | torch.device | None = None
     initial_blocks: int = 64
     backend: str = "auto"
+    quant: str | None = None
+    quant_layers: Mapping[int, str | None] | None = None
+    full_precision_layers: int = 0
+    residual_length: int = 128
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
@@ -100,6 +117,50 @@ class PagedCacheConfig:
 
         if self.backend not in BACKENDS:
             raise ValueError(f"`backend` must be one of {BACKENDS}, got {self.backend!r}")
+        self._validate_quantization()
+
+    def _validate_quantization(self) -> None:
+        def check_spec(spec, name: str) -> None:
+            if spec is None:
+                return
+            try:
+                parse_kv_format(spec)
+            except ValueError as error:
+                raise ValueError(f"`{name}`: {error}") from None
+
+        check_spec(self.quant, "quant")
+        if self.quant_layers is not None:
+            if not isinstance(self.quant_layers, Mapping):
+                raise ValueError(f"`quant_layers` must map layer indices to format specs, got {self.quant_layers!r}")
+            for index, spec in self.quant_layers.items():
+                if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+                    raise ValueError(f"`quant_layers` keys must be layer indices (ints >= 0), got {index!r}")
+                check_spec(spec, f"quant_layers[{index}]")
+            object.__setattr__(self, "quant_layers", dict(self.quant_layers))
+        for name in ("full_precision_layers", "residual_length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"`{name}` must be an int >= 0, got {value!r}")
+        if self.max_memory is not None and self.quantized:
+            raise ValueError(
+                "`max_memory` cannot be combined with `quant` / `quant_layers` yet (a budget would have to be split "
+                "between quantized and full-precision pools): give `num_blocks`, or neither to let the pools grow"
+            )
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any layer may be quantized."""
+        return self.quant is not None or any(spec is not None for spec in (self.quant_layers or {}).values())
+
+    def layer_quant(self, layer_idx: int) -> str | None:
+        """The format spec of layer `layer_idx` (None: full precision)."""
+        if self.quant_layers is not None and layer_idx in self.quant_layers:
+            return self.quant_layers[layer_idx]
+        return None if layer_idx < self.full_precision_layers else self.quant
+
+    def layer_format(self, layer_idx: int) -> KVFormat | None:
+        spec = self.layer_quant(layer_idx)
+        return None if spec is None else parse_kv_format(spec)
 
     def uses_kernels(self, device: torch.device) -> bool:
         """Whether blocks on `device` are read and written by the Triton kernels."""

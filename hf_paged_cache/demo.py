@@ -11,6 +11,7 @@ import time
 
 import torch
 from transformers import DynamicCache
+from transformers.utils import logging as hf_logging
 from transformers.generation.streamers import BaseStreamer
 
 from . import PagedCache, register_paged_attention
@@ -19,8 +20,8 @@ from .smollm2 import load_smollm2
 DEFAULT_PROMPT = "Explain in a few sentences why a language model keeps a key/value cache while it generates text."
 
 
-class _TokenClock(BaseStreamer):
-    """Records when generate() emits each new token (the first `put` is the prompt)."""
+class TokenClock(BaseStreamer):
+    """A `generate(streamer=...)` that records when each new token comes out (the first `put` is the prompt)."""
 
     def __init__(self):
         self.times: list[float] = []
@@ -34,11 +35,11 @@ class _TokenClock(BaseStreamer):
     def end(self):
         pass
 
-    def decode_tokens_per_s(self) -> float:
-        """Tokens after the first (which comes out of prefill) per second of decoding."""
+    def decode_tokens_per_s(self, batch_size: int = 1) -> float:
+        """Tokens after the first (which comes out of prefill) per second of decoding, over all rows."""
         if len(self.times) < 2:
             return float("nan")
-        return (len(self.times) - 1) / (self.times[-1] - self.times[0])
+        return batch_size * (len(self.times) - 1) / (self.times[-1] - self.times[0])
 
 
 def dynamic_cache_bytes(cache: DynamicCache) -> int:
@@ -52,7 +53,7 @@ def dynamic_cache_bytes(cache: DynamicCache) -> int:
 
 
 def _generate(model, inputs, cache, max_new_tokens: int):
-    clock = _TokenClock()
+    clock = TokenClock()
     with torch.inference_mode():
         out = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False, streamer=clock)
     return out[0, inputs["input_ids"].shape[1] :], clock.decode_tokens_per_s()
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--raw", action="store_true", help="feed the prompt as plain text, without the chat template")
     args = parser.parse_args(argv)
 
+    hf_logging.disable_progress_bar()
     model, tokenizer = load_smollm2()
     if args.raw or not tokenizer.chat_template:
         text = args.prompt
@@ -107,8 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'DynamicCache':<42} {dynamic_bytes:>14,} {dynamic_speed:>13.1f}")
     print(f"{paged_name:<42} {metrics.kv_bytes:>14,} {paged_speed:>13.1f}")
     print(
-        f"\nPagedCache: {metrics.tokens_stored:,} token-layer-group slots stored in {metrics.blocks_used} blocks of "
-        f"{metrics.block_size}; used {metrics.used_bytes:,} B (ideal {metrics.ideal_bytes:,} + partial-block waste "
+        f"\nPagedCache: {metrics.tokens_stored:,} tokens stored in {metrics.blocks_used} blocks of "
+        f"{metrics.block_size} tokens (per layer); used {metrics.used_bytes:,} B (ideal {metrics.ideal_bytes:,} + partial-block waste "
         f"{metrics.waste_bytes:,}) + tables {metrics.table_bytes:,} B; pool allocated {metrics.pool_bytes:,} B "
         f"({metrics.blocks_total} blocks, reusable for the next generation)."
     )

@@ -14,6 +14,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .block_tables import BlockTables, StepPlan
+from .kernels.layout import allocate_kv_blocks
 
 if TYPE_CHECKING:
     from .cache import PagedCache
@@ -35,7 +36,7 @@ class PagedKV:
 
     @property
     def uses_kernels(self) -> bool:
-        return self.layer.options.uses_kernels(self.layer.device)
+        return self.layer.uses_kernels()
 
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of logical positions [kv_offset, new_len) of every row, `[batch, kv_heads, n, head_dim]`."""
@@ -48,6 +49,7 @@ class PagedLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
     is_compileable = False
+    is_quantized = False
 
     def __init__(self, tables: BlockTables, options: PagedCacheConfig, owner: PagedCache):
         super().__init__()
@@ -61,6 +63,10 @@ class PagedLayer(CacheLayerMixin):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(group={self.tables.name!r}, tokens={self.seq_len})"
 
+    def uses_kernels(self) -> bool:
+        """Whether the Triton kernels write and read this layer's blocks."""
+        return self.options.uses_kernels(self.device)
+
     # ------------------------------------------------------------------ storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = self.options.device or key_states.device
@@ -73,8 +79,7 @@ class PagedLayer(CacheLayerMixin):
 
     def _allocate(self, head_dim: int, blocks: int | None = None) -> torch.Tensor:
         blocks = self.tables.pool.num_blocks + 1 if blocks is None else blocks
-        shape = (blocks, self.options.block_size, self.kv_shape[0], head_dim)
-        storage = torch.empty(shape, dtype=self.dtype, device=self.device)
+        storage = allocate_kv_blocks(blocks, self.options.block_size, self.kv_shape[0], head_dim, self.dtype, self.device)
         storage[0].zero_()  # the null block: what unstored positions (padding) read as
         return storage
 
@@ -103,10 +108,10 @@ class PagedLayer(CacheLayerMixin):
 
     @property
     def block_bytes(self) -> int:
-        """Bytes one block of this layer holds (keys and values)."""
+        """Bytes one full-precision block of this layer holds (keys and values)."""
         if not self.is_initialized:
             return 0
-        return self.storage_bytes // self.key_blocks.shape[0]
+        return sum(t[0].numel() * t.element_size() for t in (self.key_blocks, self.value_blocks))
 
     # ------------------------------------------------------------------ the HF layer contract
     def get_seq_length(self) -> int:
@@ -145,7 +150,7 @@ class PagedLayer(CacheLayerMixin):
         return self.gather(plan)
 
     def _write(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        if self.options.uses_kernels(self.device):
+        if self.uses_kernels():
             from .kernels import write_kv
 
             tokens = [states.transpose(1, 2).reshape(-1, *states.shape[1:2], states.shape[-1]).to(self.dtype)

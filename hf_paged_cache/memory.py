@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import PretrainedConfig
@@ -20,6 +21,12 @@ class CacheMetrics:
     - `ideal_bytes`: tokens stored x bytes per token (no partial blocks);
     - `waste_bytes`: `used_bytes - ideal_bytes`, the unfilled tails of partial blocks;
     - `table_bytes`: block-table entries, counted as int32.
+
+    Quantized layers: the byte counts above include their quantized blocks (codes, scales, zero points);
+    `quantized_bytes` is that part alone (`quantized_blocks_used` x bytes of one quantized block of every
+    layer of the group), `quantized_tokens` the tokens it holds, and `quant_error` maps each quantized
+    layer's index to the mean / max relative L2 error of K and V (per token and head, relative to the
+    head's mean token norm in the block), sampled on the first block sealed at each step.
     """
 
     block_size: int
@@ -33,6 +40,11 @@ class CacheMetrics:
     waste_bytes: int
     table_bytes: int
     groups: dict[str, dict[str, int]]
+    quantized_blocks_total: int = 0
+    quantized_blocks_used: int = 0
+    quantized_tokens: int = 0
+    quantized_bytes: int = 0
+    quant_error: dict[int, dict[str, float]] = field(default_factory=dict)
 
     @property
     def kv_bytes(self) -> int:
@@ -47,7 +59,7 @@ def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype = torch.floa
     """Keys + values of one token over all attention layers of `config`, in bytes."""
     shapes = _attention_layer_shapes(config)
     element = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * heads * head_dim * element for _, heads, head_dim in shapes)
+    return sum(2 * heads * head_dim * element for _, _, heads, head_dim in shapes)
 
 
 def estimate_kv_bytes(
@@ -56,32 +68,50 @@ def estimate_kv_bytes(
     seq_len: int,
     block_size: int = 16,
     dtype: torch.dtype = torch.float16,
+    *,
+    quant: str | None = None,
+    quant_layers: Mapping[int, str | None] | None = None,
+    full_precision_layers: int = 0,
+    residual_length: int = 128,
 ) -> int:
     """Bytes of blocks a `PagedCache` holds for `batch_size` rows of `seq_len` stored tokens (no padding).
 
     Full layers hold every token, rounded up to whole blocks; sliding layers hold at most their window
-    plus the block being filled and the one leaving the window.
+    plus the block being filled and the one leaving the window. With the quantization options of
+    `PagedCacheConfig`, a quantized layer holds its full blocks older than the last `residual_length`
+    tokens quantized (the format's exact bytes per block) and the rest in `dtype`.
     """
+    from .config import PagedCacheConfig  # config imports quantization only; avoid a cycle at import time
+
+    options = PagedCacheConfig(
+        block_size=block_size, quant=quant, quant_layers=quant_layers,
+        full_precision_layers=full_precision_layers, residual_length=residual_length,
+    )  # fmt: skip
     element = torch.empty((), dtype=dtype).element_size()
     total = 0
-    for window, heads, head_dim in _attention_layer_shapes(config):
+    for index, window, heads, head_dim in _attention_layer_shapes(config):
         blocks = -(-seq_len // block_size)
-        if window is not None:
-            blocks = min(blocks, -(-(window + block_size - 1) // block_size) + 1)
-        total += batch_size * blocks * block_size * 2 * heads * head_dim * element
+        held = blocks if window is None else min(blocks, -(-(window + block_size - 1) // block_size) + 1)
+        kv_format = options.layer_format(index)
+        sealed = 0
+        if kv_format is not None:  # the held blocks are the last `held`; the oldest of all may be sealed
+            full_precision = blocks - max((seq_len - residual_length) // block_size, 0)
+            sealed = held - min(held, full_precision)
+            total += batch_size * sealed * kv_format.bytes_per_block(block_size, heads, head_dim)
+        total += batch_size * (held - sealed) * block_size * 2 * heads * head_dim * element
     return total
 
 
-def _attention_layer_shapes(config: PretrainedConfig) -> list[tuple[int | None, int, int]]:
-    """(sliding window or None, KV heads, head dim) of every layer that stores K/V."""
+def _attention_layer_shapes(config: PretrainedConfig) -> list[tuple[int, int | None, int, int]]:
+    """(layer index, sliding window or None, KV heads, head dim) of every layer that stores K/V."""
     text = config.get_text_config(decoder=True)
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     shapes = []
-    for layer_type, kwargs in zip(layer_types, layer_kwargs):
+    for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
         if layer_type == "full_attention":
-            shapes.append((None, heads, head_dim))
+            shapes.append((index, None, heads, head_dim))
         elif layer_type in SLIDING_TYPES:
-            shapes.append((kwargs["sliding_window"], heads, head_dim))
+            shapes.append((index, kwargs["sliding_window"], heads, head_dim))
     return shapes

@@ -12,8 +12,8 @@ Kernels (CUDA tensors; CPU tensors only under ``TRITON_INTERPRET=1``):
 References (any device, plain torch): ``write_kv_ref``, ``paged_decode_attention_ref``,
 ``paged_prefill_attention_ref``.
 
-Layout: ``k_cache``/``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` (contiguous,
-fp32/fp16/bf16); ``block_tables`` int32 ``[batch, max_blocks_per_row]``; ``seq_lens`` int32
+Layout: ``k_cache``/``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` (fp32/fp16/bf16;
+any strides with a contiguous head dim; ``allocate_kv_blocks`` makes the head-major storage the cache uses); ``block_tables`` int32 ``[batch, max_blocks_per_row]``; ``seq_lens`` int32
 ``[batch]`` counts each row's stored tokens including this step's; token ``s`` of row ``b`` lives at
 ``block_tables[b, s // block_size]``, offset ``s % block_size``.
 
@@ -29,6 +29,7 @@ _EXPORTS = {
     "write_kv": ".cache_write",
     "paged_decode_attention": ".paged_decode",
     "paged_prefill_attention": ".paged_prefill",
+    "allocate_kv_blocks": ".layout",
     "write_kv_ref": ".reference",
     "paged_decode_attention_ref": ".reference",
     "paged_prefill_attention_ref": ".reference",

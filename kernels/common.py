@@ -72,14 +72,15 @@ def block_d(head_dim: int) -> int:
 
 
 def check_paged_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """The fixed storage layout: two contiguous ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensors."""
+    """The storage layout: two ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensors with a contiguous
+    head dim (any other strides; the cache allocates them head-major, see ``layout.py``)."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(
             "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim] with one dtype, "
             f"got {tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}"
         )
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must have a contiguous head_dim (stride 1)")
 
 
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

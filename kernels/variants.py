@@ -14,6 +14,7 @@ import torch
 
 from .cache_write import plan_write_kv
 from .common import Launch
+from .layout import allocate_kv_blocks
 from .paged_decode import plan_paged_decode
 from .paged_prefill import plan_paged_prefill
 
@@ -46,8 +47,8 @@ def example_launches(
 ) -> list[tuple[str, Launch]]:
     """(label, launch) for every kernel launch a model with these parameters triggers."""
     q_heads = _NUM_KV_HEADS * group
-    k_cache = torch.zeros(_NUM_BLOCKS, block_size, _NUM_KV_HEADS, head_dim, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
+    k_cache = allocate_kv_blocks(_NUM_BLOCKS, block_size, _NUM_KV_HEADS, head_dim, dtype, fill=0.0)
+    v_cache = allocate_kv_blocks(_NUM_BLOCKS, block_size, _NUM_KV_HEADS, head_dim, dtype, fill=0.0)
     block_tables = torch.zeros(_BATCH, _NUM_BLOCKS // _BATCH, dtype=torch.int32)
     seq_lens = torch.ones(_BATCH, dtype=torch.int32)
     token_kv = torch.zeros(_BATCH, _NUM_KV_HEADS, head_dim, dtype=dtype)

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from tiny_models import MODELS, MODELS_BY_NAME, PAD_ID, VOCAB
+from tiny_models import MODELS, MODELS_BY_NAME, PAD_ID, VOCAB, padded_batch
 from transformers import DynamicCache
 
 from hf_paged_cache import PagedCache
@@ -45,13 +45,7 @@ def _one_thread():
 
 # ---------------------------------------------------------------------------------------------- inputs
 def _padded_batch(pads: tuple[int, ...], length: int = PROMPT_LEN, seed: int = 0):
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(3, VOCAB, (len(pads), length), generator=generator)
-    attention_mask = torch.ones_like(input_ids)
-    for row, pad in enumerate(pads):
-        input_ids[row, :pad] = PAD_ID
-        attention_mask[row, :pad] = 0
-    return input_ids, attention_mask
+    return padded_batch(pads, length, seed)
 
 
 def _lookup_prompt():

