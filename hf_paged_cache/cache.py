@@ -154,7 +154,8 @@ class PagedCache(Cache):
                 if needed > available:
                     if not self.options.growable:
                         raise OutOfBlocksError(name, needed, available, pool.num_blocks, tables.block_size)
-                    growth.append((pool, max(needed - available, pool.num_blocks)))
+                    in_use_after = pool.num_used - freed + needed  # grow to twice that, like a vector
+                    growth.append((pool, 2 * in_use_after - pool.num_blocks))
         for pool, extra in growth:
             pool.grow(extra)
         for group in stepping:

@@ -61,8 +61,9 @@ class PagedCacheConfig:
         num_blocks: fixed pool size, in blocks per layer. Mutually exclusive with `max_memory`.
         max_memory: fixed pool size as bytes for all layers together (`int` or a string like "2GiB");
             converted to blocks when the first key/value states arrive and their shape is known.
-            With neither `num_blocks` nor `max_memory`, the pool starts small and doubles when it runs
-            out, like `DynamicCache` grows; with either, running out raises `OutOfBlocksError`.
+            With neither `num_blocks` nor `max_memory`, the pool starts small and, when it runs out, grows
+            to twice the blocks in use (as a vector grows); with either, running out raises
+            `OutOfBlocksError`.
         dtype: storage dtype; `None` stores in the dtype of the key/value states the model produces.
         device: storage device; `None` keeps each layer's blocks on the device of its own key/value
             states, so models split over devices with accelerate's `device_map` keep working.
