@@ -72,6 +72,9 @@ class PagedCache(Cache):
                 tables = self._group(f"sliding_attention[{window}]", window, quant)
                 layer_class = QuantizedSlidingLayer if quant else PagedSlidingLayer
                 layers.append(layer_class(tables, options, self))
+                # Chunked attention stores like a sliding window but masks by chunk, which only
+                # transformers' mask (the torch path) knows: the kernels mask by window.
+                layers[-1].chunked = layer_type == "chunked_attention"
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs_of_layer))
         super().__init__(layers=layers)

@@ -50,6 +50,7 @@ class PagedLayer(CacheLayerMixin):
     is_croppable = True
     is_compileable = False
     is_quantized = False
+    chunked = False
 
     def __init__(self, tables: BlockTables, options: PagedCacheConfig, owner: PagedCache):
         super().__init__()
@@ -65,7 +66,7 @@ class PagedLayer(CacheLayerMixin):
 
     def uses_kernels(self) -> bool:
         """Whether the Triton kernels write and read this layer's blocks."""
-        return self.options.uses_kernels(self.device)
+        return not self.chunked and self.options.uses_kernels(self.device)
 
     # ------------------------------------------------------------------ storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

@@ -183,3 +183,19 @@ def test_reorder_shares_blocks_and_copies_on_write():
     # Each row wrote into the shared partial block, so one of them got a private copy.
     group = cache.groups["full_attention"]
     assert group.tables[0][0] == group.tables[1][0] and group.tables[0][1] != group.tables[1][1]
+
+
+def test_chunked_attention_layers_never_use_the_kernels():
+    """Chunked layers store like sliding ones but mask by chunk, which the window-masking kernels cannot."""
+    from transformers import Llama4TextConfig
+
+    config = Llama4TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_chunk_size=8,
+        layer_types=["chunked_attention", "full_attention"],
+    )  # fmt: skip
+    cache = PagedCache(config, backend="triton")
+    chunked, full = cache.layers
+    assert chunked.chunked and chunked.is_sliding and chunked.sliding_window == 8
+    full.device = chunked.device = torch.device("cpu")
+    assert not chunked.uses_kernels() and full.uses_kernels()
