@@ -148,7 +148,10 @@ class PagedLayer(CacheLayerMixin):
         if attention_kwargs is not None and self._owner.reads_in_place:
             attention_kwargs[PAGED_KV_KWARG] = PagedKV(self, plan)
             return key_states, value_states
-        return self.gather(plan)
+        keys, values = self.gather(plan)
+        if keys.dtype != key_states.dtype:  # a storage dtype other than the model's (e.g. fp16 for an fp32 model)
+            keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
+        return keys, values
 
     def _write(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if self.uses_kernels():

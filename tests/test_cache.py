@@ -199,3 +199,17 @@ def test_chunked_attention_layers_never_use_the_kernels():
     assert chunked.chunked and chunked.is_sliding and chunked.sliding_window == 8
     full.device = chunked.device = torch.device("cpu")
     assert not chunked.uses_kernels() and full.uses_kernels()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "paged"])
+def test_half_precision_storage_for_a_float32_model(attn):
+    model = tiny_llama()
+    model.set_attn_implementation(attn)
+    ids = torch.randint(1, 128, (2, 12))
+    expected = forward(model, DynamicCache(config=model.config), ids)
+    cache = PagedCache(model.config, dtype=torch.float16)
+    actual = forward(model, cache, ids[:, :8])
+    actual = torch.cat([actual, forward(model, cache, ids[:, 8:])], dim=1)
+    assert cache.layers[0].key_blocks.dtype == torch.float16
+    assert cache.metrics().ideal_bytes == 2 * 12 * kv_bytes_per_token(model.config, torch.float16)
+    torch.testing.assert_close(actual, expected, atol=2e-2, rtol=2e-2)
