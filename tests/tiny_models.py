@@ -132,19 +132,8 @@ def gpt2():
 
 
 def gpt_neox():
-    config = transformers.GPTNeoXConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-        pad_token_id=PAD_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=2,
-        initializer_range=INIT_RANGE,
-        tie_word_embeddings=False,
-    )
+    shared = {key: value for key, value in _common().items() if key != "num_key_value_heads"}  # MHA only
+    config = transformers.GPTNeoXConfig(**shared)
     return _make(transformers.GPTNeoXForCausalLM, config)
 
 
