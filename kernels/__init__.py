@@ -8,9 +8,12 @@ Kernels (CUDA tensors; CPU tensors only under ``TRITON_INTERPRET=1``):
 - ``paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_lens, scale,
   sliding_window=0, softcap=0.0)`` -- several causal queries per row (prefill, chunked prefill,
   warm-cache extension, speculative verification).
+- ``paged_attention_mass(query, k_cache, block_tables, seq_lens, query_lens, scale, sliding_window=0,
+  softcap=0.0, last_queries=None)`` -- per-key attention probability summed over each KV head's query
+  group and the (last ``last_queries``) queries: the score of H2O / TOVA / SnapKV-style eviction.
 
 References (any device, plain torch): ``write_kv_ref``, ``paged_decode_attention_ref``,
-``paged_prefill_attention_ref``.
+``paged_prefill_attention_ref``, ``paged_attention_mass_ref``.
 
 Layout: ``k_cache``/``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` (fp32/fp16/bf16;
 any strides with a contiguous head dim; ``allocate_kv_blocks`` makes the head-major storage the cache uses); ``block_tables`` int32 ``[batch, max_blocks_per_row]``; ``seq_lens`` int32
@@ -29,10 +32,12 @@ _EXPORTS = {
     "write_kv": ".cache_write",
     "paged_decode_attention": ".paged_decode",
     "paged_prefill_attention": ".paged_prefill",
+    "paged_attention_mass": ".attention_mass",
     "allocate_kv_blocks": ".layout",
     "write_kv_ref": ".reference",
     "paged_decode_attention_ref": ".reference",
     "paged_prefill_attention_ref": ".reference",
+    "paged_attention_mass_ref": ".reference",
 }
 
 __all__ = list(_EXPORTS)

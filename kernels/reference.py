@@ -32,6 +32,27 @@ def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, length: int) -
     return cache[block_table_row[s // block_size].long(), s % block_size]
 
 
+def attention_probs_ref(
+    q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, scale: float, sliding_window: int = 0, softcap: float = 0.0
+) -> torch.Tensor:
+    """Softmax probabilities ``[Hq, Lq, Lk]`` (fp32) of queries ``q [Lq, Hq, D]`` at stored indices ``q_pos [Lq]``
+    over keys ``k [Lk, Hkv, D]``.
+
+    Key s is visible from query position p iff s <= p and (sliding_window == 0 or s > p - sliding_window).
+    GQA: query head h uses KV head h // (Hq // Hkv). Queries that see no key get all-zero probabilities.
+    """
+    k = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    logits = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap > 0:
+        logits = softcap * torch.tanh(logits / softcap)
+    k_pos = torch.arange(k.shape[0], device=q.device)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window > 0:
+        mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.where(mask.any(dim=-1, keepdim=True), probs, 0.0)  # all-masked rows: NaN -> 0
+
+
 def attention_ref(
     q: torch.Tensor,
     q_pos: torch.Tensor,
@@ -41,24 +62,9 @@ def attention_ref(
     sliding_window: int = 0,
     softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Masked attention of queries ``q [Lq, Hq, D]`` at stored indices ``q_pos [Lq]`` over ``k, v [Lk, Hkv, D]``.
-
-    Key s is visible from query position p iff s <= p and (sliding_window == 0 or s > p - sliding_window).
-    GQA: query head h uses KV head h // (Hq // Hkv). Queries that see no key get 0. Returns fp32.
-    """
-    group = q.shape[1] // k.shape[1]
-    k = k.float().repeat_interleave(group, dim=1)
-    v = v.float().repeat_interleave(group, dim=1)
-    logits = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
-    if softcap > 0:
-        logits = softcap * torch.tanh(logits / softcap)
-    k_pos = torch.arange(k.shape[0], device=q.device)
-    mask = k_pos[None, :] <= q_pos[:, None]
-    if sliding_window > 0:
-        mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
-    probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
-    probs = torch.where(mask.any(dim=-1, keepdim=True), probs, 0.0)  # all-masked rows: NaN -> 0
-    return torch.einsum("hqk,khd->qhd", probs, v)
+    """Masked attention (see ``attention_probs_ref``) of ``q [Lq, Hq, D]`` over ``k, v [Lk, Hkv, D]``; fp32."""
+    v = v.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return torch.einsum("hqk,khd->qhd", attention_probs_ref(q, q_pos, k, scale, sliding_window, softcap), v)
 
 
 def paged_decode_attention_ref(
@@ -104,4 +110,29 @@ def paged_prefill_attention_ref(
         out[b, q_len - ql :] = attention_ref(query[b, q_len - ql :], q_pos, k, v, scale, sliding_window, softcap).to(
             query.dtype
         )
+    return out
+
+
+def paged_attention_mass_ref(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    last_queries: int | None = None,
+) -> torch.Tensor:
+    """Reference for ``paged_attention_mass``: each row's dense probabilities of its selected queries (the
+    last ``min(query_lens[b], last_queries)`` positions), summed over queries and over each KV head's group."""
+    _, q_len, num_q_heads, _ = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.zeros(len(seq_lens), num_kv_heads, block_tables.shape[1] * block_size, device=query.device)
+    for b, (n, ql) in enumerate(zip(seq_lens.tolist(), query_lens.tolist())):
+        w = ql if last_queries is None else min(ql, last_queries)
+        q_pos = torch.arange(n - w, n, device=query.device)
+        probs = attention_probs_ref(query[b, q_len - w :], q_pos, gather_kv(k_cache, block_tables[b], n), scale,
+                                    sliding_window, softcap)  # fmt: skip
+        out[b, :, :n] = probs.sum(dim=1).view(num_kv_heads, num_q_heads // num_kv_heads, n).sum(dim=1)
     return out
