@@ -90,22 +90,38 @@ _META_DTYPE = torch.float16  # dtype of every scale and zero point
 def pack_codes(codes: Tensor, bits: int) -> Tensor:
     """Pack unsigned `bits`-bit codes (values < 2**bits) along the last dim, 8 // bits codes per uint8.
 
-    Code j of each run of 8 // bits codes lands in bits [j * bits, (j + 1) * bits) of its byte (the
-    first code in the low bits). The last dim must be a multiple of 8 // bits.
+    Planar layout: with n codes packed into m = n * bits / 8 bytes, byte i holds code i + k * m in bits
+    [k * bits, (k + 1) * bits), for k = 0 .. 8 // bits - 1 (the first m codes in the low bits). So
+    unpacking writes each of the 8 // bits slices of the output contiguously (a fast copy on CPU) and a
+    kernel splits a head into 8 // bits contiguous parts instead of de-interleaving registers.
+    The last dim must be a multiple of 8 // bits.
     """
     per_byte = 8 // bits if bits in (1, 2, 4, 8) else 0
     if not per_byte or codes.shape[-1] % per_byte:
         raise ValueError(f"cannot pack {codes.shape[-1]} {bits}-bit codes into whole bytes")
-    grouped = codes.to(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return (grouped << shifts).sum(-1, dtype=torch.uint8)  # the shifted codes share no bits: sum == or
+    planes = codes.to(torch.uint8).unflatten(-1, (per_byte, -1))  # [..., per_byte, m]
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)[:, None]
+    return (planes << shifts).sum(-2, dtype=torch.uint8)  # the shifted codes share no bits: sum == or
 
 
-def unpack_codes(packed: Tensor, bits: int) -> Tensor:
-    """Inverse of `pack_codes`: uint8 `[..., n]` -> uint8 codes `[..., n * 8 // bits]`."""
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return codes.flatten(-2)
+def unpack_codes(packed: Tensor, bits: int, out: Tensor | None = None) -> Tensor:
+    """Inverse of `pack_codes`: uint8 `[..., m]` -> uint8 codes `[..., m * 8 // bits]`, or written into
+    `out` (any dtype and strides, converted in the same pass): one scalar shift and mask per plane."""
+    per_byte, m = 8 // bits, packed.shape[-1]
+    if out is None:
+        out = packed.new_empty((*packed.shape[:-1], m * per_byte))
+    mask = (1 << bits) - 1
+    for k in range(per_byte):
+        out[..., k * m : (k + 1) * m] = (packed >> (k * bits)) & mask if k else packed & mask
+    return out
+
+
+def _head_major_float(codes: Tensor, head_dim: int) -> Tensor:
+    """An uninitialised float32 `[n, block, heads, head_dim]` laid out head-major in memory (a permuted
+    view of `[heads, n, block, head_dim]`), so that each head's decoded tokens are contiguous for the
+    attention matmuls that read them."""
+    n, block, heads = codes.shape[:3]
+    return torch.empty((heads, n, block, head_dim), dtype=torch.float32, device=codes.device).permute(1, 2, 0, 3)
 
 
 def _fp16_up(x: Tensor) -> Tensor:
@@ -233,10 +249,13 @@ class QuantFormat:
             out[name].index_put_(index, value.to(device))
 
     @torch.no_grad()
-    def dequantize(self, fields: dict[str, Tensor], blocks: BlockIds, dtype: torch.dtype = torch.float32) -> Tensor:
-        """Blocks `blocks` of the pool `fields`, decoded: `[len(blocks), block_size, kv_heads, head_dim]`."""
-        device = next(iter(fields.values())).device
-        blocks = _as_ids(blocks, device)
+    def dequantize(
+        self, fields: dict[str, Tensor], blocks: BlockIds | slice, dtype: torch.dtype = torch.float32
+    ) -> Tensor:
+        """Blocks `blocks` (ids, or a slice of consecutive ids) of the pool `fields`, decoded:
+        `[number of blocks, block_size, kv_heads, head_dim]`."""
+        if not isinstance(blocks, slice):  # a slice reads views of the pool; ids gather copies
+            blocks = _as_ids(blocks, next(iter(fields.values())).device)
         return self._decode({name: tensor[blocks] for name, tensor in fields.items()}).to(dtype)
 
     def _encode(self, x: Tensor) -> dict[str, Tensor]:
@@ -273,13 +292,15 @@ class Int8(QuantFormat):
         return {"codes": codes, "scale": scale.squeeze(-1)}
 
     def _decode(self, fields: dict[str, Tensor]) -> Tensor:
-        return fields["codes"].float() * fields["scale"].float().unsqueeze(-1)
+        codes = fields["codes"]
+        out = _head_major_float(codes, codes.shape[-1]).copy_(codes)
+        return out.mul_(fields["scale"].float().unsqueeze(-1))
 
 
 @dataclass(frozen=True)
 class IntN(QuantFormat):
     """Asymmetric `bits`-bit integers (2 or 4), x ~= zero + scale * code, codes packed 8 // bits per uint8
-    along head_dim (`pack_codes`); float16 scale and zero per group. |error| <= scale / 2 per group,
+    along head_dim (planar, see `pack_codes`); float16 scale and zero per group. |error| <= scale / 2 per group,
     scale = (max - zero) / (2**bits - 1) rounded up, zero = group min rounded down to float16.
 
     `axis="token"` (KIVI values): one (scale, zero) per (token, KV head, `group_size` adjacent channels).
@@ -357,12 +378,15 @@ class IntN(QuantFormat):
         return {"codes": pack_codes(codes.flatten(-2), self.bits), "scale": scale.squeeze(-1), "zero": zero.squeeze(-1)}
 
     def _decode(self, fields: dict[str, Tensor]) -> Tensor:
-        codes = unpack_codes(fields["codes"], self.bits)  # [n, block, heads, head_dim]
-        scale, zero = fields["scale"].float().unsqueeze(-1), fields["zero"].float().unsqueeze(-1)
+        packed = fields["codes"]
+        codes = unpack_codes(packed, self.bits, _head_major_float(packed, packed.shape[-1] * 8 // self.bits))
+        scale, zero = fields["scale"], fields["zero"]  # [n, (block,) heads, groups]
         if self.axis == "channel":
             scale, zero = scale.unsqueeze(1), zero.unsqueeze(1)
-        grouped = codes.unflatten(-1, (scale.shape[-2], -1)).float()
-        return (zero + scale * grouped).flatten(-2)
+        if 1 < scale.shape[-1] < codes.shape[-1]:  # several groups: expand the (small) metadata per channel
+            group = codes.shape[-1] // scale.shape[-1]
+            scale, zero = scale.repeat_interleave(group, -1), zero.repeat_interleave(group, -1)
+        return codes.mul_(scale.float()).add_(zero.float())
 
 
 _FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -418,7 +442,8 @@ class FP8(QuantFormat):
     def _decode(self, fields: dict[str, Tensor]) -> Tensor:
         scale = fields["scale"].float()
         scale = scale.unsqueeze(-1) if self.granularity == "token" else scale[:, None, :, None]
-        return fields["codes"].view(self.fp8_dtype).float() * scale
+        codes = fields["codes"].view(self.fp8_dtype)
+        return _head_major_float(codes, codes.shape[-1]).copy_(codes).mul_(scale)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -161,11 +161,18 @@ def test_symmetric_scales_never_clip_and_fp8_uses_the_full_range(fmt, data):
 # ----------------------------------------------------------------------------------------------- codes
 
 
-def test_pack_layout_is_low_bits_first():
+def test_pack_layout_is_planar_low_bits_first():
+    # byte i holds codes i, i + m, ... (m = bytes per row), the first in the low bits
     assert pack_codes(torch.tensor([0xA, 0x5], dtype=torch.uint8), 4).tolist() == [0x5A]
+    assert pack_codes(torch.tensor([1, 2, 3, 0, 3, 3, 3, 3], dtype=torch.uint8), 4).tolist() == [
+        1 | 3 << 4,
+        2 | 3 << 4,
+        3 | 3 << 4,
+        0 | 3 << 4,
+    ]
     assert pack_codes(torch.tensor([1, 2, 3, 0, 3, 3, 3, 3], dtype=torch.uint8), 2).tolist() == [
-        1 | 2 << 2 | 3 << 4 | 0 << 6,
-        0xFF,
+        1 | 3 << 2 | 3 << 4 | 3 << 6,
+        2 | 0 << 2 | 3 << 4 | 3 << 6,
     ]
 
 
@@ -179,8 +186,9 @@ def test_unpack_inverts_pack(bits, codes):
 
 
 def _pack_by_hand(codes: list[int], bits: int) -> list[int]:
-    per_byte = 8 // bits
-    return [sum(codes[i + j] << (bits * j) for j in range(per_byte)) for i in range(0, len(codes), per_byte)]
+    """Planar: byte i holds codes i, i + m, i + 2m, ... (m bytes), the first in the low bits."""
+    m = len(codes) * bits // 8
+    return [sum(codes[i + k * m] << (bits * k) for k in range(8 // bits)) for i in range(m)]
 
 
 @pytest.mark.parametrize("bits", [2, 4])
