@@ -5,18 +5,38 @@ from .block_pool import BlockPool
 from .cache import PagedCache
 from .config import PagedCacheConfig, parse_bytes
 from .errors import OutOfBlocksError
+from .eviction import (
+    H2O,
+    TOVA,
+    EvictionPolicy,
+    KeepRatio,
+    KeyNorm,
+    RandomEviction,
+    SnapKV,
+    StreamingLLM,
+    pyramid_budgets,
+)
 from .memory import CacheMetrics, estimate_kv_bytes, kv_bytes_per_token
 
 __all__ = [
     "ATTENTION_NAME",
     "BlockPool",
     "CacheMetrics",
+    "EvictionPolicy",
+    "H2O",
+    "KeepRatio",
+    "KeyNorm",
     "OutOfBlocksError",
     "PagedCache",
     "PagedCacheConfig",
+    "RandomEviction",
+    "SnapKV",
+    "StreamingLLM",
+    "TOVA",
     "estimate_kv_bytes",
     "kv_bytes_per_token",
     "parse_bytes",
+    "pyramid_budgets",
     "register_paged_attention",
 ]
 

@@ -51,14 +51,19 @@ def paged_attention_forward(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.get("softcap")
     if paged_kv is None:
-        out = attend(query, key, value, attention_mask, scale, softcap)
-    elif paged_kv.layer.is_quantized:  # torch only: decodes the quantized history chunk by chunk
-        out = paged_kv.layer.attend(query, paged_kv.plan, attention_mask, scale, softcap)
+        return attend(query, key, value, attention_mask, scale, softcap).transpose(1, 2).contiguous(), None
+    if paged_kv.layer.is_quantized:  # torch only: decodes the quantized history chunk by chunk
+        out = paged_kv.layer.attend(query, paged_kv.plan, attention_mask, scale, softcap).transpose(1, 2)
     elif paged_kv.uses_kernels and (attention_mask is None or paged_kv.plan.padding_exact):
-        return _kernel_attention(query, paged_kv, scale, softcap), None
+        out = _kernel_attention(query, paged_kv, scale, softcap)
     else:
-        out = attend(query, *paged_kv.gather(), attention_mask, scale, softcap)
-    return out.transpose(1, 2).contiguous(), None
+        out = attend(query, *paged_kv.read(attention_mask, query.shape[2]), scale, softcap).transpose(1, 2)
+    layer = paged_kv.layer
+    if layer.eviction_policy is not None:
+        if layer.eviction_policy.statistic is not None:  # eviction scores: only when a policy asks
+            layer.record_attention(query, attention_mask, scale, softcap, layer.eviction_policy)
+        layer._owner.after_attention(layer, query.shape[2])
+    return out.contiguous(), None
 
 
 def attend(

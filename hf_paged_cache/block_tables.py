@@ -45,10 +45,11 @@ class StepPlan:
     run_start: list[int | None]  # per row: first block id when the read is one contiguous run, else None
     padding_exact: bool  # every stored token is a real one (no padding was stored)
     tables: BlockTables
-    # Quantized groups only: per row, the sealed (quantized) block ids that precede the full-precision
-    # blocks, and the logical position of slot 0 of the first full-precision block.
-    quantized_tables: list[list[int]] = field(default_factory=list)
+    # Per row, the logical position of slot 0 of the first full-precision block (virtual after an
+    # eviction compacted the row: see `BlockTables.compact`).
     base: list[int] = field(default_factory=list)
+    # Quantized groups only: per row, the sealed (quantized) block ids that precede the full-precision blocks.
+    quantized_tables: list[list[int]] = field(default_factory=list)
     _memo: dict = field(default_factory=dict, repr=False)
 
     def tensor(self, name: str, device: torch.device) -> torch.Tensor:
@@ -96,6 +97,9 @@ class BlockTables:
         self.pads: list[int] = []
         self.base: list[int] = []
         self.run_from: list[int] = []
+        # Eviction: per row, the logical positions of the tokens that survived the last compaction (None:
+        # never compacted); tokens stored since then follow contiguously. See `compact`.
+        self.kept_positions: list[torch.Tensor | None] = []
         self.plan = None
 
     @property
@@ -103,7 +107,29 @@ class BlockTables:
         return len(self.tables) if self.length > 0 else None
 
     def stored_tokens(self, row: int) -> int:
+        """Full-precision tokens the row stores."""
         return max(self.length - self.base[row], 0) if self.length > 0 else 0
+
+    def stored_count(self, row: int) -> int:
+        """Every token the row stores (quantized groups add their quantized prefix)."""
+        return self.stored_tokens(row)
+
+    @property
+    def compacted(self) -> bool:
+        """Whether some row lost tokens from the middle (eviction): stored tokens are then no longer the
+        contiguous logical range [base, length), and only readers that go by stored index are exact."""
+        return any(kept is not None for kept in self.kept_positions)
+
+    def stored_positions(self, row: int) -> torch.Tensor:
+        """Logical position of each stored token of the row, in stored order (int64 `[stored_count]`).
+
+        After a compaction `base` is virtual (`length - stored_count`), so that new tokens keep their
+        slots and positions; the true positions of the survivors are remembered in `kept_positions`.
+        """
+        count, kept = self.stored_count(row), self.kept_positions[row] if self.kept_positions else None
+        if kept is None:
+            return torch.arange(self.length - count, self.length)
+        return torch.cat([kept, torch.arange(self.length - (count - len(kept)), self.length)])
 
     # ------------------------------------------------------------------ planning a step
     def read_offset(self, length: int) -> int:
@@ -172,6 +198,7 @@ class BlockTables:
             self.pads = list(pads)
             self.base = list(pads)
             self.run_from = [0] * len(pads)
+            self.kept_positions = [None] * len(pads)
         drops = self._step_drops(q_len)
         cow_src, cow_dst = [], []
         write_slots, write_tokens = [], []
@@ -218,6 +245,7 @@ class BlockTables:
             run_start=[self._run_start(row, a, b) for row, (a, b) in enumerate(zip(read_start, read_stop))],
             padding_exact=self.padding_exact,
             tables=self,
+            base=list(self.base),
         )
         return self.plan
 
@@ -267,6 +295,7 @@ class BlockTables:
         self.pads = [self.pads[source] for source in order]
         self.base = [self.base[source] for source in order]
         self.run_from = [self.run_from[source] for source in order]
+        self.kept_positions = [self.kept_positions[source] for source in order]
         self.plan = None
 
     def first_stored(self, row: int) -> int:
@@ -287,6 +316,9 @@ class BlockTables:
 
     def crop(self, new_len: int) -> None:
         """Forget every token at or after logical position `new_len`."""
+        for row, kept in enumerate(self.kept_positions):
+            if kept is not None and new_len > 0:
+                self._crop_compacted(row, new_len)
         for row, table in enumerate(self.tables):
             keep = _ceil_div(max(new_len - self.base[row], 0), self.block_size)
             self.pool.free(table[keep:])
@@ -296,6 +328,62 @@ class BlockTables:
         self.plan = None
         if new_len == 0:
             self._clear()
+
+    def _crop_compacted(self, row: int, new_len: int) -> None:
+        """Crop a compacted row: its survivors up to `new_len`, by stored index (`base` is virtual)."""
+        positions = self.stored_positions(row)
+        keep = int((positions < new_len).sum())
+        self.kept_positions[row] = positions[: min(keep, len(self.kept_positions[row]))]
+        self.base[row] = new_len - (keep - self.stored_count(row) + self.stored_tokens(row))
+
+    # ------------------------------------------------------------------ eviction
+    def unit_sizes(self, row: int) -> list[int]:
+        """Sizes of the units a row's stored tokens are evicted in, in stored order: single tokens here."""
+        return [1] * self.stored_count(row)
+
+    def check_compact(self, keeps: dict[int, torch.Tensor]) -> None:
+        """Raise (changing nothing) if compacting rows `keeps` needs more fresh blocks than are free:
+        a row's shared (copy-on-write) blocks cannot be written, so its survivors go to fresh ones."""
+        fresh = sum(self._fresh_needed(row, keep) for row, keep in keeps.items())
+        if fresh > self.pool.num_free:
+            from .errors import OutOfBlocksError
+
+            raise OutOfBlocksError(self.name, fresh, self.pool.num_free, self.pool.num_blocks, self.block_size)
+
+    def _fresh_needed(self, row: int, keep_fp: torch.Tensor) -> int:
+        needed = _ceil_div(int(keep_fp.sum()), self.block_size)
+        return sum(1 for block in self.tables[row][:needed] if self.pool.ref_count(block) > 1)
+
+    def compact(self, row: int, keep: torch.Tensor, move_tokens) -> int:
+        """Keep the row's stored tokens where `keep` (bool, stored order) is True; returns tokens evicted.
+
+        Survivors move, in order, to the front of the row's blocks; blocks no longer needed go back to
+        the pool; blocks shared with other rows are not written (fresh ones take their survivors).
+        `move_tokens(src_slots, dst_slots)` moves K/V in every layer of the group (reading all sources
+        before writing any). The logical length is unchanged: `base` becomes virtual.
+        """
+        positions = self.stored_positions(row)
+        self._compact_storage(row, keep, move_tokens)
+        self.kept_positions[row] = positions[keep]
+        self.plan = None
+        return int((~keep).sum())
+
+    def _compact_storage(self, row: int, keep: torch.Tensor, move_tokens) -> None:
+        bs, table = self.block_size, self.tables[row]
+        sources = keep.nonzero().flatten()
+        needed = _ceil_div(len(sources), bs)
+        reusable = [block if self.pool.ref_count(block) == 1 else None for block in table[:needed]]
+        self.pool.free([block for block in table if block not in reusable])
+        targets = [block if block is not None else self.pool.allocate(1)[0] for block in reusable]
+        src = torch.tensor(table, dtype=torch.long)[sources // bs] * bs + sources % bs if len(sources) else sources
+        dst = torch.tensor(targets, dtype=torch.long).repeat_interleave(bs)[: len(sources)] * bs
+        dst = dst + torch.arange(len(sources)) % bs
+        moved = src != dst
+        if bool(moved.any()):
+            move_tokens(src[moved], dst[moved])
+        self.tables[row] = targets
+        self.base[row] = self.length - len(sources)
+        self.run_from[row] = max((i for i in range(1, len(targets)) if targets[i] != targets[i - 1] + 1), default=0)
 
     def release(self) -> None:
         """Return every block to the pool and forget all rows."""

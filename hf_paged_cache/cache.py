@@ -14,6 +14,7 @@ from .block_tables import BlockTables, StepPlan
 from .config import PagedCacheConfig
 from .quantization import parse_kv_format
 from .errors import OutOfBlocksError
+from .eviction import ScoreInputs, choose_kept
 from .layers import PagedLayer, PagedSlidingLayer
 from .memory import SLIDING_TYPES, CacheMetrics
 from .quantized_layers import QuantizedBlockTables, QuantizedLayer, QuantizedSlidingLayer
@@ -50,6 +51,9 @@ class PagedCache(Cache):
         self.model_config = config.get_text_config(decoder=True)
         self.reads_in_place = False
         self.groups: dict[str, BlockTables] = {}
+        self._last_q_len = 0  # tokens of the previous forward (eviction triggers tell prefill from decode)
+        self._decode_steps = 0
+        self.evictions: dict[str, list[int]] = {}  # group -> [row compactions, tokens evicted]
         layer_types, layer_kwargs = get_layer_types_and_kwargs(self.model_config)
         for index, spec in (options.quant_layers or {}).items():
             if index >= len(layer_types) or (
@@ -64,7 +68,8 @@ class PagedCache(Cache):
         for index, (layer_type, kwargs_of_layer) in enumerate(zip(layer_types, layer_kwargs)):
             quant = options.layer_quant(index)
             if layer_type == "full_attention":
-                tables = self._group("full_attention", None, quant)
+                # With eviction each full-attention layer keeps its own tables: layers keep different tokens.
+                tables = self._group(f"full_attention@{index}" if options.eviction else "full_attention", None, quant)
                 layer_class = QuantizedLayer if quant else PagedLayer
                 layers.append(layer_class(tables, options, self))
             elif layer_type in SLIDING_TYPES:
@@ -113,7 +118,17 @@ class PagedCache(Cache):
         layer = self.layers[layer_idx]
         if not isinstance(layer, PagedLayer):
             return layer.update(key_states, value_states, *args, **kwargs)
-        return layer.update(key_states, value_states, kwargs.get("kwargs"))
+        attention_kwargs = kwargs.get("kwargs")
+        if layer.tables.compacted and (attention_kwargs is None or not self._attention_is_paged()):
+            raise RuntimeError(
+                "This PagedCache evicted tokens (`eviction`), and only the \"paged\" attention reads an evicted "
+                "cache (other implementations expect every position to be stored): call "
+                "`register_paged_attention()` and `model.set_attn_implementation(\"paged\")`."
+            )
+        return layer.update(key_states, value_states, attention_kwargs)
+
+    def _attention_is_paged(self) -> bool:
+        return getattr(self.model_config, "_attn_implementation", None) == ATTENTION_NAME
 
 
     def begin_step(
@@ -143,27 +158,121 @@ class PagedCache(Cache):
             raise ValueError("PagedCache.update received no new tokens (query length 0)")
         self._ensure_pools(key_states, value_states)
         # Whether this forward runs the "paged" attention, which reads K/V from the blocks itself.
-        self.reads_in_place = getattr(self.model_config, "_attn_implementation", None) == ATTENTION_NAME
+        self.reads_in_place = self._attention_is_paged()
         stepping = [group for group in self.groups.values() if group.length == tables.length]
         pads = [0] * batch
         if tables.length == 0:
             pads, exact = _left_padding(attention_kwargs, batch, q_len)
             for group in stepping:
                 group.padding_exact = exact
+        self._evict_on_schedule(stepping, q_len)
+        growth = self._growth(stepping, q_len, pads)
+        if growth is None and self.options.eviction is not None:  # pool pressure: evict to budget, retry
+            self._evict(stepping, slack=0)
+            growth = self._growth(stepping, q_len, pads)
+        if growth is None:
+            self._growth(stepping, q_len, pads, raise_error=True)
+        for pool, extra in growth:
+            pool.grow(extra)
+        for group in stepping:
+            group.apply_step(q_len, pads, self._copier(group))
+        self._last_q_len = q_len
+        return tables.plan
+
+    def _growth(self, stepping: list[BlockTables], q_len: int, pads: list[int], raise_error: bool = False):
+        """[(pool, blocks to add)] for the step, or None when a fixed pool is short (raising if asked)."""
         growth = []
         for group in stepping:
             for pool, needed, freed, name in group.demands(q_len, pads):
                 available = pool.num_free + freed
                 if needed > available:
                     if not self.options.growable:
-                        raise OutOfBlocksError(name, needed, available, pool.num_blocks, tables.block_size)
+                        if raise_error:
+                            raise OutOfBlocksError(name, needed, available, pool.num_blocks, group.block_size)
+                        return None
                     in_use_after = pool.num_used - freed + needed  # grow to twice that, like a vector
                     growth.append((pool, 2 * in_use_after - pool.num_blocks))
-        for pool, extra in growth:
-            pool.grow(extra)
-        for group in stepping:
-            group.apply_step(q_len, pads, self._copier(group))
-        return tables.plan
+        return growth
+
+    # ------------------------------------------------------------------ eviction
+    def _evict_on_schedule(self, stepping: list[BlockTables], q_len: int) -> None:
+        """Before a step: count decode steps, and compress a prompt whose chunks were not evicted
+        (`evict_between_chunks=False`) now that it is complete. Other evictions happen as each layer
+        finishes its attention (`after_attention`)."""
+        if self.options.eviction is None or not stepping or stepping[0].length == 0:
+            return
+        if q_len == 1:
+            self._decode_steps += 1
+            if self._last_q_len > 1 and not self.options.evict_between_chunks:
+                self._evict(stepping, slack=0)
+
+    def after_attention(self, layer: PagedLayer, q_len: int) -> None:
+        """Apply the eviction policy to `layer` once its attention (and statistics) for the step are done:
+        after every prompt chunk rows go down to their budget (unless `evict_between_chunks` is off);
+        while decoding, every `evict_every` steps, or else once a row holds a whole block more than its
+        budget (so each eviction frees at least one block)."""
+        if self.options.eviction is None or layer.eviction_policy is None:
+            return
+        every = self.options.evict_every
+        if q_len > 1:
+            if self.options.evict_between_chunks:
+                self._evict([layer.tables], slack=0)
+        elif every is None:
+            self._evict([layer.tables], slack=self.options.block_size)
+        elif self._decode_steps % every == 0:
+            self._evict([layer.tables], slack=0)
+
+    def evict_now(self) -> int:
+        """Apply the eviction policy now: every row above its budget is compacted to it. Returns the
+        tokens evicted (summed over layers and rows)."""
+        if self.options.eviction is None:
+            raise ValueError("This PagedCache has no eviction policy: build it with `eviction=...` (e.g. SnapKV(budget=1024))")
+        before = sum(tokens for _rows, tokens in self.evictions.values())
+        self._evict([group for group in self.groups.values() if group.length > 0], slack=0)
+        return sum(tokens for _rows, tokens in self.evictions.values()) - before
+
+    def _evict(self, groups: list[BlockTables], slack: int) -> None:
+        """Compact every row of `groups` that stores more than its budget + `slack` tokens down to the budget.
+
+        All decisions are made (and the fresh blocks copy-on-write needs are checked) before any row
+        changes, so running out of blocks here leaves the cache as it was.
+        """
+        policy = self.options.eviction
+        decisions = []
+        for group in groups:
+            layers = [layer for layer in self.paged_layers if layer.tables is group]
+            if group.sliding_window is not None or len(layers) != 1 or not layers[0].is_initialized:
+                continue
+            layer = layers[0]
+            keeps = {}
+            for row in range(len(group.tables)):
+                count = group.stored_count(row)
+                budget = policy.budget_for(group.length - group.pads[row], self.layers.index(layer))
+                if count > budget + slack:
+                    keeps[row] = self._choose_kept(layer, row, budget)
+            if keeps:
+                group.check_compact(keeps)
+                decisions.append((group, layer, keeps))
+        for group, layer, keeps in decisions:
+            counts = self.evictions.setdefault(group.name, [0, 0])
+            for row, keep in keeps.items():
+                counts[0] += 1
+                counts[1] += group.compact(row, keep, layer.move_tokens)
+                layer.compact_stats(row, keep)
+
+    def _choose_kept(self, layer: PagedLayer, row: int, budget: int) -> torch.Tensor:
+        policy, group = self.options.eviction, layer.tables
+        positions = group.stored_positions(row)
+        attention = None
+        if policy.statistic is not None:
+            stats = layer.attention_stats
+            attention = (
+                stats[row, :, : len(positions)].cpu() if stats is not None and stats.shape[0] > row
+                else torch.zeros(layer.kv_shape[0], len(positions))
+            )  # fmt: skip
+        inputs = ScoreInputs(positions, group.length, attention, lambda: layer.stored_keys(row).cpu())
+        return choose_kept(policy.score(inputs).cpu(), positions, group.pads[row], group.length, budget, policy,
+                           group.unit_sizes(row))  # fmt: skip
 
     def _ensure_pools(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Create the pools of a `max_memory` cache once the first K/V reveal bytes per block (heads per
@@ -224,6 +333,9 @@ class PagedCache(Cache):
         for group in self.groups.values():
             if group.length > 0:
                 group.reorder(order)
+        for layer in self.paged_layers:  # eviction statistics follow their rows (beam search)
+            if layer.attention_stats is not None:
+                layer.attention_stats = layer.attention_stats[torch.tensor(order, device=layer.device)]
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (assisted and prompt-lookup decoding roll back this way)."""
@@ -246,6 +358,7 @@ class PagedCache(Cache):
         for layer in self.layers:
             if isinstance(layer, PagedLayer):
                 layer.seq_len = layer.tables.length
+                layer.forget_stats_after(lambda row, group=layer.tables: group.stored_count(row))
             else:
                 layer.crop(tokens_to_remove)
 
@@ -253,9 +366,12 @@ class PagedCache(Cache):
         """Return every block to the pool; storage stays allocated for the next generation."""
         for group in self.groups.values():
             group.release()
+        self._last_q_len = self._decode_steps = 0
+        self.evictions.clear()
         for layer in self.layers:
             if isinstance(layer, PagedLayer):
                 layer.seq_len = 0
+                layer.attention_stats = None
             else:
                 layer.reset()
 
@@ -273,6 +389,7 @@ class PagedCache(Cache):
             block_bytes = sum(layer.block_bytes for layer in layers)
             pool = group.pool
             tokens = sum(group.stored_tokens(row) for row in range(len(group.tables)))
+            evictions, evicted = self.evictions.get(name, (0, 0))
             used = pool.num_used * block_bytes if pool else 0
             ideal = tokens * block_bytes // group.block_size
             quantized = {"quantized_blocks_total": 0, "quantized_blocks_used": 0, "quantized_tokens": 0,
@@ -303,6 +420,8 @@ class PagedCache(Cache):
                 "waste_bytes": max(used - ideal, 0),
                 "table_bytes": 4 * table_entries,
                 **quantized,
+                "evictions": evictions,
+                "evicted_tokens": evicted,
             }
         total = {key: sum(group[key] for group in groups.values()) for key in next(iter(groups.values()), {})}
         total.pop("layers", None)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .eviction import EvictionPolicy
 from .quantization import KVFormat, parse_kv_format
 
 BACKENDS = ("auto", "torch", "triton")
@@ -81,6 +82,15 @@ class PagedCacheConfig:
             block is quantized (once, never again) at the first step that starts after it is older than
             that. 0 quantizes every full block at the next step. Quantized pools are sized by `num_blocks`
             like the full-precision ones (one pool of each per quantized group), or grow.
+        eviction: a token-eviction policy of `hf_paged_cache.eviction` (e.g. `SnapKV(budget=1024)`), or
+            None. Full-attention layers then keep their own block tables (each layer evicts
+            independently, so per-layer budgets work); sliding-window layers keep their window and
+            evict nothing more. Evicted caches are read by the `"paged"` attention only.
+        evict_every: decode steps between evictions; None evicts a row once it holds a block more
+            than its budget (so every eviction frees at least one whole block). Rows above their budget
+            are also compacted right after a prefill, and whenever the pool would otherwise run out.
+        evict_between_chunks: also evict between the chunks of a chunked prefill (keeps peak memory
+            near the budget); False evicts only once the prompt is complete.
     """
 
     block_size: int = 16
@@ -94,6 +104,9 @@ class PagedCacheConfig:
     quant_layers: Mapping[int, str | None] | None = None
     full_precision_layers: int = 0
     residual_length: int = 128
+    eviction: EvictionPolicy | None = None
+    evict_every: int | None = None
+    evict_between_chunks: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
@@ -119,6 +132,17 @@ class PagedCacheConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"`backend` must be one of {BACKENDS}, got {self.backend!r}")
         self._validate_quantization()
+        if self.eviction is not None and not isinstance(self.eviction, EvictionPolicy):
+            raise ValueError(
+                f"`eviction` must be a policy from hf_paged_cache.eviction (e.g. SnapKV(budget=1024)), got "
+                f"{self.eviction!r}"
+            )
+        if self.evict_every is not None and (
+            isinstance(self.evict_every, bool) or not isinstance(self.evict_every, int) or self.evict_every < 1
+        ):
+            raise ValueError(f"`evict_every` must be a positive int (decode steps) or None, got {self.evict_every!r}")
+        if not isinstance(self.evict_between_chunks, bool):
+            raise ValueError(f"`evict_between_chunks` must be a bool, got {self.evict_between_chunks!r}")
 
     def _validate_quantization(self) -> None:
         def check_spec(spec, name: str) -> None:

@@ -8,6 +8,7 @@ tables (any attention implementation) or leaves them in place for the `"paged"` 
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,6 +43,10 @@ class PagedKV:
         """K/V of logical positions [kv_offset, new_len) of every row, `[batch, kv_heads, n, head_dim]`."""
         return self.layer.gather(self.plan)
 
+    def read(self, mask: torch.Tensor | None, q_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """K/V and the matching mask for the torch attention (see `PagedLayer.read_with_mask`)."""
+        return self.layer.read_with_mask(self.plan, mask, q_len)
+
 
 class PagedLayer(CacheLayerMixin):
     """A full-attention layer stored in blocks."""
@@ -60,9 +65,15 @@ class PagedLayer(CacheLayerMixin):
         self.seq_len = 0
         self.key_blocks: torch.Tensor | None = None
         self.value_blocks: torch.Tensor | None = None
+        self.attention_stats: torch.Tensor | None = None  # eviction statistics, see `record_attention`
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(group={self.tables.name!r}, tokens={self.seq_len})"
+
+    @property
+    def eviction_policy(self):
+        """The cache's eviction policy where this layer evicts (full attention), else None."""
+        return None if self.is_sliding else self.options.eviction
 
     def uses_kernels(self) -> bool:
         """Whether the Triton kernels write and read this layer's blocks."""
@@ -210,6 +221,115 @@ class PagedLayer(CacheLayerMixin):
         return self.read_slots(plan.tensor("read_slots", self.device))
 
 
+    def read_with_mask(
+        self, plan: StepPlan, mask: torch.Tensor | None, q_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """K/V of the step's read range and the boolean mask `[b, 1, q, n]` (or None) that goes with them.
+
+        Unless eviction compacted a row this is `gather` with the model's mask. A compacted row stores
+        its survivors in front of its virtual `base` (`BlockTables.compact`): the read then starts at the
+        smallest base of the batch and hides, per row, the columns before that row's own base (positions
+        whose tokens were evicted), which the model's mask still shows.
+        """
+        if not plan.tables.compacted:
+            return (*self.gather(plan), mask)
+        first = max(min(plan.base), plan.kv_offset)
+        width = plan.new_len - first
+        if len(plan.read_start) == 1 and plan.read_stop[0] - plan.read_start[0] == width:
+            view = self.row_view(plan, 0) or self.read_slots(plan.tables._slots(plan.tables.tables[0], 0, width).to(self.device))
+            keys, values = view[0].unsqueeze(0), view[1].unsqueeze(0)
+        else:
+            keys, values = self.read_slots(plan.tables.gather_slots(first, plan.new_len).to(self.device))
+        if mask is None:
+            total = plan.new_len - plan.kv_offset
+            mask = torch.ones(q_len, total, dtype=torch.bool, device=keys.device).tril(total - q_len)[None, None]
+        columns = torch.arange(first, plan.new_len, device=mask.device)
+        bases = torch.tensor(plan.base, device=mask.device)
+        own = (columns[None, :] >= bases[:, None])[:, None, None, :]
+        return keys, values, mask[..., first - plan.kv_offset :] & own
+
+    # ------------------------------------------------------------------ eviction support
+    def stored_key_chunks(self, row: int):
+        """The row's stored keys in stored order, as `[kv_heads, n, head_dim]` chunks (views when the
+        blocks form one run), for eviction scores and attention statistics."""
+        tables = self.tables
+        count, table = tables.stored_tokens(row), tables.tables[row]
+        if not count:
+            return
+        flat = self.key_blocks.view(-1, *self.key_blocks.shape[2:])
+        if tables.run_from[row] == 0:
+            first = table[0] * self.options.block_size
+            yield flat[first : first + count].transpose(0, 1)
+        else:
+            yield flat[tables._slots(table, 0, count).to(self.device)].transpose(0, 1)
+
+    def stored_keys(self, row: int) -> torch.Tensor:
+        """Every stored key of the row, float32 `[kv_heads, n, head_dim]` (a transient copy)."""
+        chunks = [chunk.float() for chunk in self.stored_key_chunks(row)]
+        return torch.cat(chunks, dim=1) if chunks else torch.zeros(self.kv_shape[0], 0, self.kv_shape[1])
+
+    @torch.no_grad()
+    def record_attention(
+        self, query: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None, policy
+    ) -> None:
+        """Fold this step's attention into `attention_stats` `[rows, kv_heads, capacity]` (stored order),
+        the statistic `policy` needs: per stored key, the probability it received summed over its query
+        group and the selected queries. Keys are visited in the chunks the read uses, twice (log-sum-exp,
+        then probabilities), so no `[queries, keys]` matrix of the whole row is ever built."""
+        batch, heads, q_len, head_dim = query.shape
+        statistic = policy.statistic
+        if statistic == "window" and q_len == 1:
+            return  # SnapKV observes the prompt's last queries: decode steps leave its scores alone
+        selected = {"accumulate": q_len, "last": 1}.get(statistic) or min(policy.observation_window, q_len)
+        tables, kv_heads = self.tables, self.kv_shape[0]
+        counts = [tables.stored_count(row) for row in range(batch)]
+        self._fit_stats(batch, max(counts))
+        for row in range(batch):
+            n = counts[row]
+            queries = query[row, :, q_len - selected :].float().reshape(kv_heads, -1, head_dim)  # [kv_heads, g*s, d]
+            first_column = tables.length - n  # virtual position of stored token 0
+            row_mask = None if mask is None else mask[row if mask.shape[0] > 1 else 0, 0, q_len - selected :]
+            visible = _column_visibility(row_mask, first_column, n, q_len, selected, tables.length, queries.device)
+            chunks = functools.partial(self.stored_key_chunks, row)
+            mass = _attention_mass(queries, chunks, visible, heads // kv_heads, scale, softcap)
+            stats = self.attention_stats[row, :, :n]
+            if statistic == "accumulate" and getattr(policy, "decay", None) is not None:
+                stats.mul_(policy.decay)
+            stats.copy_(stats + mass if statistic == "accumulate" else mass)
+
+    def _fit_stats(self, rows: int, count: int) -> None:
+        stats = self.attention_stats
+        if stats is None or stats.shape[0] != rows or stats.shape[2] < count:
+            capacity = max(count, 2 * (stats.shape[2] if stats is not None else 0), 64)
+            grown = torch.zeros(rows, self.kv_shape[0], capacity, device=self.device)
+            if stats is not None and stats.shape[0] == rows:
+                grown[..., : stats.shape[2]] = stats
+            self.attention_stats = grown
+
+    def compact_stats(self, row: int, keep: torch.Tensor) -> None:
+        """Reorder the row's statistics like its tokens after a compaction (`BlockTables.compact`)."""
+        if self.attention_stats is None:
+            return
+        stats = self.attention_stats[row]
+        kept = stats[:, : keep.shape[0]][:, keep.to(stats.device)].clone()
+        stats.zero_()
+        stats[:, : kept.shape[1]] = kept
+
+    def forget_stats_after(self, stored_count) -> None:
+        """Zero the statistics past each row's `stored_count(row)` tokens (after a crop), so tokens stored
+        next start from nothing."""
+        if self.attention_stats is not None:
+            for row in range(self.attention_stats.shape[0]):
+                self.attention_stats[row, :, stored_count(row) :] = 0
+
+    def move_tokens(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        """Copy K/V from slots `sources` to slots `targets` (eviction's compaction): all reads first."""
+        src, dst = sources.to(self.device), targets.to(self.device)
+        for blocks in (self.key_blocks, self.value_blocks):
+            flat = blocks.view(-1, *blocks.shape[2:])
+            flat.index_copy_(0, dst, flat.index_select(0, src))
+
+
 class PagedSlidingLayer(PagedLayer):
     """A sliding-window layer stored in blocks: blocks that leave the window go back to the pool.
 
@@ -229,3 +349,40 @@ class PagedSlidingLayer(PagedLayer):
 
     def get_max_length(self) -> int:
         return self.sliding_window
+
+
+def _column_visibility(
+    row_mask: torch.Tensor | None, first_column: int, n: int, q_len: int, selected: int, length: int, device
+) -> torch.Tensor:
+    """Boolean `[selected queries, n]`: which stored keys (virtual columns `first_column + j`) each of the
+    step's last `selected` queries may see: the model's mask at those columns, or plain causality."""
+    columns = first_column + torch.arange(n, device=device)
+    if row_mask is not None:
+        return row_mask.to(device)[:, columns]
+    query_positions = length - selected + torch.arange(selected, device=device)
+    return columns[None, :] <= query_positions[:, None]
+
+
+def _attention_mass(queries: torch.Tensor, chunks, visible: torch.Tensor, group: int, scale: float, softcap) -> torch.Tensor:
+    """Per key, the softmax probability summed over `queries` `[kv_heads, group * s, d]` (float32) over
+    the key chunks `[kv_heads, n_i, d]` that `chunks()` yields in order (called twice: once for the
+    log-sum-exp, once for the probabilities); `visible` `[s, sum n_i]`. Returns `[kv_heads, sum n_i]`."""
+    visible = visible[None].expand(group, -1, -1).reshape(1, -1, visible.shape[-1])  # [1, g*s, n]
+
+    def logits(chunk: torch.Tensor, start: int) -> torch.Tensor:
+        out = torch.matmul(queries, chunk.float().transpose(-1, -2)) * scale
+        if softcap is not None:
+            out = softcap * torch.tanh(out / softcap)
+        return out.masked_fill(~visible[..., start : start + chunk.shape[1]], float("-inf"))
+
+    lse, start = None, 0
+    for chunk in chunks():
+        part = torch.logsumexp(logits(chunk, start), dim=-1)
+        lse = part if lse is None else torch.logaddexp(lse, part)
+        start += chunk.shape[1]
+    masses, start = [], 0
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse) if lse is not None else None
+    for chunk in chunks():
+        masses.append(torch.exp(logits(chunk, start) - safe[..., None]).sum(dim=1))
+        start += chunk.shape[1]
+    return torch.cat(masses, dim=-1) if masses else queries.new_zeros(queries.shape[0], 0)

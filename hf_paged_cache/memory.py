@@ -27,6 +27,9 @@ class CacheMetrics:
     layer of the group), `quantized_tokens` the tokens it holds, and `quant_error` maps each quantized
     layer's index to the mean / max relative L2 error of K and V (per token and head, relative to the
     head's mean token norm in the block), sampled on the first block sealed at each step.
+
+    Eviction: `evictions` counts row compactions and `evicted_tokens` the tokens they dropped (summed
+    over layers); the freed blocks show as a drop in `blocks_used` / `used_bytes`.
     """
 
     block_size: int
@@ -44,6 +47,8 @@ class CacheMetrics:
     quantized_blocks_used: int = 0
     quantized_tokens: int = 0
     quantized_bytes: int = 0
+    evictions: int = 0
+    evicted_tokens: int = 0
     quant_error: dict[int, dict[str, float]] = field(default_factory=dict)
 
     @property

@@ -10,15 +10,16 @@ before the step are sealed, so no layer has written the step's new tokens yet an
 reused (or be a copy-on-write target) in the same step. History is quantized exactly once, never again.
 Quantized blocks are always full, so beam search shares them without copy-on-write.
 
-Reads: the `"paged"` attention (`QuantizedLayer.attend`) dequantizes 16 quantized blocks at a time and
-merges chunks with an online softmax, so no full-precision copy of the quantized history ever exists.
+Reads: the `"paged"` attention (`QuantizedLayer.attend`) dequantizes runs of at most `CHUNK_TOKENS`
+quantized tokens at a time and merges the chunks with an online softmax, so no full-precision copy of
+the quantized history ever exists (only a bounded transient one per chunk).
 Other attention implementations need K/V tensors from `update()`: they get a transient dequantized copy.
 The Triton kernels have no quantized variants yet; quantized layers always run the torch path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -28,7 +29,7 @@ from .block_tables import BlockTables, StepPlan
 from .layers import PagedLayer, PagedSlidingLayer
 from .quantization import KVFormat
 
-CHUNK_BLOCKS = 16  # quantized blocks dequantized at a time by the paged read
+CHUNK_TOKENS = 2048  # quantized tokens dequantized at a time by the paged read (a bounded transient)
 
 
 class QuantizedBlockTables(BlockTables):
@@ -64,6 +65,26 @@ class QuantizedBlockTables(BlockTables):
 
     def quantized_tokens(self, row: int) -> int:
         return len(self.qtables[row]) * self.block_size if self.length > 0 else 0
+
+    def stored_count(self, row: int) -> int:
+        return self.quantized_tokens(row) + self.stored_tokens(row)
+
+    # ------------------------------------------------------------------ eviction
+    def unit_sizes(self, row: int) -> list[int]:
+        """Quantized blocks are evicted whole (their tokens share scales and are never re-quantized)."""
+        return [self.block_size] * len(self.qtables[row]) + [1] * self.stored_tokens(row)
+
+    def check_compact(self, keeps: dict[int, torch.Tensor]) -> None:
+        super().check_compact({row: keep[self.quantized_tokens(row) :] for row, keep in keeps.items()})
+
+    def _compact_storage(self, row: int, keep: torch.Tensor, move_tokens) -> None:
+        """Drop the quantized blocks `keep` leaves out (no data moves), compact the full-precision rest."""
+        split = self.quantized_tokens(row)
+        kept_blocks = keep[:split].view(-1, self.block_size).all(dim=1).tolist() if split else []
+        table = self.qtables[row]
+        self.qpool.free([block for block, kept in zip(table, kept_blocks) if not kept])
+        self.qtables[row] = [block for block, kept in zip(table, kept_blocks) if kept]
+        super()._compact_storage(row, keep[split:], move_tokens)
 
     # ------------------------------------------------------------------ planning
     def _quantized_drops(self, keep_past: bool | None = None) -> list[int]:
@@ -129,7 +150,6 @@ class QuantizedBlockTables(BlockTables):
             self.qtables = [[] for _ in pads]
         plan = super().apply_step(q_len, pads, copy_blocks)
         plan.quantized_tables = [list(table) for table in self.qtables]
-        plan.base = list(self.base)
         return plan
 
     # ------------------------------------------------------------------ whole-batch edits
@@ -144,12 +164,24 @@ class QuantizedBlockTables(BlockTables):
         return self.quantized_base(row)
 
     def check_crop(self, new_len: int) -> None:
+        """Cropping inside a row's quantized prefix is exact only at a block boundary (whole quantized
+        blocks are dropped; none is re-quantized); anywhere else it raises, changing nothing."""
         for row, table in enumerate(self.qtables):
-            if new_len > 0 and table and new_len < self.base[row]:
+            if self.kept_positions[row] is not None and new_len > 0:
+                if int((self.stored_positions(row) < new_len).sum()) < self.quantized_tokens(row):
+                    raise RuntimeError(
+                        f"Cannot crop the {self.name} layers to {new_len} tokens: row {row} was compacted by "
+                        "eviction and the crop would reach into its quantized blocks; crop fewer tokens."
+                    )
+                continue
+            offset = new_len - self.quantized_base(row)
+            if new_len > 0 and table and new_len < self.base[row] and offset > 0 and offset % self.block_size:
+                lower = new_len - offset % self.block_size
                 raise RuntimeError(
-                    f"Cannot crop the {self.name} layers to {new_len} tokens: positions before {self.base[row]} are "
-                    f"already quantized (sealed) and history is never re-quantized. Crop at most to the "
-                    f"full-precision tokens, or raise `residual_length` (now {self.residual_length}) so that more "
+                    f"Cannot crop the {self.name} layers to {new_len} tokens: position {new_len} lies inside a "
+                    f"quantized block (row {row}), and a quantized block is never re-quantized or split. Crop to "
+                    f"a block boundary ({lower} or {lower + self.block_size}) or into the full-precision tokens "
+                    f"(>= {self.base[row]}), or raise `residual_length` (now {self.residual_length}) so that more "
                     "recent tokens stay in full precision."
                 )
         super().check_crop(new_len)
@@ -157,6 +189,16 @@ class QuantizedBlockTables(BlockTables):
     def crop(self, new_len: int) -> None:
         if new_len == 0:
             self.qpool.free(block for table in self.qtables for block in table)
+        else:
+            for row, table in enumerate(self.qtables):
+                if table and self.kept_positions[row] is None and new_len < self.base[row]:  # into the quantized prefix
+                    first = self.quantized_base(row)
+                    keep = max(new_len - first, 0) // self.block_size
+                    self.qpool.free(table[keep:])
+                    del table[keep:]
+                    self.pool.free(self.tables[row])
+                    self.tables[row].clear()
+                    self.base[row], self.run_from[row] = first + keep * self.block_size, 0
         super().crop(new_len)
 
     def release(self) -> None:
@@ -267,23 +309,35 @@ class QuantizedLayer(PagedLayer):
         return result
 
     # ------------------------------------------------------------------ reading
-    def _quantized_chunks(self, plan: StepPlan, row: int) -> Iterator[tuple[list[int], torch.Tensor]]:
-        """(quantized block ids, their logical positions) of the row's readable quantized prefix, in chunks."""
-        bs, table = self.options.block_size, plan.quantized_tables[row]
-        start = plan.base[row] - len(table) * bs
-        first = max(plan.kv_offset - start, 0) // bs
-        for index in range(first, len(table), CHUNK_BLOCKS):
-            ids = table[index : index + CHUNK_BLOCKS]
-            yield ids, start + index * bs + torch.arange(len(ids) * bs, device=self.device)
+    def _quantized_chunks(self, plan: StepPlan, row: int) -> list[tuple[slice | list[int], int]]:
+        """(blocks, logical position of their first token) covering the row's readable quantized prefix.
 
-    def _dequantized(self, ids: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Blocks `ids` decoded as `[kv_heads, len(ids) * block_size, head_dim]` keys and values."""
-        keys = self.kv_format.key.dequantize(self.qkey, ids, dtype)
-        values = self.kv_format.value.dequantize(self.qvalue, ids, dtype)
+        Runs of consecutive ids (the pool continues a row's run when it can) become slices, so decoding
+        them reads views of the pool; each chunk holds at most `CHUNK_TOKENS` tokens. Computed once per
+        step and row, shared by the group's layers.
+        """
+        key = ("quantized_chunks", row)
+        if key not in plan._memo:
+            bs, table = self.options.block_size, plan.quantized_tables[row]
+            start = plan.base[row] - len(table) * bs
+            first = max(plan.kv_offset - start, 0) // bs
+            plan._memo[key] = [(ids, start + index * bs) for ids, index in _id_runs(table, first, bs)]
+        return plan._memo[key]
+
+    def _dequantized(self, blocks: slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks decoded as `[kv_heads, tokens, head_dim]` keys and values."""
+        keys = self.kv_format.key.dequantize(self.qkey, blocks, dtype)
+        values = self.kv_format.value.dequantize(self.qvalue, blocks, dtype)
         return keys.flatten(0, 1).transpose(0, 1), values.flatten(0, 1).transpose(0, 1)
 
+    def stored_key_chunks(self, row: int):
+        """Quantized keys decoded a run (at most `CHUNK_TOKENS`) at a time, then the full-precision ones."""
+        for ids, _index in _id_runs(self.tables.qtables[row], 0, self.options.block_size):
+            yield self.kv_format.key.dequantize(self.qkey, ids).flatten(0, 1).transpose(0, 1)
+        yield from super().stored_key_chunks(row)
+
     def _reads_quantized(self, plan: StepPlan) -> bool:
-        return any(True for row in range(len(plan.quantized_tables)) for _ in self._quantized_chunks(plan, row))
+        return any(self._quantized_chunks(plan, row) for row in range(len(plan.quantized_tables)))
 
     def gather(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of logical positions [kv_offset, new_len), the quantized ones decoded into a transient copy
@@ -292,12 +346,12 @@ class QuantizedLayer(PagedLayer):
             return super().gather(plan)
         keys, values = self.read_slots(plan.tensor("read_slots", self.device))  # quantized positions read zeros
         for row in range(keys.shape[0]):
-            for ids, positions in self._quantized_chunks(plan, row):
-                columns = positions - plan.kv_offset
-                keep = columns >= 0
-                chunk_keys, chunk_values = self._dequantized(ids, self.dtype)
-                keys[row][:, columns[keep]] = chunk_keys[:, keep]
-                values[row][:, columns[keep]] = chunk_values[:, keep]
+            for blocks, first in self._quantized_chunks(plan, row):
+                chunk_keys, chunk_values = self._dequantized(blocks, self.dtype)
+                skip = max(plan.kv_offset - first, 0)
+                columns = slice(first + skip - plan.kv_offset, first + chunk_keys.shape[1] - plan.kv_offset)
+                keys[row][:, columns] = chunk_keys[:, skip:]
+                values[row][:, columns] = chunk_values[:, skip:]
         return keys, values
 
     def attend(
@@ -305,13 +359,13 @@ class QuantizedLayer(PagedLayer):
     ) -> torch.Tensor:
         """The `"paged"` attention over this layer: `[batch, heads, q, head_dim]`, like `attention.attend`.
 
-        Row by row, the quantized prefix is decoded `CHUNK_BLOCKS` blocks at a time and the
+        Row by row, the quantized prefix is decoded at most `CHUNK_TOKENS` tokens at a time and the
         full-precision suffix is read as a view (or gathered); the chunks are merged with an online
         softmax in float32. Steps that read nothing quantized take the unquantized path unchanged.
         """
-        if not self._reads_quantized(plan):
-            return attend(query, *self.gather(plan), mask, scale, softcap)
         batch, _heads, q_len, _ = query.shape
+        if not self._reads_quantized(plan):
+            return attend(query, *self.read_with_mask(plan, mask, q_len), scale, softcap)
         width = plan.new_len - plan.kv_offset
         if mask is None:
             mask = torch.ones(q_len, width, dtype=torch.bool, device=query.device).tril(width - q_len)[None, None]
@@ -319,20 +373,40 @@ class QuantizedLayer(PagedLayer):
         for row in range(batch):
             row_mask = mask[row if mask.shape[0] > 1 else 0, 0]
             softmax = _OnlineSoftmax(query[row], scale, softcap)
-            for ids, positions in self._quantized_chunks(plan, row):
-                columns = positions.to(row_mask.device) - plan.kv_offset
-                visible = row_mask[:, columns.clamp(min=0)] & (columns >= 0)
-                softmax.update(*self._dequantized(ids, torch.float32), visible)
+            for blocks, first in self._quantized_chunks(plan, row):
+                keys, values = self._dequantized(blocks, torch.float32)
+                softmax.update(keys, values, _visible(row_mask, first - plan.kv_offset, keys.shape[1]))
             start, stop = plan.read_start[row], plan.read_stop[row]
             if stop > start:
                 view = self.row_view(plan, row)
                 if view is None:
                     slots = plan.tables._slots(plan.tables.tables[row], start, stop - start)
                     view = self.read_slots(slots.to(self.device))
-                columns = plan.base[row] + torch.arange(start, stop, device=row_mask.device) - plan.kv_offset
-                softmax.update(view[0].float(), view[1].float(), row_mask[:, columns])
+                first = plan.base[row] + start - plan.kv_offset
+                softmax.update(view[0].float(), view[1].float(), row_mask[:, first : first + stop - start])
             out.append(softmax.result())
         return torch.stack(out).to(query.dtype)
+
+
+def _id_runs(table: list[int], first: int, block_size: int) -> list[tuple[slice, int]]:
+    """`table[first:]` cut into runs of consecutive ids of at most `CHUNK_TOKENS` tokens:
+    (the run as a slice of ids, the table index of its first block)."""
+    runs, index, most = [], first, max(CHUNK_TOKENS // block_size, 1)
+    while index < len(table):
+        run = 1
+        while run < most and index + run < len(table) and table[index + run] == table[index] + run:
+            run += 1
+        runs.append((slice(table[index], table[index] + run), index))
+        index += run
+    return runs
+
+
+def _visible(row_mask: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Columns [first, first + count) of a `[q, width]` mask; columns before 0 (left of the read) are hidden."""
+    if first >= 0:
+        return row_mask[:, first : first + count]
+    hidden = torch.zeros(row_mask.shape[0], -first, dtype=torch.bool, device=row_mask.device)
+    return torch.cat([hidden, row_mask[:, : first + count]], dim=1)
 
 
 class _OnlineSoftmax:

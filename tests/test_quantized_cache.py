@@ -212,7 +212,20 @@ def _state(group):
     )  # fmt: skip
 
 
-def test_crop_into_sealed_blocks_raises_and_crop_in_residual_is_exact():
+def _continue_after_crop_equals_fresh(model, cache, sequences, prefill: int, **options):
+    """Feeding the next token after a crop gives what a fresh cache fed the same tokens gives."""
+    model.set_attn_implementation("paged")
+    with torch.no_grad():
+        cropped = model(input_ids=sequences[:, -1:], past_key_values=cache, use_cache=True).logits
+    fresh = PagedCache(model.config, block_size=BLOCK, quant="int8", **options)
+    with torch.no_grad():
+        for step in range(prefill, sequences.shape[1] + 1):  # prefill, then one token at a time
+            chunk = sequences[:, :prefill] if step == prefill else sequences[:, step - 1 : step]
+            logits = model(input_ids=chunk, past_key_values=fresh, use_cache=True).logits
+    torch.testing.assert_close(cropped, logits[:, -1:], atol=1e-4, rtol=1e-4)
+
+
+def test_crop_inside_a_sealed_block_raises_and_crop_in_residual_is_exact():
     model = _model("llama_gqa")
     inputs = _batch(pads=(0,), length=12)
     cache = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=RESIDUAL)
@@ -220,22 +233,27 @@ def test_crop_into_sealed_blocks_raises_and_crop_in_residual_is_exact():
     (group,) = cache.groups.values()
     fp_tokens = group.length - group.base[0]
     before = _state(group)
-    with pytest.raises(RuntimeError, match="residual_length"):
+    with pytest.raises(RuntimeError, match="block boundary"):
         cache.crop(-(fp_tokens + 1))
     assert _state(group) == before
     cache.crop(-2)
     assert cache.get_seq_length() == group.length == before[0] - 2
-    # Continuing after the crop gives what a fresh run over the same tokens gives (same seals, same codes).
-    sequences = out.sequences[:, : group.length + 1]
-    model.set_attn_implementation("paged")
-    with torch.no_grad():
-        cropped = model(input_ids=sequences[:, -1:], past_key_values=cache, use_cache=True).logits
-    fresh = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=RESIDUAL)
-    with torch.no_grad():
-        for step in range(12, sequences.shape[1] + 1):  # prefill 12, then one token at a time
-            chunk = sequences[:, :12] if step == 12 else sequences[:, step - 1 : step]
-            logits = model(input_ids=chunk, past_key_values=fresh, use_cache=True).logits
-    torch.testing.assert_close(cropped, logits[:, -1:], atol=1e-4, rtol=1e-4)
+    _continue_after_crop_equals_fresh(model, cache, out.sequences[:, : group.length + 1], 12, residual_length=RESIDUAL)
+
+
+def test_crop_at_a_quantized_block_boundary_drops_whole_blocks_exactly():
+    """int8 codes are per token, so sealing at different steps gives the same codes: a crop to a block
+    boundary inside the quantized prefix must continue exactly like a fresh cache."""
+    model = _model("llama_gqa")
+    cache = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=0)
+    out = _generate(model, "paged", cache, _batch(pads=(0,), length=12), new_tokens=8)
+    (group,) = cache.groups.values()
+    assert len(group.qtables[0]) >= 4
+    free_before = group.qpool.num_free + group.pool.num_free
+    cache.crop(2 * BLOCK - group.length)
+    assert len(group.qtables[0]) == 2 and group.tables[0] == [] and group.base[0] == 2 * BLOCK
+    assert group.qpool.num_free + group.pool.num_free > free_before  # whole blocks went back
+    _continue_after_crop_equals_fresh(model, cache, out.sequences[:, : 2 * BLOCK + 1], 2 * BLOCK, residual_length=0)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "paged"])

@@ -1,0 +1,245 @@
+"""Token-eviction policies: each scores a row's stored tokens; the cache decides when and what to free.
+
+A policy is one small dataclass with a `score()` (higher = keep), in the spirit of kvpress's presses.
+What every policy shares lives in `EvictionPolicy`: the budget (tokens, or a ratio of the row's
+tokens), per-layer budget schedules, and the protected tokens -- the first `sinks` tokens (attention
+sinks, StreamingLLM) and the most recent `window` tokens are never evicted. The cache applies a policy
+after the prompt's prefill, between chunks of a chunked prefill, during decoding and under pool
+pressure (`PagedCacheConfig.evict_every` / `evict_between_chunks`), and compacts each row's survivors so
+that whole blocks return to the pool (`PagedCache.evict_now()` triggers it by hand).
+
+Policies that need attention statistics name them in `statistic`; the `"paged"` attention then emits,
+for every stored key, the attention probability it received summed over its query-head group:
+- "accumulate": summed over every query since the key was stored (H2O; `decay` multiplies the running
+  sum by `decay` before each step's mass is added -- the scores decay, never the K/V values);
+- "last": the most recent query's attention only (TOVA);
+- "window": the last `observation_window` queries of the latest multi-token step (SnapKV).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+STATISTICS = (None, "accumulate", "last", "window")
+
+
+@dataclass
+class ScoreInputs:
+    """What a policy may look at for one row of one layer: `n` stored tokens, in stored order.
+
+    keys: float32 `[kv_heads, n, head_dim]` (quantized tokens decoded), computed only when asked for.
+    attention: float32 `[kv_heads, n]`, the policy's `statistic` (None when it needs none).
+    positions: int64 `[n]`, the logical position of each stored token (after earlier evictions these
+    are no longer contiguous); `length` is the row's logical length.
+    """
+
+    positions: torch.Tensor
+    length: int
+    attention: torch.Tensor | None
+    _keys: object = field(repr=False, default=None)  # a callable returning the keys
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._keys()
+
+
+def pyramid_budgets(num_layers: int, ratio: float = 4.0) -> list[float]:
+    """PyramidKV-style per-layer budget multipliers: falling linearly from the first layer to the last,
+    first / last = `ratio`, mean 1 (so the total budget is unchanged)."""
+    if num_layers < 1 or ratio < 1:
+        raise ValueError(f"pyramid_budgets needs num_layers >= 1 and ratio >= 1, got {num_layers}, {ratio}")
+    if num_layers == 1:
+        return [1.0]
+    raw = [ratio - (ratio - 1) * index / (num_layers - 1) for index in range(num_layers)]
+    mean = sum(raw) / num_layers
+    return [value / mean for value in raw]
+
+
+@dataclass
+class EvictionPolicy:
+    """Budget and protection shared by every policy; subclasses implement `score`.
+
+    Args:
+        budget: tokens kept per row and layer (an int >= 1), or a fraction in (0, 1] of the row's
+            tokens (padding excluded) at the time of eviction.
+        sinks: the first `sinks` tokens of each row are never evicted (attention sinks).
+        window: the most recent `window` tokens are never evicted.
+        layer_budgets: optional per-layer multipliers of `budget` (index = layer index; e.g.
+            `pyramid_budgets(num_layers)`); a layer's budget is rounded down, and never below
+            `sinks + window`.
+    """
+
+    budget: int | float = 1024
+    sinks: int = 4
+    window: int = 32
+    layer_budgets: Sequence[float] | None = None
+
+    statistic: ClassVar[str | None] = None
+    needs_keys: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        budget = self.budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+            raise ValueError(f"{name}: `budget` must be a token count (int >= 1) or a ratio in (0, 1], got {budget!r}")
+        if isinstance(budget, int) and budget < 1:
+            raise ValueError(f"{name}: `budget` in tokens must be >= 1, got {budget}")
+        if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+            raise ValueError(f"{name}: a float `budget` is a ratio in (0, 1]; give tokens as an int, got {budget}")
+        for attr in ("sinks", "window"):
+            value = getattr(self, attr)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: `{attr}` must be an int >= 0, got {value!r}")
+        if self.layer_budgets is not None:
+            multipliers = list(self.layer_budgets)
+            if not multipliers or any(not isinstance(m, (int, float)) or m <= 0 for m in multipliers):
+                raise ValueError(f"{name}: `layer_budgets` must be positive multipliers, one per layer")
+            self.layer_budgets = multipliers
+
+    def budget_for(self, tokens: int, layer_idx: int) -> int:
+        """Tokens to keep in a row of `tokens` real tokens at layer `layer_idx`."""
+        base = self.budget * tokens if isinstance(self.budget, float) else self.budget
+        if self.layer_budgets is not None:
+            if layer_idx >= len(self.layer_budgets):
+                raise ValueError(
+                    f"{type(self).__name__}: `layer_budgets` has {len(self.layer_budgets)} entries but layer "
+                    f"{layer_idx} exists: give one multiplier per layer"
+                )
+            base *= self.layer_budgets[layer_idx]
+        return max(math.floor(base), self.sinks + self.window, 1)
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        """`[n]` or `[kv_heads, n]` scores (higher = keep); per-head scores are averaged over heads."""
+        raise NotImplementedError
+
+
+@dataclass
+class StreamingLLM(EvictionPolicy):
+    """Attention sinks + the most recent tokens (Xiao et al. 2023): needs no scores, keeps the newest."""
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        return inputs.positions.float()
+
+
+@dataclass
+class H2O(EvictionPolicy):
+    """Heavy hitters (Zhang et al. 2023): the accumulated attention each token received, plus the
+    recent window. `decay` < 1 weights recent attention more (the running sum is multiplied by `decay`
+    before each step adds its mass)."""
+
+    decay: float | None = None
+    statistic: ClassVar[str | None] = "accumulate"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.decay is not None and not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"H2O: `decay` must be in (0, 1] or None, got {self.decay!r}")
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        return inputs.attention
+
+
+@dataclass
+class SnapKV(EvictionPolicy):
+    """SnapKV (Li et al. 2024): the attention of the last `observation_window` prompt queries, average
+    pooled over `kernel_size` neighbouring tokens, per KV head."""
+
+    observation_window: int = 32
+    kernel_size: int = 5
+    statistic: ClassVar[str | None] = "window"
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        pad = self.kernel_size // 2
+        pooled = F.avg_pool1d(inputs.attention[:, None], self.kernel_size, stride=1, padding=pad, count_include_pad=False)
+        return pooled[:, 0, : inputs.attention.shape[-1]]
+
+
+@dataclass
+class TOVA(EvictionPolicy):
+    """TOVA (Oren et al. 2024): keep the tokens the latest query attends to most."""
+
+    statistic: ClassVar[str | None] = "last"
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        return inputs.attention
+
+
+@dataclass
+class KeyNorm(EvictionPolicy):
+    """Keep the keys of smallest L2 norm (Devoto et al. 2024: low-norm keys draw high attention);
+    needs no attention at all."""
+
+    needs_keys: ClassVar[bool] = True
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        return -inputs.keys.norm(dim=-1)
+
+
+@dataclass
+class KeepRatio(EvictionPolicy):
+    """Keep the fraction `budget` of tokens with the highest mean attention: the attention a token
+    received, summed over the queries that saw it, divided by how many did."""
+
+    budget: int | float = 0.5
+    statistic: ClassVar[str | None] = "accumulate"
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        observed = (inputs.length - inputs.positions).clamp(min=1).float()
+        return inputs.attention / observed
+
+
+@dataclass
+class RandomEviction(EvictionPolicy):
+    """A baseline: random scores (seeded, so runs repeat)."""
+
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._generator = torch.Generator().manual_seed(self.seed)
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        return torch.rand(inputs.positions.shape[0], generator=self._generator)
+
+
+def choose_kept(
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    first_real: int,
+    length: int,
+    budget: int,
+    policy: EvictionPolicy,
+    unit_sizes: list[int],
+) -> torch.Tensor:
+    """Boolean `[n]`: which stored tokens of a row survive.
+
+    Tokens come in units that are kept or evicted whole (a quantized block: its tokens share scales and
+    are never re-quantized; a full-precision token: itself); `unit_sizes` lists them in stored order.
+    Padding (positions before `first_real`) always goes; sinks and the recent window always stay; the
+    other units are taken by descending mean score while they fit the budget.
+    """
+    scores = scores.float()
+    if scores.dim() == 2:
+        scores = scores.mean(0)
+    real = positions >= first_real
+    protected = real & ((positions < first_real + policy.sinks) | (positions >= length - policy.window))
+    sizes = torch.tensor(unit_sizes)
+    unit = torch.repeat_interleave(torch.arange(len(unit_sizes)), sizes)
+    def per_unit(values: torch.Tensor) -> torch.Tensor:  # sum over each unit's tokens
+        return torch.zeros(len(unit_sizes)).index_add_(0, unit, values.float())
+
+    unit_real, unit_protected = per_unit(real) > 0, per_unit(protected) > 0
+    unit_score = per_unit(scores) / sizes
+    room = budget - int(sizes[unit_protected].sum())
+    candidates = (unit_real & ~unit_protected).nonzero().flatten()
+    order = candidates[torch.argsort(unit_score[candidates], descending=True, stable=True)]
+    fits = torch.cumsum(sizes[order], 0) <= room
+    keep_units = unit_protected.clone()
+    keep_units[order[fits]] = True
+    return keep_units[unit]

@@ -1,0 +1,325 @@
+"""Token eviction: budgets, freed blocks, positions, protection, batches, references, composition.
+
+Most tests decode step by step through a tiny model with the `"paged"` attention so that the cache
+can be inspected after every step; `generate()` runs end to end on every architecture at the end.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from tiny_models import MODELS, MODELS_BY_NAME, PAD_ID, VOCAB, padded_batch
+from transformers import DynamicCache
+
+from hf_paged_cache import (
+    H2O,
+    TOVA,
+    KeepRatio,
+    KeyNorm,
+    OutOfBlocksError,
+    PagedCache,
+    RandomEviction,
+    SnapKV,
+    StreamingLLM,
+    pyramid_budgets,
+)
+from hf_paged_cache.eviction import choose_kept
+
+BLOCK = 4
+BUDGET = 16
+SINKS = 2
+WINDOW = 4
+
+POLICIES = {
+    "streaming": lambda **kw: StreamingLLM(budget=BUDGET, sinks=SINKS, window=WINDOW, **kw),
+    "h2o": lambda **kw: H2O(budget=BUDGET, sinks=SINKS, window=WINDOW, **kw),
+    "h2o_decay": lambda **kw: H2O(budget=BUDGET, sinks=SINKS, window=WINDOW, decay=0.9, **kw),
+    "snapkv": lambda **kw: SnapKV(budget=BUDGET, sinks=SINKS, window=WINDOW, observation_window=4, **kw),
+    "tova": lambda **kw: TOVA(budget=BUDGET, sinks=SINKS, window=WINDOW, **kw),
+    "keynorm": lambda **kw: KeyNorm(budget=BUDGET, sinks=SINKS, window=WINDOW, **kw),
+    "keep_ratio": lambda **kw: KeepRatio(budget=0.5, sinks=SINKS, window=WINDOW, **kw),
+    "random": lambda **kw: RandomEviction(budget=BUDGET, sinks=SINKS, window=WINDOW, **kw),
+}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@functools.lru_cache(maxsize=None)
+def _model(name: str = "llama_gqa"):
+    model, _config = MODELS_BY_NAME[name].build()
+    return model
+
+
+def _full_groups(cache: PagedCache):
+    return [group for group in cache.groups.values() if group.sliding_window is None]
+
+
+def _decode(model, cache, input_ids, attention_mask, steps: int, check=None):
+    """Prefill, then `steps` greedy one-token forwards under "paged"; `check(cache)` after every step."""
+    model.set_attn_implementation("paged")
+    mask = attention_mask
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache).logits
+        outputs = [logits[:, -1]]
+        for _ in range(steps):
+            if check is not None:
+                check(cache)
+            token = logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            positions = positions[:, -1:] + 1
+            logits = model(input_ids=token, attention_mask=mask, position_ids=positions, cache=cache).logits
+            outputs.append(logits[:, -1])
+    if check is not None:
+        check(cache)
+    return torch.stack(outputs, dim=1)
+
+
+# ---------------------------------------------------------------------------------------------- options
+def test_policies_validate_their_options():
+    with pytest.raises(ValueError, match="budget"):
+        H2O(budget=0)
+    with pytest.raises(ValueError, match="ratio"):
+        SnapKV(budget=1.5)
+    with pytest.raises(ValueError, match="decay"):
+        H2O(budget=8, decay=0.0)
+    with pytest.raises(ValueError, match="sinks"):
+        StreamingLLM(budget=8, sinks=-1)
+    with pytest.raises(ValueError, match="layer_budgets"):
+        TOVA(budget=8, layer_budgets=[1.0, -1.0])
+    with pytest.raises(ValueError, match="eviction"):
+        PagedCache(_model().config, eviction="snapkv")
+    with pytest.raises(ValueError, match="evict_every"):
+        PagedCache(_model().config, eviction=H2O(), evict_every=0)
+
+
+def test_budgets_ratios_and_pyramid_schedules():
+    assert H2O(budget=100, sinks=4, window=8).budget_for(1000, 0) == 100
+    assert H2O(budget=0.25, sinks=4, window=8).budget_for(1000, 0) == 250
+    assert H2O(budget=0.01, sinks=4, window=8).budget_for(1000, 0) == 12  # never below sinks + window
+    schedule = pyramid_budgets(4, ratio=3.0)
+    assert schedule[0] / schedule[-1] == pytest.approx(3.0) and sum(schedule) == pytest.approx(4.0)
+    policy = TOVA(budget=100, sinks=0, window=0, layer_budgets=schedule)
+    assert [policy.budget_for(1000, layer) for layer in range(4)] == [int(100 * m) for m in schedule]
+    with pytest.raises(ValueError, match="one multiplier per layer"):
+        policy.budget_for(1000, 4)
+
+
+def test_choose_kept_protects_sinks_and_window_drops_padding_and_keeps_units_whole():
+    policy = H2O(budget=8, sinks=2, window=2)
+    positions = torch.arange(3, 19)  # 16 stored tokens; positions 3, 4 are padding (first real is 5)
+    scores = torch.zeros(16)
+    scores[[0, 1]] = 100.0  # padding scores high but must go
+    scores[[8, 9, 10, 11]] = torch.tensor([5.0, 5.0, 5.0, -9.0])  # a unit of 4 (mean 1.5)
+    scores[12] = 3.0
+    units = [1] * 8 + [4] + [1] * 4
+    keep = choose_kept(scores, positions, 5, 19, 8, policy, units)
+    assert not keep[:2].any()  # padding
+    assert keep[2:4].all() and keep[-2:].all()  # sinks (positions 5, 6) and window (17, 18)
+    assert bool(keep[8]) == bool(keep[9]) == bool(keep[10]) == bool(keep[11])  # a unit is all or nothing
+    assert int(keep.sum()) <= 8
+
+
+# ---------------------------------------------------------------------------------------------- invariants
+@pytest.mark.parametrize("name", POLICIES)
+def test_rows_stay_within_budget_plus_a_block_and_evicted_blocks_return(name):
+    model = _model()
+    cache = PagedCache(model.config, block_size=BLOCK, eviction=POLICIES[name]())
+    input_ids, attention_mask = padded_batch((0, 5), 30, seed=1)
+
+    def check(cache):
+        for group in _full_groups(cache):
+            index = int(group.name.split("@")[1])
+            for row in range(len(group.tables)):
+                real = group.length - group.pads[row]
+                budget = cache.options.eviction.budget_for(real, index)
+                assert group.stored_count(row) <= budget + BLOCK
+                positions = group.stored_positions(row)
+                assert positions[-1] == group.length - 1 and bool((positions.diff() > 0).all())
+                assert bool((positions[: min(SINKS, len(positions))] == group.pads[row] + torch.arange(SINKS)).all())
+                assert bool((positions[-WINDOW:] == torch.arange(group.length - WINDOW, group.length)).all())
+            held = sum(-(-len(table) * BLOCK // BLOCK) for table in group.tables)
+            assert group.pool.num_used == held  # no block leaked, none double-counted
+
+    _decode(model, cache, input_ids, attention_mask, 24, check)
+    metrics = cache.metrics()
+    assert metrics.evictions > 0 and metrics.evicted_tokens > 0
+
+
+def test_positions_of_new_tokens_are_unchanged_by_eviction():
+    """The logical length (hence every new token's RoPE position) is the no-eviction run's."""
+    model = _model()
+    input_ids, attention_mask = padded_batch((0, 3), 30, seed=2)
+    evicting = PagedCache(model.config, block_size=BLOCK, eviction=POLICIES["h2o"]())
+    lengths = []
+    _decode(model, evicting, input_ids, attention_mask, 12, lambda cache: lengths.append(cache.get_seq_length()))
+    plain = PagedCache(model.config, block_size=BLOCK)
+    expected = []
+    _decode(model, plain, input_ids, attention_mask, 12, lambda cache: expected.append(cache.get_seq_length()))
+    assert lengths == expected
+    assert evicting.metrics().evicted_tokens > 0
+
+
+def _streaming_reference(model, input_ids: torch.Tensor, steps: int, budget: int) -> torch.Tensor:
+    """StreamingLLM computed independently: the full DynamicCache read through a 4D mask that shows
+    only the tokens StreamingLLM keeps (first SINKS + most recent), with the cache's timing: down to the
+    budget after the prompt, then again once a block more than the budget is held."""
+    model.set_attn_implementation("sdpa")
+    cache = DynamicCache(config=model.config)
+    length = input_ids.shape[1]
+    kept = list(range(length))
+    outputs = []
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, cache=cache).logits
+        outputs.append(logits[:, -1])
+        for step in range(steps):
+            if len(kept) > budget + (BLOCK if step else 0):
+                kept = kept[:SINKS] + kept[len(kept) - (budget - SINKS) :]
+            token = logits[:, -1:].argmax(-1)
+            kept.append(length)
+            mask = torch.zeros(1, 1, 1, length + 1, dtype=torch.bool)
+            mask[..., kept] = True
+            logits = model(input_ids=token, attention_mask=mask, position_ids=torch.tensor([[length]]), cache=cache).logits
+            outputs.append(logits[:, -1])
+            length += 1
+    return torch.stack(outputs, dim=1)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen3", "phi3", "gpt2"])
+def test_streaming_llm_equals_an_independent_masked_reference(name):
+    model = _model(name)
+    input_ids = torch.randint(3, VOCAB, (1, 27), generator=torch.Generator().manual_seed(3))
+    policy = StreamingLLM(budget=BUDGET, sinks=SINKS, window=BUDGET - SINKS)
+    cache = PagedCache(model.config, block_size=BLOCK, eviction=policy)
+    got = _decode(model, cache, input_ids, torch.ones_like(input_ids), 14)
+    expected = _streaming_reference(model, input_ids, 14, BUDGET)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert cache.metrics().evicted_tokens > 0
+
+
+def test_rows_of_a_batch_decide_independently():
+    model = _model()
+    input_ids, attention_mask = padded_batch((0, 4), 28, seed=4)
+    batched = PagedCache(model.config, block_size=BLOCK, eviction=POLICIES["keynorm"]())
+    _decode(model, batched, input_ids, attention_mask, 10)
+    alone = PagedCache(model.config, block_size=BLOCK, eviction=POLICIES["keynorm"]())
+    _decode(model, alone, input_ids[1:, 4:], attention_mask[1:, 4:], 10)
+    for group, single in zip(_full_groups(batched), _full_groups(alone)):
+        assert torch.equal(group.stored_positions(1) - 4, single.stored_positions(0))
+
+
+def test_evict_now_frees_blocks_and_counts_them():
+    model = _model()
+    policy = H2O(budget=8, sinks=SINKS, window=WINDOW)
+    cache = PagedCache(model.config, block_size=BLOCK, eviction=policy, evict_between_chunks=False)
+    model.set_attn_implementation("paged")
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, VOCAB, (1, 40)), cache=cache)
+    before = cache.metrics()
+    evicted = cache.evict_now()
+    after = cache.metrics()
+    assert evicted == before.tokens_stored - after.tokens_stored > 0
+    assert after.blocks_used < before.blocks_used and after.used_bytes < before.used_bytes
+    assert after.evicted_tokens == evicted and cache.evict_now() == 0
+    with pytest.raises(ValueError, match="eviction"):
+        PagedCache(model.config).evict_now()
+
+
+def test_other_attention_implementations_refuse_an_evicted_cache():
+    model = _model()
+    cache = PagedCache(model.config, block_size=BLOCK, eviction=POLICIES["streaming"]())
+    input_ids = torch.randint(3, VOCAB, (1, 30))
+    _decode(model, cache, input_ids, torch.ones_like(input_ids), 2)
+    model.set_attn_implementation("sdpa")
+    length = cache.get_seq_length()
+    with pytest.raises(RuntimeError, match='"paged" attention'), torch.no_grad():
+        model(input_ids=input_ids[:, :1], cache=cache)
+    assert cache.get_seq_length() == length
+
+
+def test_pool_pressure_evicts_instead_of_failing():
+    model = _model()
+    input_ids = torch.randint(3, VOCAB, (1, 24))
+    fixed = dict(block_size=BLOCK, num_blocks=8)  # 32 tokens per layer
+    with pytest.raises(OutOfBlocksError):
+        _decode(model, PagedCache(model.config, **fixed), input_ids, torch.ones_like(input_ids), 12)
+    policy = H2O(budget=24, sinks=SINKS, window=WINDOW)  # budget + a block = 28 < 32: pressure evicts early
+    cache = PagedCache(model.config, eviction=policy, evict_every=1000, **fixed)
+    _decode(model, cache, input_ids, torch.ones_like(input_ids), 12)
+    assert cache.metrics().evictions > 0
+
+
+def test_between_chunks_eviction_bounds_peak_memory():
+    model = _model()
+    input_ids = torch.randint(3, VOCAB, (1, 64))
+    peaks = {}
+    for between in (True, False):
+        cache = PagedCache(model.config, block_size=BLOCK, eviction=POLICIES["snapkv"](), evict_between_chunks=between)
+        model.set_attn_implementation("paged")
+        peak = 0
+        with torch.no_grad():
+            for first in range(0, 64, 8):
+                model(input_ids=input_ids[:, first : first + 8], cache=cache)
+                peak = max(peak, cache.metrics().tokens_stored)
+        peaks[between] = peak
+    layers = model.config.num_hidden_layers
+    assert peaks[True] <= layers * (BUDGET + 8 + BLOCK)
+    assert peaks[False] == layers * 64
+
+
+def test_eviction_decisions_follow_beams():
+    model = _model()
+    input_ids, attention_mask = padded_batch((0,), 30, seed=5)
+    cache = PagedCache(model.config, block_size=BLOCK, eviction=POLICIES["h2o"]())
+    model.set_attn_implementation("paged")
+    with torch.no_grad():
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, max_new_tokens=10,
+                             num_beams=3, num_return_sequences=1, do_sample=False, pad_token_id=PAD_ID)  # fmt: skip
+    assert out.shape == (1, 40) and cache.metrics().evicted_tokens > 0
+    for group in _full_groups(cache):
+        for row in range(len(group.tables)):
+            assert group.stored_count(row) <= BUDGET + BLOCK
+
+
+def test_quantized_survivors_stay_quantized():
+    model = _model()
+    cache = PagedCache(model.config, block_size=BLOCK, quant="int4", residual_length=4, eviction=POLICIES["h2o"]())
+    input_ids = torch.randint(3, VOCAB, (1, 40))
+    sealed = {}
+
+    def check(cache):
+        for group in _full_groups(cache):
+            layer = next(layer for layer in cache.paged_layers if layer.tables is group)
+            present = {}
+            for block in group.qtables[0]:
+                present[block] = layer.qkey["codes"][block].clone()
+                if block in sealed.get(group.name, {}):  # a surviving quantized block was never rewritten
+                    assert torch.equal(sealed[group.name][block], present[block])
+            sealed[group.name] = present  # blocks evicted since may be reused for new seals
+            assert group.stored_count(0) <= BUDGET + BLOCK
+
+    _decode(model, cache, input_ids, torch.ones_like(input_ids), 16, check)
+    assert cache.metrics().evicted_tokens > 0 and cache.metrics().quantized_tokens > 0
+
+
+# ---------------------------------------------------------------------------------------------- everywhere
+@pytest.mark.parametrize("entry", MODELS, ids=lambda entry: entry.name)
+def test_eviction_with_quantization_and_beam_search_on_every_architecture(entry):
+    model, _config = entry.build()
+    if not entry.passes_attention_kwargs:
+        pytest.skip(f"{entry.name} calls update() without attention kwargs: it cannot read an evicted cache")
+    input_ids, attention_mask = padded_batch((0, 3), 24, seed=6)
+    cache = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=4, eviction=POLICIES["tova"]())
+    model.set_attn_implementation("paged")
+    with torch.no_grad():
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, max_new_tokens=8,
+                             num_beams=2, do_sample=False, pad_token_id=PAD_ID)  # fmt: skip
+    assert out.shape == (2, 32)
+    full = _full_groups(cache)
+    if full:
+        assert cache.metrics().evicted_tokens > 0
+    for group in full:
+        for row in range(len(group.tables)):
+            assert group.stored_count(row) <= BUDGET + BLOCK
