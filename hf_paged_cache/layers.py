@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .config import PagedCacheConfig
 
 PAGED_KV_KWARG = "paged_kv"
+QUERY_CHUNK = 256  # queries per pass when the torch path computes attention statistics
 
 
 class PagedKV:
@@ -274,28 +275,49 @@ class PagedLayer(CacheLayerMixin):
     ) -> None:
         """Fold this step's attention into `attention_stats` `[rows, kv_heads, capacity]` (stored order),
         the statistic `policy` needs: per stored key, the probability it received summed over its query
-        group and the selected queries. Keys are visited in the chunks the read uses, twice (log-sum-exp,
-        then probabilities), so no `[queries, keys]` matrix of the whole row is ever built."""
-        batch, heads, q_len, head_dim = query.shape
+        group and the selected queries. The Triton path runs `paged_attention_mass`; the torch path visits
+        the keys in the chunks the read uses, twice (log-sum-exp, then probabilities), `QUERY_CHUNK`
+        queries at a time, so no `[queries, keys]` matrix of a whole row is ever built."""
+        batch, _heads, q_len, _ = query.shape
         statistic = policy.statistic
         if statistic == "window" and q_len == 1:
             return  # SnapKV observes the prompt's last queries: decode steps leave its scores alone
         selected = {"accumulate": q_len, "last": 1}.get(statistic) or min(policy.observation_window, q_len)
-        tables, kv_heads = self.tables, self.kv_shape[0]
-        counts = [tables.stored_count(row) for row in range(batch)]
+        counts = [self.tables.stored_count(row) for row in range(batch)]
         self._fit_stats(batch, max(counts))
+        mass = self._kernel_mass(query, scale, softcap, selected) if self.uses_kernels() else None
         for row in range(batch):
             n = counts[row]
-            queries = query[row, :, q_len - selected :].float().reshape(kv_heads, -1, head_dim)  # [kv_heads, g*s, d]
-            first_column = tables.length - n  # virtual position of stored token 0
-            row_mask = None if mask is None else mask[row if mask.shape[0] > 1 else 0, 0, q_len - selected :]
-            visible = _column_visibility(row_mask, first_column, n, q_len, selected, tables.length, queries.device)
-            chunks = functools.partial(self.stored_key_chunks, row)
-            mass = _attention_mass(queries, chunks, visible, heads // kv_heads, scale, softcap)
+            row_mass = mass[row, :, :n] if mass is not None else self._torch_mass(query, mask, scale, softcap, row, n, selected)
             stats = self.attention_stats[row, :, :n]
             if statistic == "accumulate" and getattr(policy, "decay", None) is not None:
                 stats.mul_(policy.decay)
-            stats.copy_(stats + mass if statistic == "accumulate" else mass)
+            stats.copy_(stats + row_mass if statistic == "accumulate" else row_mass)
+
+    def _kernel_mass(self, query: torch.Tensor, scale: float, softcap: float | None, selected: int) -> torch.Tensor:
+        from .kernels import paged_attention_mass
+
+        plan, device = self.tables.plan, query.device
+        return paged_attention_mass(
+            query.transpose(1, 2), self.key_blocks, plan.tensor("block_tables", device), plan.tensor("seq_lens", device),
+            plan.tensor("query_lens", device), scale, 0, softcap or 0.0, selected,
+        )  # fmt: skip
+
+    def _torch_mass(self, query, mask, scale: float, softcap, row: int, n: int, selected: int) -> torch.Tensor:
+        kv_heads, (_, heads, q_len, head_dim) = self.kv_shape[0], query.shape
+        length = self.tables.length
+        columns = length - n + torch.arange(n, device=query.device)  # virtual position of each stored token
+        chunks = functools.partial(self.stored_key_chunks, row)
+        total = torch.zeros(kv_heads, n, device=query.device)
+        for lo in range(q_len - selected, q_len, QUERY_CHUNK):
+            hi = min(lo + QUERY_CHUNK, q_len)
+            queries = query[row, :, lo:hi].float().reshape(kv_heads, -1, head_dim)  # [kv_heads, group * s, d]
+            if mask is not None:
+                visible = mask[row if mask.shape[0] > 1 else 0, 0, lo:hi].to(query.device)[:, columns]
+            else:  # plain causality: query i sits at position length - q_len + i
+                visible = columns[None, :] <= (length - q_len + torch.arange(lo, hi, device=query.device))[:, None]
+            total += _attention_mass(queries, chunks, visible, heads // kv_heads, scale, softcap)
+        return total
 
     def _fit_stats(self, rows: int, count: int) -> None:
         stats = self.attention_stats
@@ -349,18 +371,6 @@ class PagedSlidingLayer(PagedLayer):
 
     def get_max_length(self) -> int:
         return self.sliding_window
-
-
-def _column_visibility(
-    row_mask: torch.Tensor | None, first_column: int, n: int, q_len: int, selected: int, length: int, device
-) -> torch.Tensor:
-    """Boolean `[selected queries, n]`: which stored keys (virtual columns `first_column + j`) each of the
-    step's last `selected` queries may see: the model's mask at those columns, or plain causality."""
-    columns = first_column + torch.arange(n, device=device)
-    if row_mask is not None:
-        return row_mask.to(device)[:, columns]
-    query_positions = length - selected + torch.arange(selected, device=device)
-    return columns[None, :] <= query_positions[:, None]
 
 
 def _attention_mass(queries: torch.Tensor, chunks, visible: torch.Tensor, group: int, scale: float, softcap) -> torch.Tensor:

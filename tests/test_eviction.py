@@ -304,6 +304,23 @@ def test_quantized_survivors_stay_quantized():
     assert cache.metrics().evicted_tokens > 0 and cache.metrics().quantized_tokens > 0
 
 
+@pytest.mark.parametrize("policy", [H2O, SnapKV])
+def test_kernel_statistics_equal_the_torch_path(policy):
+    """The Triton path's attention mass (`paged_attention_mass`, interpreted on CPU) equals the torch
+    path's, statistic by statistic, through prefill, eviction and decoding of a left-padded batch."""
+    model = _model()
+    input_ids, attention_mask = padded_batch((0, 3), 13, seed=7)
+    stats = {}
+    for backend in ("torch", "triton"):
+        cache = PagedCache(model.config, block_size=BLOCK, eviction=policy(budget=6, sinks=1, window=2), backend=backend)
+        _decode(model, cache, input_ids, attention_mask, 2)
+        stats[backend] = [(layer.attention_stats, [layer.tables.stored_count(r) for r in range(2)]) for layer in cache.paged_layers]
+    for (torch_stats, counts), (kernel_stats, kernel_counts) in zip(stats["torch"], stats["triton"]):
+        assert counts == kernel_counts
+        for row, count in enumerate(counts):
+            torch.testing.assert_close(kernel_stats[row, :, :count], torch_stats[row, :, :count], atol=1e-4, rtol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------- everywhere
 @pytest.mark.parametrize("entry", MODELS, ids=lambda entry: entry.name)
 def test_eviction_with_quantization_and_beam_search_on_every_architecture(entry):
