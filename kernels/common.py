@@ -3,7 +3,10 @@
 Why one module: decode and prefill differ only in which query rows a program owns and which key
 range it walks. Everything done per tile of keys -- gather K/V through the block table, scale,
 soft-cap, causal / sliding-window masking, the online-softmax update -- is identical, so it lives
-here once as ``@triton.jit`` helpers that both kernels inline.
+here once as ``@triton.jit`` helpers that both kernels inline. ``attend_stored_keys`` is their entry
+point: it walks a row's quantized prefix (``attend_quantized_range``, tiles dequantized in registers by
+``dequantize.py``) and then its full-precision tokens (``attend_key_range``); both feed the same
+``online_softmax_step``.
 
 The host side is shared too. A launcher never calls a kernel directly: it builds ``Launch`` records
 (kernel, grid, runtime arguments, constexprs, warps, stages) and runs them. ``compile_check`` builds
@@ -30,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+
+from .dequantize import load_quantized_tile
 
 # Smallest M, N and K a tl.dot accepts on NVIDIA GPUs (the interpreter does not check it).
 MIN_DOT = 16
@@ -145,6 +150,47 @@ def load_kv_tile(head_ptr, tok_off, offs_d, mask, DOT_DTYPE: tl.constexpr):
     return tl.load(head_ptr + tok_off[:, None] + offs_d[None, :], mask=mask, other=0.0).to(DOT_DTYPE)
 
 
+# Stored index given to the keys of a tile that lie past the range walked: no query reaches it.
+BEYOND_ALL_QUERIES = tl.constexpr(2**31 - 1)
+
+
+@triton.jit
+def online_softmax_step(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    k_pos,
+    key_hi,
+    k,
+    v,
+    scale,
+    softcap,
+    window,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """Fold one tile of keys ``k`` / values ``v`` ``[BLOCK_N, BLOCK_D]`` (DOT_DTYPE) at stored indices ``k_pos``
+    into the online-softmax state (acc, m_i, l_i). A key is used where ``visible`` says so and ``k_pos <
+    key_hi``: a tile may run past the range it belongs to (into the next split, or from the quantized
+    prefix into the full-precision tokens), and those keys belong to another walk."""
+    k_pos = tl.where(k_pos < key_hi, k_pos, BEYOND_ALL_QUERIES)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    if USE_SOFTCAP:
+        s = softcap_logits(s, softcap)
+    s = tl.where(visible(q_pos, k_pos, window), s, float("-inf"))
+
+    m_new = tl.maximum(m_i, row_max(s))
+    # Rows that have seen no visible key yet keep m = -inf; shift them by 0 so exp() gives 0, not NaN.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_shift)
+    p = tl.exp(s - m_shift[:, None])
+    l_i = l_i * alpha + row_sum(p)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
+    return acc, m_new, l_i
+
+
 @triton.jit
 def attend_key_range(
     acc,
@@ -173,10 +219,10 @@ def attend_key_range(
 
     acc [M, BLOCK_D], m_i [M], l_i [M] (fp32): unnormalised output, running max and running sum.
     q [M, BLOCK_D] (DOT_DTYPE): the query rows sharing this KV head; q_pos [M]: their stored indices.
-    key_lo must be a multiple of BLOCK_N so that every tile stays inside aligned cache blocks.
     table_ptr points at the row's block table; k/v_head_ptr at the cache plus the KV head's offset.
     Keys are gathered token by token (block id from the table, offset inside the block), so BLOCK_N
-    is independent of the cache block size.
+    is independent of the cache block size and any key_lo is correct; a multiple of BLOCK_N keeps
+    every tile inside aligned cache blocks.
     """
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
@@ -188,20 +234,172 @@ def attend_key_range(
         kv_mask = k_valid[:, None] & d_mask[None, :]
         k = load_kv_tile(k_head_ptr, tok_off, offs_d, kv_mask, DOT_DTYPE)
         v = load_kv_tile(v_head_ptr, tok_off, offs_d, kv_mask, DOT_DTYPE)
+        acc, m_i, l_i = online_softmax_step(
+            acc, m_i, l_i, q, q_pos, k_pos, key_hi, k, v, scale, softcap, window, USE_SOFTCAP, DOT_DTYPE
+        )
+    return acc, m_i, l_i
 
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        if USE_SOFTCAP:
-            s = softcap_logits(s, softcap)
-        s = tl.where(visible(q_pos, k_pos, window), s, float("-inf"))
 
-        m_new = tl.maximum(m_i, row_max(s))
-        # Rows that have seen no visible key yet keep m = -inf; shift them by 0 so exp() gives 0, not NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_shift)
-        p = tl.exp(s - m_shift[:, None])
-        l_i = l_i * alpha + row_sum(p)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
-        m_i = m_new
+@triton.jit
+def attend_quantized_range(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    key_lo,
+    key_hi,
+    table_ptr,
+    k_codes,
+    k_scales,
+    k_zeros,
+    v_codes,
+    v_scales,
+    v_zeros,
+    stride_kcode_block,
+    stride_kcode_tok,
+    stride_kmeta_block,
+    stride_kmeta_tok,
+    stride_vcode_block,
+    stride_vcode_tok,
+    stride_vmeta_block,
+    stride_vmeta_tok,
+    scale,
+    softcap,
+    window,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    K_KIND: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_PER_TOKEN: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_PER_TOKEN: tl.constexpr,
+    V_GROUP: tl.constexpr,
+):
+    """``attend_key_range`` over quantized keys ``[key_lo, key_hi)``: tiles are dequantized in registers.
+
+    ``table_ptr`` points at the row's quantized block table; ``k_*`` / ``v_*`` at the KV head's slice of
+    the key / value pools (see ``dequantize.load_quantized_tile``); key_lo must be a multiple of BLOCK_N.
+    """
+    for start in range(key_lo, key_hi, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        valid = k_pos < key_hi
+        block_id = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        tok = k_pos % BLOCK_SIZE
+        k = load_quantized_tile(
+            k_codes, k_scales, k_zeros, table_ptr, start, key_hi, block_id, tok, valid,
+            stride_kcode_block, stride_kcode_tok, stride_kmeta_block, stride_kmeta_tok,
+            K_KIND, K_BITS, K_PER_TOKEN, K_GROUP, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_DTYPE,
+        )  # fmt: skip
+        v = load_quantized_tile(
+            v_codes, v_scales, v_zeros, table_ptr, start, key_hi, block_id, tok, valid,
+            stride_vcode_block, stride_vcode_tok, stride_vmeta_block, stride_vmeta_tok,
+            V_KIND, V_BITS, V_PER_TOKEN, V_GROUP, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_DTYPE,
+        )  # fmt: skip
+        acc, m_i, l_i = online_softmax_step(
+            acc, m_i, l_i, q, q_pos, k_pos, key_hi, k, v, scale, softcap, window, USE_SOFTCAP, DOT_DTYPE
+        )
+    return acc, m_i, l_i
+
+
+@triton.jit
+def attend_stored_keys(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    key_lo,
+    key_hi,
+    row,
+    kv_head,
+    k_cache,
+    v_cache,
+    block_tables,
+    stride_kv_block,
+    stride_kv_tok,
+    stride_kv_head,
+    stride_table,
+    k_codes,
+    k_scales,
+    k_zeros,
+    v_codes,
+    v_scales,
+    v_zeros,
+    stride_kcode_block,
+    stride_kcode_tok,
+    stride_kcode_head,
+    stride_kmeta_block,
+    stride_kmeta_tok,
+    stride_kmeta_head,
+    stride_vcode_block,
+    stride_vcode_tok,
+    stride_vcode_head,
+    stride_vmeta_block,
+    stride_vmeta_tok,
+    stride_vmeta_head,
+    quant_tables,
+    quant_lens,
+    stride_quant_table,
+    scale,
+    softcap,
+    window,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    K_KIND: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_PER_TOKEN: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_PER_TOKEN: tl.constexpr,
+    V_GROUP: tl.constexpr,
+):
+    """Fold stored keys ``[key_lo, key_hi)`` of (row, kv_head) into the state: the kernels' one entry point.
+
+    Without QUANTIZED this is ``attend_key_range`` over the paged cache. With it, the row's first
+    ``quant_lens[row]`` stored tokens come from the quantized pools (see ``quantized.py``), walked first,
+    and the rest from the paged cache in its own index space ``s - quant_lens[row]``: queries and keys are
+    shifted alike, which keeps every causal and sliding-window relation (and a query at -1 - quant_len,
+    padding, still sees nothing). key_lo must be a multiple of BLOCK_N.
+    """
+    fp_table = block_tables + row * stride_table
+    k_head = k_cache + kv_head * stride_kv_head
+    v_head = v_cache + kv_head * stride_kv_head
+    if QUANTIZED:
+        quant_len = tl.load(quant_lens + row)
+        acc, m_i, l_i = attend_quantized_range(
+            acc, m_i, l_i, q, q_pos, key_lo, tl.minimum(key_hi, quant_len), quant_tables + row * stride_quant_table,
+            k_codes + kv_head * stride_kcode_head, k_scales + kv_head * stride_kmeta_head,
+            k_zeros + kv_head * stride_kmeta_head if K_KIND == "uint" else k_zeros,
+            v_codes + kv_head * stride_vcode_head, v_scales + kv_head * stride_vmeta_head,
+            v_zeros + kv_head * stride_vmeta_head if V_KIND == "uint" else v_zeros,
+            stride_kcode_block, stride_kcode_tok, stride_kmeta_block, stride_kmeta_tok,
+            stride_vcode_block, stride_vcode_tok, stride_vmeta_block, stride_vmeta_tok,
+            scale, softcap, window, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_SOFTCAP, DOT_DTYPE,
+            K_KIND, K_BITS, K_PER_TOKEN, K_GROUP, V_KIND, V_BITS, V_PER_TOKEN, V_GROUP,
+        )  # fmt: skip
+        acc, m_i, l_i = attend_key_range(
+            acc, m_i, l_i, q, q_pos - quant_len, tl.maximum(key_lo, quant_len) - quant_len, key_hi - quant_len,
+            k_head, v_head, fp_table, stride_kv_block, stride_kv_tok, scale, softcap, window,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_SOFTCAP, DOT_DTYPE,
+        )  # fmt: skip
+    else:
+        acc, m_i, l_i = attend_key_range(
+            acc, m_i, l_i, q, q_pos, key_lo, key_hi, k_head, v_head, fp_table, stride_kv_block, stride_kv_tok,
+            scale, softcap, window, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_SOFTCAP, DOT_DTYPE,
+        )  # fmt: skip
     return acc, m_i, l_i
 
 
