@@ -4,16 +4,23 @@ Kernels (CUDA tensors; CPU tensors only under ``TRITON_INTERPRET=1``):
 
 - ``write_kv(k_cache, v_cache, key, value, slot_mapping)`` -- store a step's K/V at their slots.
 - ``paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=0,
-  softcap=0.0, num_splits=None)`` -- one query per row; GQA-aware, split-K for small batches.
+  softcap=0.0, num_splits=None, quantized=None)`` -- one query per row; GQA-aware, split-K for small batches.
 - ``paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_lens, scale,
-  sliding_window=0, softcap=0.0)`` -- several causal queries per row (prefill, chunked prefill,
-  warm-cache extension, speculative verification).
+  sliding_window=0, softcap=0.0, quantized=None)`` -- several causal queries per row (prefill, chunked
+  prefill, warm-cache extension, speculative verification).
+- ``quantize_blocks(k_cache, v_cache, src_blocks, key_fields, value_fields, dst_blocks, key_format,
+  value_format)`` -- seal whole blocks: quantize them into the quantized pools in one pass.
 - ``paged_attention_mass(query, k_cache, block_tables, seq_lens, query_lens, scale, sliding_window=0,
   softcap=0.0, last_queries=None)`` -- per-key attention probability summed over each KV head's query
   group and the (last ``last_queries``) queries: the score of H2O / TOVA / SnapKV-style eviction.
 
 References (any device, plain torch): ``write_kv_ref``, ``paged_decode_attention_ref``,
-``paged_prefill_attention_ref``, ``paged_attention_mass_ref``.
+``paged_prefill_attention_ref``, ``paged_attention_mass_ref``, ``quantize_blocks_ref``.
+
+Quantized history: ``quantized=QuantizedKV(key_format, value_format, key_fields, value_fields,
+block_tables, lens)`` makes each row's first ``lens[row]`` stored tokens come from whole quantized blocks
+(formats and pools of ``hf_paged_cache.quantization``), dequantized in registers; the paged cache then
+holds the row's remaining tokens. See ``quantized.py``.
 
 Layout: ``k_cache``/``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` (fp32/fp16/bf16;
 any strides with a contiguous head dim; ``allocate_kv_blocks`` makes the head-major storage the cache uses); ``block_tables`` int32 ``[batch, max_blocks_per_row]``; ``seq_lens`` int32
@@ -38,6 +45,9 @@ _EXPORTS = {
     "paged_decode_attention_ref": ".reference",
     "paged_prefill_attention_ref": ".reference",
     "paged_attention_mass_ref": ".reference",
+    "QuantizedKV": ".quantized",
+    "quantize_blocks": ".seal",
+    "quantize_blocks_ref": ".reference",
 }
 
 __all__ = list(_EXPORTS)

@@ -4,11 +4,20 @@ Each reference gathers a row's K/V through its block table into contiguous tenso
 attention in fp32 with an explicit boolean mask and softmax. They are slow (a Python loop over rows)
 and exist to define the semantics the Triton kernels are tested against; they are themselves checked
 against ``torch.nn.functional.scaled_dot_product_attention`` on dense K/V in the tests.
+
+With a ``QuantizedKV``, a row's quantized prefix is decoded by ``hf_paged_cache.quantization`` (float32)
+and put before its full-precision tokens; ``quantize_blocks_ref`` is the formats' own ``quantize``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from hf_paged_cache.quantization import QuantFormat
+
+from .quantized import QuantizedKV
 
 
 def write_kv_ref(
@@ -53,6 +62,27 @@ def attention_probs_ref(
     return torch.where(mask.any(dim=-1, keepdim=True), probs, 0.0)  # all-masked rows: NaN -> 0
 
 
+def row_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    row: int,
+    length: int,
+    quantized: QuantizedKV | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored tokens 0..length-1 of one row as K, V ``[length, num_kv_heads, head_dim]``: the quantized prefix
+    (if any) decoded to float32, then the full-precision tokens from the paged cache."""
+    quantized_len = 0 if quantized is None else int(quantized.lens[row])
+    k = gather_kv(k_cache, block_tables[row], length - quantized_len)
+    v = gather_kv(v_cache, block_tables[row], length - quantized_len)
+    if not quantized_len:
+        return k, v
+    blocks = quantized.block_tables[row, : quantized_len // k_cache.shape[1]]
+    prefix_k = quantized.key_format.dequantize(quantized.key_fields, blocks).flatten(0, 1)
+    prefix_v = quantized.value_format.dequantize(quantized.value_fields, blocks).flatten(0, 1)
+    return torch.cat([prefix_k, k.float()]), torch.cat([prefix_v, v.float()])
+
+
 def attention_ref(
     q: torch.Tensor,
     q_pos: torch.Tensor,
@@ -77,12 +107,12 @@ def paged_decode_attention_ref(
     sliding_window: int = 0,
     softcap: float = 0.0,
     num_splits: int | None = None,
+    quantized: QuantizedKV | None = None,
 ) -> torch.Tensor:
     """Reference for ``paged_decode_attention``; ``num_splits`` is accepted for signature parity and ignored."""
     out = torch.zeros_like(query)
     for b, n in enumerate(seq_lens.tolist()):
-        k = gather_kv(k_cache, block_tables[b], n)
-        v = gather_kv(v_cache, block_tables[b], n)
+        k, v = row_kv(k_cache, v_cache, block_tables, b, n, quantized)
         q_pos = torch.tensor([n - 1], device=query.device)
         out[b] = attention_ref(query[b, None], q_pos, k, v, scale, sliding_window, softcap)[0].to(query.dtype)
     return out
@@ -98,14 +128,14 @@ def paged_prefill_attention_ref(
     scale: float,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    quantized: QuantizedKV | None = None,
 ) -> torch.Tensor:
     """Reference for ``paged_prefill_attention``: the last ``query_lens[b]`` positions of row b are its
     last stored tokens (causal); the leading positions are padding and come out as 0."""
     q_len = query.shape[1]
     out = torch.zeros_like(query)
     for b, (n, ql) in enumerate(zip(seq_lens.tolist(), query_lens.tolist())):
-        k = gather_kv(k_cache, block_tables[b], n)
-        v = gather_kv(v_cache, block_tables[b], n)
+        k, v = row_kv(k_cache, v_cache, block_tables, b, n, quantized)
         q_pos = torch.arange(n - ql, n, device=query.device)
         out[b, q_len - ql :] = attention_ref(query[b, q_len - ql :], q_pos, k, v, scale, sliding_window, softcap).to(
             query.dtype
@@ -136,3 +166,20 @@ def paged_attention_mass_ref(
                                     sliding_window, softcap)  # fmt: skip
         out[b, :, :n] = probs.sum(dim=1).view(num_kv_heads, num_q_heads // num_kv_heads, n).sum(dim=1)
     return out
+
+
+def quantize_blocks_ref(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    src_blocks: torch.Tensor | Sequence[int],
+    key_fields: dict[str, torch.Tensor],
+    value_fields: dict[str, torch.Tensor],
+    dst_blocks: torch.Tensor | Sequence[int],
+    key_format: QuantFormat,
+    value_format: QuantFormat,
+) -> None:
+    """Reference for ``quantize_blocks``: full-precision blocks ``src_blocks[i]`` of k/v_cache quantized into
+    blocks ``dst_blocks[i]`` of the pools ``key_fields`` / ``value_fields`` (in place)."""
+    src = torch.as_tensor(src_blocks, device=k_cache.device).long()
+    key_format.quantize(k_cache[src], key_fields, dst_blocks)
+    value_format.quantize(v_cache[src], value_fields, dst_blocks)

@@ -1,0 +1,319 @@
+"""Sealing: full-precision cache blocks quantized into the quantized pools, K and V, in one launch.
+
+When a block of history leaves the full-precision window, every layer quantizes it once (see
+``hf_paged_cache.quantized_layers``). This kernel reads whole blocks straight from the paged cache and
+writes codes, scales and zero points in the same pass -- nothing full-precision is gathered or copied.
+One program owns one (block, KV head) and quantizes its ``[block_size, head_dim]`` keys with the key
+format and its values with the value format (the K_* / V_* constexprs of ``quantized.format_constexprs``).
+
+Exactness against ``fmt.quantize`` (``hf_paged_cache.quantization``), the reference:
+
+* Scales and zero points are bit-identical. They are float16 rounded *outward* (scales up, zero points
+  down): the float32 statistic is rounded to nearest, then stepped one float16 ulp outward when that
+  landed on the wrong side -- torch's ``nextafter``, done here as +-1 on the float16 bit pattern.
+  Every float32 operation before that is the same correctly rounded one (divisions use ``div_rn``: a
+  plain ``/`` compiles to the approximate ``div.full.f32``).
+* Codes are then computed from the stored float16 metadata exactly as the reference does: correctly
+  rounded division, round-half-to-even (by adding and subtracting 1.5 * 2**23, since libdevice's
+  ``rint`` is unavailable in the interpreter), clamping; fp8 codes are rounded to nearest-even onto the
+  fp8 grid by the same trick with a per-binade constant. Under the interpreter (IEEE float32 numpy) the
+  codes are identical. On a GPU they are too unless the compiler contracts or reassociates an operation
+  the reference rounds separately; the only observable effect would be a value within one float32 ulp
+  of a rounding tie landing on its other side: one code apart, at most (the tests accept no more).
+
+Metadata is written first; after a CTA barrier (which also orders global memory within the CTA) the
+codes are computed plane by plane (the planar packing of ``pack_codes``) from the metadata read back,
+so each channel uses exactly the stored float16 values whatever its group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_paged_cache.quantization import QuantFormat
+
+from .common import Launch, block_d, check_paged_kv
+from .quantized import check_fields, field_args, side_constexprs
+
+_FP16_MAX = tl.constexpr(65504.0)
+
+
+@triton.jit
+def _min_combine(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def round_half_even(x):
+    """``torch.round`` of float32 ``x`` with |x| < 2**22: adding 1.5 * 2**23 leaves no fraction bits, so the
+    addition itself rounds half to even; subtracting the constant back is exact."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def fp16_up(x):
+    """The smallest float16 >= x, for 0 <= x (saturating at the float16 maximum), as float32."""
+    x = tl.minimum(x, _FP16_MAX)
+    half = x.to(tl.float16)  # round to nearest even
+    bits = half.to(tl.int16, bitcast=True).to(tl.int32)
+    bits = tl.where(half.to(tl.float32) < x, bits + 1, bits)  # next float16 up: positive, so bits + 1
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def fp16_down(x):
+    """The largest float16 <= x (x clamped to the float16 range), as float32."""
+    x = tl.minimum(tl.maximum(x, -_FP16_MAX), _FP16_MAX)
+    half = x.to(tl.float16)
+    bits = half.to(tl.int16, bitcast=True).to(tl.int32)  # sign bit set: negative (or -0)
+    # The next float16 down: smaller magnitude if positive, larger if negative; +0 goes to -2**-24 (0x8001).
+    down = tl.where(bits > 0, bits - 1, tl.where(bits == 0, -32767, bits + 1))
+    bits = tl.where(half.to(tl.float32) > x, down, bits)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def fp8_encode(y, KIND: tl.constexpr):
+    """float32 ``y`` (within the fp8 range) rounded to nearest-even fp8, as its uint8 bit pattern (in int32).
+
+    |y| is rounded onto the fp8 grid by adding and subtracting step * 2**23, step being the fp8 spacing in
+    |y|'s binade (or the subnormal spacing); the result is exactly a float16 whose bit fields give the fp8
+    ones (the inverse of ``dequantize.fp8_to_float``). The sign comes from y's bits, so -0.0 gives 0x80 as
+    in torch.
+    """
+    if KIND == "e5m2":
+        MANTISSA: tl.constexpr = 2
+        MIN_STEP_EXP: tl.constexpr = -16  # subnormal spacing 2**-14 * 2**-2
+    else:
+        MANTISSA: tl.constexpr = 3
+        MIN_STEP_EXP: tl.constexpr = -9  # 2**-6 * 2**-3
+    y_bits = y.to(tl.int32, bitcast=True)
+    magnitude = tl.abs(y)
+    exponent = ((y_bits >> 23) & 0xFF) - 127
+    step_exp = tl.maximum(exponent - MANTISSA, MIN_STEP_EXP)
+    magic = ((step_exp + 23 + 127) << 23).to(tl.float32, bitcast=True)
+    rounded = (magnitude + magic) - magic
+    if KIND == "e5m2":
+        code = (rounded.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) >> 8) & 0x7F
+    else:
+        code = (((rounded * 0.00390625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)) >> 7) & 0x7F
+    return code | ((y_bits >> 24) & 0x80)
+
+
+@triton.jit
+def _reduce(x, axis: tl.constexpr, OP: tl.constexpr, keep_dims: tl.constexpr):
+    """``x`` reduced over ``axis`` with OP "min" or "max" (own combine functions: see common.py)."""
+    if OP == "min":
+        out = tl.reduce(x, axis, _min_combine, keep_dims=keep_dims)
+    else:
+        out = tl.reduce(x, axis, _max_combine, keep_dims=keep_dims)
+    return out
+
+
+@triton.jit
+def group_stat(x, OP: tl.constexpr, PER_TOKEN: tl.constexpr, GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr):
+    """Reduce ``x [BLOCK_SIZE, BLOCK_D]`` with OP ("min" / "max") over each group's channels (and over the
+    tokens unless PER_TOKEN): ``[BLOCK_SIZE or 1, groups]`` (groups = 1, or BLOCK_D // GROUP of which the
+    first NUM_GROUPS are real)."""
+    if NUM_GROUPS == 1:
+        stat = _reduce(x, 1, OP, True)
+    else:
+        stat = _reduce(tl.reshape(x, [x.shape[0], x.shape[1] // GROUP, GROUP]), 2, OP, False)
+    if not PER_TOKEN:
+        stat = _reduce(stat, 0, OP, True)
+    return stat
+
+
+@triton.jit
+def quantize_tile(
+    src_ptr,
+    stride_src_tok,
+    codes_ptr,
+    scales_ptr,
+    zeros_ptr,
+    stride_code_tok,
+    stride_meta_tok,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    PER_TOKEN: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Quantize one block of one KV head: ``src_ptr`` -> its block's codes / scales (/ zeros) slices."""
+    NUM_GROUPS: tl.constexpr = HEAD_DIM // GROUP
+    LEVELS: tl.constexpr = (1 << BITS) - 1.0  # IntN codes 0 .. LEVELS
+    QMAX: tl.constexpr = 127.0 if KIND == "int8" else (448.0 if KIND == "e4m3" else 57344.0)  # symmetric formats
+    tok = tl.arange(0, BLOCK_SIZE)[:, None]
+    offs_d = tl.arange(0, BLOCK_D)[None, :]
+    d_mask = offs_d < HEAD_DIM
+    x = tl.load(src_ptr + tok * stride_src_tok + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+
+    # 1. Metadata, stored as the reference computes it: one value per (token or block, group).
+    offs_g = tl.arange(0, 1 if NUM_GROUPS == 1 else BLOCK_D // GROUP)[None, :]
+    meta_ptrs = (tok * stride_meta_tok if PER_TOKEN else 0) + offs_g
+    meta_mask = (tok >= 0 if PER_TOKEN else offs_g >= 0) & (offs_g < NUM_GROUPS)
+    if KIND == "uint":
+        x = tl.minimum(tl.maximum(x, -_FP16_MAX), _FP16_MAX)
+        low = group_stat(tl.where(d_mask, x, float("inf")), "min", PER_TOKEN, GROUP, NUM_GROUPS)
+        high = group_stat(tl.where(d_mask, x, float("-inf")), "max", PER_TOKEN, GROUP, NUM_GROUPS)
+        zero = fp16_down(low)
+        scale = fp16_up(tl.math.div_rn(high - zero, LEVELS))
+        tl.store(zeros_ptr + meta_ptrs, zero.to(tl.float16), mask=meta_mask)
+    else:
+        absmax = group_stat(tl.where(d_mask, tl.abs(x), 0.0), "max", PER_TOKEN, GROUP, NUM_GROUPS)
+        scale = fp16_up(tl.math.div_rn(absmax, QMAX))
+    tl.store(scales_ptr + meta_ptrs, scale.to(tl.float16), mask=meta_mask)
+    tl.debug_barrier()  # the metadata just stored is read back below, by other threads
+
+    # 2. Codes, one plane of the planar packing at a time: byte j holds channels j, j + BYTES, ...
+    PLANES: tl.constexpr = 8 // BITS
+    BYTES: tl.constexpr = HEAD_DIM // PLANES
+    byte_mask = offs_d < BYTES
+    packed = tl.full([BLOCK_SIZE, BLOCK_D], 0, dtype=tl.int32)
+    for plane in tl.static_range(PLANES):
+        channel = plane * BYTES + offs_d
+        xp = tl.load(src_ptr + tok * stride_src_tok + channel, mask=byte_mask, other=0.0).to(tl.float32)
+        plane_meta = (tok * stride_meta_tok if PER_TOKEN else 0) + channel // GROUP
+        plane_scale = tl.load(scales_ptr + plane_meta, mask=byte_mask, other=1.0).to(tl.float32)
+        plane_scale = tl.where(plane_scale == 0.0, 1.0, plane_scale)  # scale 0: every code is 0 (as in torch)
+        if KIND == "uint":
+            xp = tl.minimum(tl.maximum(xp, -_FP16_MAX), _FP16_MAX)
+            plane_zero = tl.load(zeros_ptr + plane_meta, mask=byte_mask, other=0.0).to(tl.float32)
+            code = round_half_even(tl.math.div_rn(xp - plane_zero, plane_scale))
+            code = tl.minimum(tl.maximum(code, 0.0), LEVELS).to(tl.int32)
+        elif KIND == "int8":
+            code = round_half_even(tl.math.div_rn(xp, plane_scale))
+            code = tl.minimum(tl.maximum(code, -QMAX), QMAX).to(tl.int32)
+        else:
+            code = fp8_encode(tl.minimum(tl.maximum(tl.math.div_rn(xp, plane_scale), -QMAX), QMAX), KIND)
+        packed = packed | ((code & 0xFF) << (plane * BITS))
+    tl.store(codes_ptr + tok * stride_code_tok + offs_d, packed.to(codes_ptr.dtype.element_ty), mask=byte_mask)
+
+
+@triton.jit
+def _quantize_blocks_kernel(
+    k_cache,
+    v_cache,
+    src_blocks,
+    dst_blocks,
+    k_codes,
+    k_scales,
+    k_zeros,
+    v_codes,
+    v_scales,
+    v_zeros,
+    stride_kv_block,
+    stride_kv_tok,
+    stride_kv_head,
+    stride_kcode_block,
+    stride_kcode_tok,
+    stride_kcode_head,
+    stride_kmeta_block,
+    stride_kmeta_tok,
+    stride_kmeta_head,
+    stride_vcode_block,
+    stride_vcode_tok,
+    stride_vcode_head,
+    stride_vmeta_block,
+    stride_vmeta_tok,
+    stride_vmeta_head,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    K_KIND: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_PER_TOKEN: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_PER_TOKEN: tl.constexpr,
+    V_GROUP: tl.constexpr,
+):
+    """Grid (num_blocks, num_kv_heads): block ``src_blocks[i]`` of the cache -> ``dst_blocks[i]`` of the pools."""
+    i = tl.program_id(0)
+    head = tl.program_id(1)
+    src = tl.load(src_blocks + i).to(tl.int64) * stride_kv_block + head * stride_kv_head
+    dst = tl.load(dst_blocks + i).to(tl.int64)
+    k_meta = dst * stride_kmeta_block + head * stride_kmeta_head
+    quantize_tile(
+        k_cache + src, stride_kv_tok,
+        k_codes + dst * stride_kcode_block + head * stride_kcode_head, k_scales + k_meta,
+        k_zeros + k_meta if K_KIND == "uint" else k_zeros,
+        stride_kcode_tok, stride_kmeta_tok,
+        K_KIND, K_BITS, K_PER_TOKEN, K_GROUP, BLOCK_SIZE, HEAD_DIM, BLOCK_D,
+    )  # fmt: skip
+    v_meta = dst * stride_vmeta_block + head * stride_vmeta_head
+    quantize_tile(
+        v_cache + src, stride_kv_tok,
+        v_codes + dst * stride_vcode_block + head * stride_vcode_head, v_scales + v_meta,
+        v_zeros + v_meta if V_KIND == "uint" else v_zeros,
+        stride_vcode_tok, stride_vmeta_tok,
+        V_KIND, V_BITS, V_PER_TOKEN, V_GROUP, BLOCK_SIZE, HEAD_DIM, BLOCK_D,
+    )  # fmt: skip
+
+
+def _id_dtype(ids) -> torch.dtype | None:
+    """Block ids keep a tensor's integer dtype; a Python sequence (possibly empty) becomes int64."""
+    return None if isinstance(ids, torch.Tensor) else torch.int64
+
+
+def plan_quantize_blocks(
+    k_cache, v_cache, src_blocks, key_fields, value_fields, dst_blocks, key_format, value_format
+) -> list[Launch]:
+    """Validate inputs and describe the launch."""
+    check_paged_kv(k_cache, v_cache)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    check_fields(key_format, key_fields, block_size, num_kv_heads, head_dim, "key")
+    check_fields(value_format, value_fields, block_size, num_kv_heads, head_dim, "value")
+    src, dst = (torch.as_tensor(ids, dtype=_id_dtype(ids), device=k_cache.device).reshape(-1) for ids in (src_blocks, dst_blocks))
+    if src.shape != dst.shape or src.is_floating_point() or dst.is_floating_point():
+        raise ValueError(f"src_blocks and dst_blocks must be integer ids of equal length, got {src} and {dst}")
+    if src.numel() == 0:
+        return []
+    constexprs = dict(
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
+        **side_constexprs("K_", key_format, block_size, head_dim),
+        **side_constexprs("V_", value_format, block_size, head_dim),
+    )  # fmt: skip
+    args = dict(
+        k_cache=k_cache, v_cache=v_cache, src_blocks=src, dst_blocks=dst,
+        **field_args("k", key_format, key_fields), **field_args("v", value_format, value_fields),
+        stride_kv_block=k_cache.stride(0), stride_kv_tok=k_cache.stride(1), stride_kv_head=k_cache.stride(2),
+    )  # fmt: skip
+    # A program holds a [block_size, head_dim] float32 tile and its packed codes: 8 warps keep a 32 x 128
+    # block spill-free.
+    return [Launch(_quantize_blocks_kernel, (src.numel(), num_kv_heads), args, constexprs, num_warps=8, num_stages=1)]
+
+
+def quantize_blocks(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    src_blocks: torch.Tensor | Sequence[int],
+    key_fields: dict[str, torch.Tensor],
+    value_fields: dict[str, torch.Tensor],
+    dst_blocks: torch.Tensor | Sequence[int],
+    key_format: QuantFormat,
+    value_format: QuantFormat,
+) -> None:
+    """Quantize full-precision blocks ``src_blocks[i]`` of ``k_cache`` / ``v_cache`` into blocks
+    ``dst_blocks[i]`` of the pools ``key_fields`` / ``value_fields`` (``fmt.allocate`` layout), in place.
+
+    k/v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (any strides, contiguous head dim).
+    Same result as ``key_format.quantize(k_cache[src_blocks], key_fields, dst_blocks)`` (and likewise for
+    values): metadata bit-identical, codes identical (see the module docstring for the GPU caveat).
+    """
+    for launch in plan_quantize_blocks(
+        k_cache, v_cache, src_blocks, key_fields, value_fields, dst_blocks, key_format, value_format
+    ):
+        launch.run()
