@@ -14,6 +14,11 @@ to read each KV head exactly once:
 
 Keys visible from the query (stored index ``seq_len - 1``): s < seq_len, and with a sliding window
 ``s > seq_len - 1 - sliding_window``. Rows with seq_len 0 produce 0.
+
+With a quantized history (``quantized=QuantizedKV``) each program walks the quantized prefix of its
+range, then the full-precision rest; splits cut the whole range, so a split may hold only quantized
+keys, only full-precision ones, or both. The quantized variants use larger key tiles and 8 warps (see
+``decode_meta``); without ``quantized`` the kernel, its tiles and its launch are exactly the unquantized ones.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import triton.language as tl
 from .common import (
     MIN_DOT,
     Launch,
-    attend_key_range,
+    attend_stored_keys,
     block_d,
     check_paged_kv,
     dot_dtype,
@@ -36,12 +41,15 @@ from .common import (
     last_dim_contiguous,
     normalize,
 )
+from .quantized import QuantizedKV, attention_args
 
 # Split-K heuristic knobs (see choose_num_splits).
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
 # Used when the device reports no SM count (CPU / interpreter): an H100-class GPU.
 DEFAULT_NUM_SMS = 132
+# Keys per tile of the quantized variants with tensor-core dots (see decode_meta).
+QUANTIZED_BLOCK_N = 64
 
 
 @triton.jit
@@ -54,6 +62,14 @@ def _paged_decode_kernel(
     out_ptr,
     part_acc,
     part_ml,
+    k_codes,
+    k_scales,
+    k_zeros,
+    v_codes,
+    v_scales,
+    v_zeros,
+    quant_tables,
+    quant_lens,
     stride_qb,
     stride_qh,
     stride_kv_block,
@@ -62,6 +78,19 @@ def _paged_decode_kernel(
     stride_table,
     stride_ob,
     stride_oh,
+    stride_kcode_block,
+    stride_kcode_tok,
+    stride_kcode_head,
+    stride_kmeta_block,
+    stride_kmeta_tok,
+    stride_kmeta_head,
+    stride_vcode_block,
+    stride_vcode_tok,
+    stride_vcode_head,
+    stride_vmeta_block,
+    stride_vmeta_tok,
+    stride_vmeta_head,
+    stride_quant_table,
     num_kv_heads,
     scale,
     softcap,
@@ -75,8 +104,21 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    K_KIND: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_PER_TOKEN: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_PER_TOKEN: tl.constexpr,
+    V_GROUP: tl.constexpr,
 ):
-    """Grid (batch * num_kv_heads, num_splits). SPLIT=False writes ``out``; SPLIT=True writes partials."""
+    """Grid (batch * num_kv_heads, num_splits). SPLIT=False writes ``out``; SPLIT=True writes partials.
+
+    QUANTIZED: the first ``quant_lens[row]`` stored tokens are read from the quantized pools (``k_*`` /
+    ``v_*``, formats given by the K_* / V_* constexprs); the splits share out the whole range.
+    """
     pid = tl.program_id(0)
     row = pid // num_kv_heads
     kv_head = pid % num_kv_heads
@@ -105,12 +147,16 @@ def _paged_decode_kernel(
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, dtype=tl.float32)
-    acc, m_i, l_i = attend_key_range(
-        acc, m_i, l_i, q, q_pos, lo, hi,
-        k_cache + kv_head * stride_kv_head, v_cache + kv_head * stride_kv_head,
-        block_tables + row * stride_table, stride_kv_block, stride_kv_tok,
+    acc, m_i, l_i = attend_stored_keys(
+        acc, m_i, l_i, q, q_pos, lo, hi, row, kv_head,
+        k_cache, v_cache, block_tables, stride_kv_block, stride_kv_tok, stride_kv_head, stride_table,
+        k_codes, k_scales, k_zeros, v_codes, v_scales, v_zeros,
+        stride_kcode_block, stride_kcode_tok, stride_kcode_head, stride_kmeta_block, stride_kmeta_tok, stride_kmeta_head,
+        stride_vcode_block, stride_vcode_tok, stride_vcode_head, stride_vmeta_block, stride_vmeta_tok, stride_vmeta_head,
+        quant_tables, quant_lens, stride_quant_table,
         scale, softcap, window,
         BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_SOFTCAP, DOT_DTYPE,
+        QUANTIZED, K_KIND, K_BITS, K_PER_TOKEN, K_GROUP, V_KIND, V_BITS, V_PER_TOKEN, V_GROUP,
     )  # fmt: skip
 
     if SPLIT:
@@ -184,8 +230,11 @@ def _num_sms(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def decode_meta(head_dim: int, block_size: int, group: int, softcap: float, dot_dtype) -> tuple[dict, int, int]:
+def decode_meta(
+    head_dim: int, block_size: int, group: int, softcap: float, dot_dtype, quantized: bool = False
+) -> tuple[dict, int, int]:
     """Constexprs, num_warps and num_stages of the decode kernel (shared by the launcher and compile_check)."""
+    tensor_cores = dot_dtype != tl.float32 and head_dim <= 128
     constexprs = dict(
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
@@ -194,16 +243,20 @@ def decode_meta(head_dim: int, block_size: int, group: int, softcap: float, dot_
         BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)),
         # Keys per tile. fp32 dots (ieee) run on FMA units and need registers for whole fp32 tiles,
         # as do 256-wide heads: 16 keys keeps them spill-free. Tiles are aligned, so a tile never
-        # straddles two cache blocks when block_size >= BLOCK_N.
-        BLOCK_N=MIN_DOT if dot_dtype == tl.float32 or head_dim > 128 else 32,
+        # straddles two cache blocks when block_size >= BLOCK_N. Quantized tiles carry 2-4x fewer bytes
+        # per key, so they take QUANTIZED_BLOCK_N keys to keep more bytes in flight per iteration.
+        BLOCK_N=(QUANTIZED_BLOCK_N if quantized else 32) if tensor_cores else MIN_DOT,
         USE_SOFTCAP=softcap > 0,
         DOT_DTYPE=dot_dtype,
     )
-    return constexprs, 4, 2
+    # Quantized tiles are dequantized in float32 registers before the dot: 8 warps keep 64-key tiles
+    # spill-free (at most ~180 registers at head_dim 128, where 4 warps spill).
+    return constexprs, 8 if quantized and tensor_cores else 4, 2
 
 
 def plan_paged_decode(
-    query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=0, softcap=0.0, num_splits=None
+    query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=0, softcap=0.0, num_splits=None,
+    quantized=None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """Validate inputs, allocate the output (and split partials) and describe the launches."""
     check_paged_kv(k_cache, v_cache)
@@ -217,15 +270,17 @@ def plan_paged_decode(
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    quant_args, quant_constexprs = attention_args(quantized, batch, block_size, num_kv_heads, head_dim, query.device)
     if batch == 0:
         return out, []
     if num_splits is None:
         num_sms = _num_sms(query.device.index) if query.is_cuda else DEFAULT_NUM_SMS
-        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, num_sms)
+        max_blocks = block_tables.shape[1] + (quantized.block_tables.shape[1] if quantized is not None else 0)
+        num_splits = choose_num_splits(batch, num_kv_heads, max_blocks * block_size, num_sms)
 
     constexprs, num_warps, num_stages = decode_meta(
         head_dim, block_size, num_q_heads // num_kv_heads, softcap,
-        dot_dtype(k_cache.dtype, is_interpreted(_paged_decode_kernel)),
+        dot_dtype(k_cache.dtype, is_interpreted(_paged_decode_kernel)), quantized is not None,
     )  # fmt: skip
     split = num_splits > 1
     part_acc = query.new_empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32) if split else None
@@ -240,8 +295,9 @@ def plan_paged_decode(
             stride_kv_block=k_cache.stride(0), stride_kv_tok=k_cache.stride(1), stride_kv_head=k_cache.stride(2),
             stride_table=block_tables.stride(0), stride_ob=out.stride(0), stride_oh=out.stride(1),
             num_kv_heads=num_kv_heads, scale=float(scale), softcap=float(softcap), window=int(sliding_window),
+            **quant_args,
         ),
-        constexprs=dict(constexprs, SPLIT=split),
+        constexprs=dict(constexprs, SPLIT=split, **quant_constexprs),
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
@@ -271,6 +327,7 @@ def paged_decode_attention(
     sliding_window: int = 0,
     softcap: float = 0.0,
     num_splits: int | None = None,
+    quantized: QuantizedKV | None = None,
 ) -> torch.Tensor:
     """Attention of each row's last token over its paged K/V.
 
@@ -279,9 +336,13 @@ def paged_decode_attention(
     (stored tokens per row, this step's included). ``sliding_window`` 0 = none; ``softcap`` > 0 applies
     ``softcap * tanh(logits / softcap)`` after scaling; ``num_splits`` None = heuristic, 1 = single
     pass. Returns ``[batch, num_q_heads, head_dim]`` in the query's dtype (fp32 accumulation).
+
+    ``quantized``: each row's first ``quantized.lens[row]`` stored tokens are read, dequantized in
+    registers, from the quantized pools (see ``QuantizedKV``); ``block_tables`` then lists only the
+    full-precision blocks that follow, and ``seq_lens`` counts both parts.
     """
     out, launches = plan_paged_decode(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, num_splits
+        query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, num_splits, quantized
     )
     for launch in launches:
         launch.run()

@@ -22,7 +22,7 @@ import triton.language as tl
 from .common import (
     MIN_DOT,
     Launch,
-    attend_key_range,
+    attend_stored_keys,
     block_d,
     check_paged_kv,
     dot_dtype,
@@ -31,6 +31,7 @@ from .common import (
     last_dim_contiguous,
     normalize,
 )
+from .quantized import QuantizedKV, attention_args
 
 
 @triton.jit
@@ -42,6 +43,14 @@ def _paged_prefill_kernel(
     seq_lens,
     query_lens,
     out_ptr,
+    k_codes,
+    k_scales,
+    k_zeros,
+    v_codes,
+    v_scales,
+    v_zeros,
+    quant_tables,
+    quant_lens,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -52,6 +61,19 @@ def _paged_prefill_kernel(
     stride_ob,
     stride_om,
     stride_oh,
+    stride_kcode_block,
+    stride_kcode_tok,
+    stride_kcode_head,
+    stride_kmeta_block,
+    stride_kmeta_tok,
+    stride_kmeta_head,
+    stride_vcode_block,
+    stride_vcode_tok,
+    stride_vcode_head,
+    stride_vmeta_block,
+    stride_vmeta_tok,
+    stride_vmeta_head,
+    stride_quant_table,
     q_len,
     num_kv_heads,
     scale,
@@ -66,8 +88,17 @@ def _paged_prefill_kernel(
     BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    K_KIND: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_PER_TOKEN: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_PER_TOKEN: tl.constexpr,
+    V_GROUP: tl.constexpr,
 ):
-    """Grid (cdiv(q_len, TILE_Q), batch * num_kv_heads)."""
+    """Grid (cdiv(q_len, TILE_Q), batch * num_kv_heads). QUANTIZED: as in the decode kernel."""
     q_tile = tl.program_id(0)
     pid = tl.program_id(1)
     row = pid // num_kv_heads
@@ -102,12 +133,16 @@ def _paged_prefill_kernel(
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
-    acc, m_i, l_i = attend_key_range(
-        acc, m_i, l_i, q, q_pos, key_lo, key_hi,
-        k_cache + kv_head * stride_kv_head, v_cache + kv_head * stride_kv_head,
-        block_tables + row * stride_table, stride_kv_block, stride_kv_tok,
+    acc, m_i, l_i = attend_stored_keys(
+        acc, m_i, l_i, q, q_pos, key_lo, key_hi, row, kv_head,
+        k_cache, v_cache, block_tables, stride_kv_block, stride_kv_tok, stride_kv_head, stride_table,
+        k_codes, k_scales, k_zeros, v_codes, v_scales, v_zeros,
+        stride_kcode_block, stride_kcode_tok, stride_kcode_head, stride_kmeta_block, stride_kmeta_tok, stride_kmeta_head,
+        stride_vcode_block, stride_vcode_tok, stride_vcode_head, stride_vmeta_block, stride_vmeta_tok, stride_vmeta_head,
+        quant_tables, quant_lens, stride_quant_table,
         scale, softcap, window,
         BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_SOFTCAP, DOT_DTYPE,
+        QUANTIZED, K_KIND, K_BITS, K_PER_TOKEN, K_GROUP, V_KIND, V_BITS, V_PER_TOKEN, V_GROUP,
     )  # fmt: skip
 
     out = normalize(acc, l_i)  # padding rows: 0
@@ -115,7 +150,9 @@ def _paged_prefill_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=in_tile[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
-def prefill_meta(head_dim: int, block_size: int, group: int, softcap: float, dot_dtype) -> tuple[dict, int, int]:
+def prefill_meta(
+    head_dim: int, block_size: int, group: int, softcap: float, dot_dtype, quantized: bool = False
+) -> tuple[dict, int, int]:
     """Constexprs, num_warps and num_stages of the prefill kernel (shared by the launcher and compile_check)."""
     # Query rows and keys per tile are bounded by registers (q, acc, K, V and the logits all live
     # there). fp32 dots (ieee) run on FMA units and hold fp32 operand tiles: smaller tiles, more warps.
@@ -133,11 +170,13 @@ def prefill_meta(head_dim: int, block_size: int, group: int, softcap: float, dot
         USE_SOFTCAP=softcap > 0,
         DOT_DTYPE=dot_dtype,
     )
-    return constexprs, 8 if fma else 4, 2
+    # Quantized tiles are dequantized in float32 registers before the dot: 8 warps keep them spill-free.
+    return constexprs, 8 if fma or quantized else 4, 2
 
 
 def plan_paged_prefill(
-    query, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, sliding_window=0, softcap=0.0
+    query, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, sliding_window=0, softcap=0.0,
+    quantized=None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """Validate inputs, allocate the output and describe the launch."""
     check_paged_kv(k_cache, v_cache)
@@ -149,11 +188,12 @@ def plan_paged_prefill(
         )
     query = last_dim_contiguous(query)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    quant_args, quant_constexprs = attention_args(quantized, batch, block_size, num_kv_heads, head_dim, query.device)
     if batch == 0 or q_len == 0:
         return out, []
     constexprs, num_warps, num_stages = prefill_meta(
         head_dim, block_size, num_q_heads // num_kv_heads, softcap,
-        dot_dtype(k_cache.dtype, is_interpreted(_paged_prefill_kernel)),
+        dot_dtype(k_cache.dtype, is_interpreted(_paged_prefill_kernel)), quantized is not None,
     )  # fmt: skip
     launch = Launch(
         _paged_prefill_kernel,
@@ -167,8 +207,9 @@ def plan_paged_prefill(
             stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2),
             q_len=q_len, num_kv_heads=num_kv_heads,
             scale=float(scale), softcap=float(softcap), window=int(sliding_window),
+            **quant_args,
         ),
-        constexprs=constexprs,
+        constexprs=dict(constexprs, **quant_constexprs),
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
@@ -185,16 +226,17 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    quantized: QuantizedKV | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query [batch, q_len, num_q_heads, head_dim]`` over paged K/V.
 
     ``query_lens`` int32 ``[batch]``: the last ``query_lens[b]`` positions of row b are real and are its
     last stored tokens; the others are padding and return 0. The real query with stored index p sees
     keys s <= p (and s > p - sliding_window when sliding_window > 0). Returns the query's shape and
-    dtype (fp32 accumulation).
+    dtype (fp32 accumulation). ``quantized``: a quantized prefix per row, as in ``paged_decode_attention``.
     """
     out, launches = plan_paged_prefill(
-        query, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, sliding_window, softcap
+        query, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, sliding_window, softcap, quantized
     )
     for launch in launches:
         launch.run()
