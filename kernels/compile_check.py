@@ -10,6 +10,7 @@ no local arrays, so any STACK or LOCAL bytes are register spills). Exits 1 if an
 
     python -m hf_paged_cache.kernels.compile_check                 # everything: 744 compiles, ~7 CPU-minutes
     python -m hf_paged_cache.kernels.compile_check --dtypes bf16 --head-dims 80 --archs 90
+    python -m hf_paged_cache.kernels.compile_check --formats int4 K4V2 --archs 90   # quantized variants only
 
 Must run with TRITON_INTERPRET unset. The signature mirrors the JIT's default specialisation (pointers
 and integers divisible by 16 are marked so); other value specialisations the JIT may apply at run
@@ -31,8 +32,10 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 _DTYPE_NAMES = {
-    torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64"
+    torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64",
+    torch.int8: "i8", torch.uint8: "u8",
 }
+UNQUANTIZED = "none"  # the --formats value of the unquantized variants
 _RESOURCE_RE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
@@ -97,17 +100,31 @@ def _describe(label: str, dtype: torch.dtype, constexprs: dict) -> str:
     return f"{label:<13} {_DTYPE_NAMES[dtype]:<4} {shown}"
 
 
-def collect_jobs(dtypes, head_dims, block_sizes, groups) -> list[tuple[str, tuple]]:
-    """Unique (description, job) pairs over the variant grid (e.g. write_kv does not depend on the group)."""
-    from .variants import example_launches, grid
+def collect_jobs(dtypes, head_dims, block_sizes, groups, formats=(UNQUANTIZED,)) -> list[tuple[str, tuple]]:
+    """Unique (description, job) pairs over the variant grids (e.g. write_kv does not depend on the group).
 
+    ``formats``: UNQUANTIZED selects the unquantized grid; KV format specs select quantized variants on the
+    quantized grid, intersected with the other axes (``variants.quantized_grid``).
+    """
+    from . import variants
+
+    points = []
+    if UNQUANTIZED in formats:
+        unquantized = variants.grid(dtypes, head_dims, block_sizes, groups)
+        points += [(variants.example_launches, point[0], point) for point in unquantized]
+    quantized = variants.quantized_grid(
+        [f for f in formats if f != UNQUANTIZED], [d for d in dtypes if d in variants.QUANT_DTYPES],
+        [h for h in head_dims if h in variants.QUANT_HEAD_DIMS], block_sizes,
+        [g for g in groups if g in variants.QUANT_GROUPS],
+    )  # fmt: skip
+    points += [(variants.quantized_example_launches, point[1], point) for point in quantized]
     jobs = {}
-    for point in grid(dtypes, head_dims, block_sizes, groups):
+    for example_launches, dtype, point in points:
         for label, launch in example_launches(*point):
             job = compile_job(launch)
             key = repr(job)
             if key not in jobs:
-                jobs[key] = (_describe(label, point[0], job[3]), job)
+                jobs[key] = (_describe(label, dtype, job[3]), job)
     return list(jobs.values())
 
 
@@ -130,7 +147,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", nargs="+", choices=list(by_name), default=list(by_name))
     parser.add_argument("--head-dims", nargs="+", type=int, default=list(variants.HEAD_DIMS))
     parser.add_argument("--block-sizes", nargs="+", type=int, default=list(variants.BLOCK_SIZES))
-    parser.add_argument("--groups", nargs="+", type=int, default=list(variants.GROUPS))
+    parser.add_argument("--groups", nargs="+", type=int, default=sorted({*variants.GROUPS, *variants.QUANT_GROUPS}))
+    formats = [UNQUANTIZED, *variants.QUANT_FORMATS]
+    parser.add_argument("--formats", nargs="+", choices=formats, default=formats, help="KV storage formats")
     parser.add_argument("--archs", nargs="+", type=int, default=[80, 90])
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiler processes")
     args = parser.parse_args(argv)
@@ -142,9 +161,9 @@ def main(argv=None) -> int:
 
     start = time.time()
     dtypes = [by_name[name] for name in args.dtypes]
-    jobs = collect_jobs(dtypes, args.head_dims, args.block_sizes, args.groups)
+    jobs = collect_jobs(dtypes, args.head_dims, args.block_sizes, args.groups, args.formats)
     work = [(description, job, arch) for arch in args.archs for description, job in jobs]
-    max_regs, spilling, failures = 0, [], []
+    max_regs, spilling, failures = {}, [], []
     # fork: workers inherit the imported kernel modules; each compile is independent.
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
         for description, arch, usage, error in pool.map(_worker, work):
@@ -153,13 +172,15 @@ def main(argv=None) -> int:
                 print(f"sm{arch} FAIL  {description}\n      {error}", flush=True)
                 continue
             regs, spill, shared = usage
-            max_regs = max(max_regs, regs)
+            label = description.split()[0]
+            max_regs[label] = max(max_regs.get(label, 0), regs)
             if spill:
                 spilling.append(description)
             print(f"sm{arch} regs={regs:<3} spill={spill:<5} smem={shared:<6} {description}", flush=True)
     print(
         f"\n{len(work)} variants ({len(jobs)} per arch x {len(args.archs)} archs) in {time.time() - start:.0f} s: "
-        f"max registers {max_regs}, {len(spilling)} spilling, {len(failures)} failed"
+        f"max registers {max(max_regs.values(), default=0)}, {len(spilling)} spilling, {len(failures)} failed\n"
+        f"max registers per kernel: {', '.join(f'{label} {regs}' for label, regs in sorted(max_regs.items()))}"
     )
     return 1 if failures else 0
 
