@@ -263,9 +263,9 @@ def _quantize_blocks_kernel(
     )  # fmt: skip
 
 
-def _id_dtype(ids) -> torch.dtype | None:
-    """Block ids keep a tensor's integer dtype; a Python sequence (possibly empty) becomes int64."""
-    return None if isinstance(ids, torch.Tensor) else torch.int64
+def _block_ids(ids, device) -> torch.Tensor:
+    """Block ids as a 1-D tensor on ``device``: a tensor keeps its dtype, a (possibly empty) sequence is int64."""
+    return torch.as_tensor(ids, dtype=None if isinstance(ids, torch.Tensor) else torch.int64, device=device).reshape(-1)
 
 
 def plan_quantize_blocks(
@@ -276,7 +276,7 @@ def plan_quantize_blocks(
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     check_fields(key_format, key_fields, block_size, num_kv_heads, head_dim, "key")
     check_fields(value_format, value_fields, block_size, num_kv_heads, head_dim, "value")
-    src, dst = (torch.as_tensor(ids, dtype=_id_dtype(ids), device=k_cache.device).reshape(-1) for ids in (src_blocks, dst_blocks))
+    src, dst = _block_ids(src_blocks, k_cache.device), _block_ids(dst_blocks, k_cache.device)
     if src.shape != dst.shape or src.is_floating_point() or dst.is_floating_point():
         raise ValueError(f"src_blocks and dst_blocks must be integer ids of equal length, got {src} and {dst}")
     if src.numel() == 0:

@@ -92,6 +92,5 @@ FORMAT_CASES = [
 
 def format_params():
     """FORMAT_CASES as pytest parameters with readable ids."""
-    return [
-        pytest.param(*case, id=f"{case[0]}-{str(case[1])[6:]}-d{case[2]}-bs{case[3]}-g{case[4]}") for case in FORMAT_CASES
-    ]
+    ids = [f"{fmt}-{str(dtype)[6:]}-d{head_dim}-bs{bs}-g{group}" for fmt, dtype, head_dim, bs, group in FORMAT_CASES]
+    return [pytest.param(*case, id=case_id) for case, case_id in zip(FORMAT_CASES, ids)]

@@ -71,7 +71,8 @@ def test_quantized_prefill_reference_matches_dense(generator, randn, window):
         query, *paged.cache_args(), query_lens, 0.3, sliding_window=window, quantized=paged.quantized
     )
     for b, (n, ql) in enumerate(zip(paged.seq_lens.tolist(), query_lens.tolist())):
-        expected = sdpa_row(query[b, 6 - ql :], torch.arange(n - ql, n), paged.dense_k[b], paged.dense_v[b], 0.3, window)
+        q_pos = torch.arange(n - ql, n)
+        expected = sdpa_row(query[b, 6 - ql :], q_pos, paged.dense_k[b], paged.dense_v[b], 0.3, window)
         assert_close(out[b, 6 - ql :], expected, torch.float32)
 
 
