@@ -52,10 +52,10 @@ def paged_attention_forward(
     softcap = kwargs.get("softcap")
     if paged_kv is None:
         return attend(query, key, value, attention_mask, scale, softcap).transpose(1, 2).contiguous(), None
-    if paged_kv.layer.is_quantized:  # torch only: decodes the quantized history chunk by chunk
-        out = paged_kv.layer.attend(query, paged_kv.plan, attention_mask, scale, softcap).transpose(1, 2)
-    elif paged_kv.uses_kernels and (attention_mask is None or paged_kv.plan.padding_exact):
+    if paged_kv.uses_kernels and (attention_mask is None or paged_kv.plan.padding_exact):
         out = _kernel_attention(query, paged_kv, scale, softcap)
+    elif paged_kv.layer.is_quantized:  # the torch path decodes the quantized history chunk by chunk
+        out = paged_kv.layer.attend(query, paged_kv.plan, attention_mask, scale, softcap).transpose(1, 2)
     else:
         out = attend(query, *paged_kv.read(attention_mask, query.shape[2]), scale, softcap).transpose(1, 2)
     layer = paged_kv.layer
@@ -114,12 +114,14 @@ def _kernel_attention(query: torch.Tensor, paged_kv: PagedKV, scale: float, soft
     plan, layer, device = paged_kv.plan, paged_kv.layer, query.device
     tables, seq_lens = plan.tensor("block_tables", device), plan.tensor("seq_lens", device)
     window, softcap = paged_kv.sliding_window or 0, softcap or 0.0
+    quantized = layer.quantized_kv(plan, device) if layer.is_quantized else None
     if query.shape[2] == 1:
         out = paged_decode_attention(
-            query[:, :, 0], layer.key_blocks, layer.value_blocks, tables, seq_lens, scale, window, softcap
-        )
+            query[:, :, 0], layer.key_blocks, layer.value_blocks, tables, seq_lens, scale, window, softcap,
+            quantized=quantized,
+        )  # fmt: skip
         return out.unsqueeze(1)
     return paged_prefill_attention(
         query.transpose(1, 2), layer.key_blocks, layer.value_blocks, tables, seq_lens,
-        plan.tensor("query_lens", device), scale, window, softcap,
+        plan.tensor("query_lens", device), scale, window, softcap, quantized=quantized,
     )  # fmt: skip

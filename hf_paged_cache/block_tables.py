@@ -71,8 +71,15 @@ class StepPlan:
             return self.tables.gather_slots(self.kv_offset, self.new_len)
         if name == "block_tables":
             return self.tables.table_tensor().to(torch.int32)
-        if name == "seq_lens":
-            return torch.tensor(self.read_stop, dtype=torch.int32)
+        if name == "seq_lens":  # every stored token the kernels read: a quantized prefix, then full precision
+            prefix = [len(table) * self.tables.block_size for table in self.quantized_tables] or [0] * len(self.read_stop)
+            return torch.tensor([q + stop for q, stop in zip(prefix, self.read_stop)], dtype=torch.int32)
+        if name == "quantized_lens":
+            return torch.tensor([len(table) * self.tables.block_size for table in self.quantized_tables], dtype=torch.int32)
+        if name == "quantized_block_tables":
+            width = max((len(table) for table in self.quantized_tables), default=0)
+            rows = [table + [NULL_BLOCK] * (width - len(table)) for table in self.quantized_tables]
+            return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width)
         if name == "query_lens":
             return torch.tensor(self.new_tokens, dtype=torch.int32)
         raise KeyError(name)

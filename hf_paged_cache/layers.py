@@ -285,7 +285,8 @@ class PagedLayer(CacheLayerMixin):
         selected = {"accumulate": q_len, "last": 1}.get(statistic) or min(policy.observation_window, q_len)
         counts = [self.tables.stored_count(row) for row in range(batch)]
         self._fit_stats(batch, max(counts))
-        mass = self._kernel_mass(query, scale, softcap, selected) if self.uses_kernels() else None
+        kernel = self.uses_kernels() and not self.is_quantized  # the mass kernel reads full precision only
+        mass = self._kernel_mass(query, scale, softcap, selected) if kernel else None
         for row in range(batch):
             n = counts[row]
             row_mass = mass[row, :, :n] if mass is not None else self._torch_mass(query, mask, scale, softcap, row, n, selected)

@@ -14,7 +14,8 @@ Reads: the `"paged"` attention (`QuantizedLayer.attend`) dequantizes runs of at 
 quantized tokens at a time and merges the chunks with an online softmax, so no full-precision copy of
 the quantized history ever exists (only a bounded transient one per chunk).
 Other attention implementations need K/V tensors from `update()`: they get a transient dequantized copy.
-The Triton kernels have no quantized variants yet; quantized layers always run the torch path.
+Under the Triton backend the kernels read the quantized prefix themselves (dequantizing in registers,
+`kernels.QuantizedKV`) and `kernels.quantize_blocks` seals blocks in one launch.
 """
 
 from __future__ import annotations
@@ -232,9 +233,6 @@ class QuantizedLayer(PagedLayer):
         # Sampled reconstruction error: per "key" / "value", [sum of sample means, samples, max].
         self.error_stats = {"key": [0.0, 0, 0.0], "value": [0.0, 0, 0.0]}
 
-    def uses_kernels(self) -> bool:
-        return False  # no quantized kernel variants yet: always the torch path
-
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self.qkey, self.qvalue = self._allocate_quantized(self.tables.qpool.num_blocks + 1)
@@ -281,13 +279,19 @@ class QuantizedLayer(PagedLayer):
         self._fit_pool()
         src = torch.tensor(sources, device=self.device)
         dst = torch.tensor(targets, device=self.device)
+        kernels = self.uses_kernels()
+        if kernels:  # one launch quantizes every block of K and V
+            from .kernels import quantize_blocks
+
+            fmt = self.kv_format
+            quantize_blocks(self.key_blocks, self.value_blocks, src, self.qkey, self.qvalue, dst, fmt.key, fmt.value)
         for name, blocks, fmt, fields in (
             ("key", self.key_blocks, self.kv_format.key, self.qkey),
             ("value", self.value_blocks, self.kv_format.value, self.qvalue),
         ):
-            exact = blocks.index_select(0, src)
-            fmt.quantize(exact, fields, dst)
-            sample = exact[:1].float()
+            if not kernels:
+                fmt.quantize(blocks.index_select(0, src), fields, dst)
+            sample = blocks[src[:1]].float()
             decoded = fmt.dequantize(fields, dst[:1])
             # Per token and head, relative to the head's mean token norm in the block (a near-zero token
             # would make its own norm a meaningless denominator).
@@ -335,6 +339,15 @@ class QuantizedLayer(PagedLayer):
         for ids, _index in _id_runs(self.tables.qtables[row], 0, self.options.block_size):
             yield self.kv_format.key.dequantize(self.qkey, ids).flatten(0, 1).transpose(0, 1)
         yield from super().stored_key_chunks(row)
+
+    def quantized_kv(self, plan: StepPlan, device: torch.device):
+        """The quantized prefix as the Triton kernels read it (`kernels.QuantizedKV`)."""
+        from .kernels.quantized import QuantizedKV
+
+        return QuantizedKV(
+            self.kv_format.key, self.kv_format.value, self.qkey, self.qvalue,
+            plan.tensor("quantized_block_tables", device), plan.tensor("quantized_lens", device),
+        )  # fmt: skip
 
     def _reads_quantized(self, plan: StepPlan) -> bool:
         return any(self._quantized_chunks(plan, row) for row in range(len(plan.quantized_tables)))

@@ -307,11 +307,11 @@ def test_full_precision_layers_and_overrides():
     assert not cache.layers[2].uses_kernels() and isinstance(cache.layers[2], QuantizedLayer)
 
 
-def test_triton_backend_keeps_quantized_layers_on_torch():
+def test_triton_backend_runs_quantized_layers_in_the_kernels():
     model = _model("llama_gqa")
     cache = PagedCache(model.config, block_size=BLOCK, quant="int8", backend="triton", quant_layers={0: None})
     _generate(model, "paged", cache, new_tokens=1)
-    assert cache.layers[0].uses_kernels() and not cache.layers[1].uses_kernels()
+    assert cache.layers[0].uses_kernels() and cache.layers[1].uses_kernels() and cache.layers[1].is_quantized
 
 
 # ---------------------------------------------------------------------------------------------- the real model

@@ -57,3 +57,33 @@ def test_generate_through_kernels_matches_dynamic_cache(name, chunked, monkeypat
     assert torch.equal(actual.sequences, expected.sequences)
     for got, want in zip(actual.scores, expected.scores):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("quant", ["int4", "K4V2", "fp8_e4m3"])
+def test_quantized_generate_through_kernels_matches_the_torch_path(quant, monkeypatch):
+    """Sealing (`quantize_blocks`) and the quantized decode / prefill variants, interpreted, give the
+    torch path's tokens and scores, with a quantized prefix that grows while generating."""
+    torch.manual_seed(0)
+    model = MODELS["llama"]().eval()
+    ids = torch.randint(1, 96, (2, 13))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                    output_scores=True, return_dict_in_generate=True, eos_token_id=None, prefill_chunk_size=8)  # fmt: skip
+    options = dict(block_size=4, quant=quant, residual_length=4)
+    model.set_attn_implementation("paged")
+    expected = model.generate(**settings, cache=PagedCache(model.config, backend="torch", **options))
+    calls = []
+    kernel_attention = attention._kernel_attention
+    monkeypatch.setattr(
+        attention, "_kernel_attention", lambda query, paged_kv, *args: calls.append(
+            int(paged_kv.plan.tensor("quantized_lens", query.device).sum())
+        ) or kernel_attention(query, paged_kv, *args)
+    )  # fmt: skip
+    cache = PagedCache(model.config, backend="triton", **options)
+    actual = model.generate(**settings, cache=cache)
+    assert any(calls), "no kernel call read a quantized prefix"
+    assert cache.metrics().quantized_tokens > 0
+    assert torch.equal(actual.sequences, expected.sequences)
+    for got, want in zip(actual.scores, expected.scores):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
