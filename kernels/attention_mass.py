@@ -17,8 +17,9 @@ in two passes as FlashAttention's backward pass does:
 Queries follow ``paged_prefill_attention``'s layout (right-aligned ragged batch, the cache's own
 convention): the last ``query_lens[b]`` of the ``q_len`` positions of row b are real and are its
 stored tokens ``seq_len - query_lens[b] .. seq_len - 1``; leading positions are padding. Both kernels
-reuse the prefill kernel's tile sizes (``prefill_meta``): they hold strictly less (no V tile, and a
-``[BLOCK_M, BLOCK_N]`` accumulator instead of ``[BLOCK_M, BLOCK_D]``), so those tiles cannot spill here.
+reuse the prefill kernel's tile sizes (``prefill_meta``): they hold less (no V tile, and a
+``[BLOCK_M, BLOCK_N]`` accumulator instead of ``[BLOCK_M, BLOCK_D]``). One exception, measured with
+``compile_check``: pass 2 with fp32 (FMA) dots runs single-stage, see ``plan_paged_attention_mass``.
 """
 
 from __future__ import annotations
@@ -273,13 +274,16 @@ def plan_paged_attention_mass(
     )  # fmt: skip
     scalars = dict(scale=float(scale), softcap=float(softcap), window=int(sliding_window))
     rows = batch * num_kv_heads
+    # Software-pipelining pass 2's query loads (num_stages=2) makes its fp32 (FMA-dot) variants spill
+    # 150-2500 bytes per thread next to the resident key tile; one stage keeps them at ~60 registers.
+    mass_stages = 1 if constexprs["DOT_DTYPE"] == tl.float32 else num_stages
     lse_pass = Launch(
         _mass_lse_kernel, (triton.cdiv(num_sel, constexprs["TILE_Q"]), rows),
         dict(args, **scalars), constexprs, num_warps, num_stages,
     )  # fmt: skip
     mass_pass = Launch(
         _mass_kernel, (triton.cdiv(num_keys, constexprs["BLOCK_N"]), rows),
-        dict(args, out_ptr=out, num_keys=num_keys, **scalars), constexprs, num_warps, num_stages,
+        dict(args, out_ptr=out, num_keys=num_keys, **scalars), constexprs, num_warps, mass_stages,
     )  # fmt: skip
     return out, [lse_pass, mass_pass]
 
