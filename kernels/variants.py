@@ -18,6 +18,7 @@ import torch
 
 from hf_paged_cache.quantization import parse_kv_format
 
+from .attention_mass import plan_paged_attention_mass
 from .cache_write import plan_write_kv
 from .common import Launch
 from .layout import allocate_kv_blocks
@@ -78,6 +79,8 @@ def example_launches(
     query = torch.zeros(_BATCH, 3, q_heads, head_dim, dtype=dtype)
     _, launches = plan_paged_prefill(query, k_cache, v_cache, block_tables, seq_lens, seq_lens, 1.0, softcap=softcap)
     labelled += [("prefill", launch) for launch in launches]
+    _, launches = plan_paged_attention_mass(query, k_cache, block_tables, seq_lens, seq_lens, 1.0, softcap=softcap)
+    labelled += zip(["mass_lse", "mass"], launches)
     return labelled
 
 
