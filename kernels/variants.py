@@ -95,6 +95,8 @@ def quantized_grid(
     bounded; register use depends mostly on the format, the head dim and the block size.
     """
     axes = (dtypes, head_dims, block_sizes, groups)
+    if not all(axes):  # an axis narrowed to values outside the quantized grid: no quantized points
+        return
     seen = set()
     for f, kv_format in enumerate(formats):
         pattern = _PATTERNS[f % len(_PATTERNS)]
