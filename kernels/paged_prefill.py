@@ -172,8 +172,10 @@ def prefill_meta(
         USE_SOFTCAP=softcap > 0,
         DOT_DTYPE=dot_dtype,
     )
-    # Quantized tiles are dequantized in float32 registers before the dot: 8 warps keep them spill-free.
-    return constexprs, 8 if fma or quantized else 4, 2
+    # Quantized tiles are dequantized in float32 registers before the dot: 8 warps and no software
+    # pipelining (whose prefetched tiles would sit in registers too; prefill is compute-bound) keep them
+    # within ~200 registers on sm80.
+    return constexprs, 8 if fma or quantized else 4, 1 if quantized else 2
 
 
 def plan_paged_prefill(
