@@ -72,7 +72,7 @@ class PagedCacheConfig:
         backend: who reads and writes blocks under the `"paged"` attention: `"auto"` runs the Triton
             kernels on CUDA tensors and torch elsewhere; `"torch"` always torch; `"triton"` always the
             kernels (on CPU only under `TRITON_INTERPRET=1`, which is how the tests check them).
-            Quantized layers always run torch (the kernels have no quantized variants yet).
+            Quantized layers run the kernels too (dequantizing in registers).
         quant: KV quantization of every attention layer: None (full precision) or a format spec of
             `parse_kv_format`: "int8", "int4", "int2", "fp8" / "fp8_e4m3", "fp8_e5m2", "K4V2", "K8V4", ...
         quant_layers: `{layer index: spec or None}`, overriding `quant` and `full_precision_layers` for
