@@ -70,8 +70,11 @@ def format_constexprs(fmt: QuantFormat, block_size: int, head_dim: int) -> dict:
     - ``GROUP``: channels sharing a scale (``head_dim`` when a whole head does).
 
     Kernels reshape a head into ``[groups, GROUP]`` to reduce or expand per-group metadata, which needs a
-    power-of-two ``GROUP`` unless a single group spans the head: other formats raise a ValueError.
+    power-of-two ``GROUP`` unless a single group spans the head, and tile whole blocks, which needs a
+    power-of-two ``block_size``: other combinations raise a ValueError naming the format.
     """
+    if not _is_power_of_two(block_size):
+        raise ValueError(f"no kernel variant for {fmt!r} at block_size {block_size}: it must be a power of two")
     if isinstance(fmt, Int8):
         return dict(KIND=KIND_INT8, BITS=8, PER_TOKEN=True, GROUP=head_dim)
     if isinstance(fmt, FP8):

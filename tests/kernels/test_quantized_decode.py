@@ -15,7 +15,7 @@ from quantized_testing import QuantizedPagedKV, format_params, sdpa_row
 from hf_paged_cache.kernels import QuantizedKV, paged_decode_attention, paged_decode_attention_ref
 from hf_paged_cache.kernels.paged_decode import plan_paged_decode
 from hf_paged_cache.kernels.quantized import format_constexprs
-from hf_paged_cache.quantization import IntN
+from hf_paged_cache.quantization import Int8, IntN
 
 
 def rows_for(block_size):
@@ -92,6 +92,8 @@ def test_quantized_decode_reference_matches_dense(generator, randn, window):
 def test_unsupported_format_names_it():
     with pytest.raises(ValueError, match="group_size=48"):
         format_constexprs(IntN(4, "token", group_size=48), 16, 96)
+    with pytest.raises(ValueError, match="Int8.*block_size 24"):
+        format_constexprs(Int8(), 24, 64)
 
 
 def test_mismatched_fields_are_rejected(generator, randn):
