@@ -11,6 +11,7 @@ no local arrays, so any STACK or LOCAL bytes are register spills). Exits 1 if an
     python -m hf_paged_cache.kernels.compile_check                 # everything: 1288 compiles, ~11 CPU-minutes
     python -m hf_paged_cache.kernels.compile_check --dtypes bf16 --head-dims 80 --archs 90
     python -m hf_paged_cache.kernels.compile_check --formats int4 K4V2 --archs 90   # quantized variants only
+    python -m hf_paged_cache.kernels.compile_check --formats none                    # unquantized variants only
 
 Must run with TRITON_INTERPRET unset. The signature mirrors the JIT's default specialisation (pointers
 and integers divisible by 16 are marked so); other value specialisations the JIT may apply at run
