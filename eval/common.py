@@ -72,19 +72,25 @@ def _value(key: str, raw: str):
     return raw
 
 
-def parse_cache_spec(text: str) -> CacheSpec:
-    """`"paged:block_size=32,attn=paged"` -> CacheSpec(kind="paged", options={"block_size": 32}, attn="paged")."""
+def parse_spec(text: str, known, what: str = "cache spec") -> tuple[str, dict]:
+    """`"KIND:KEY=VALUE,..."` -> `(kind, {key: value})`, `kind` one of `known` (values typed by `_value`)."""
     kind, _, rest = text.strip().partition(":")
     kind = kind.strip().lower()
-    if kind not in CACHE_KINDS:
-        raise ValueError(f"cache spec {text!r}: unknown kind {kind!r}; known kinds: {', '.join(CACHE_KINDS)}")
+    if kind not in known:
+        raise ValueError(f"{what} {text!r}: unknown kind {kind!r}; known kinds: {', '.join(known)}")
     options: dict = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, eq, raw = item.partition("=")
         if not eq or not key.strip():
-            raise ValueError(f"cache spec {text!r}: {item!r} is not KEY=VALUE")
+            raise ValueError(f"{what} {text!r}: {item!r} is not KEY=VALUE")
         key = key.strip()
         options[key] = _value(key, raw.strip())
+    return kind, options
+
+
+def parse_cache_spec(text: str) -> CacheSpec:
+    """`"paged:block_size=32,attn=paged"` -> CacheSpec(kind="paged", options={"block_size": 32}, attn="paged")."""
+    kind, options = parse_spec(text, CACHE_KINDS)
     attn = options.pop(ATTN_KEY, "sdpa")
     return CacheSpec(text=text.strip(), kind=kind, options=options, attn=str(attn))
 
@@ -169,8 +175,19 @@ def cache_bytes(cache) -> dict:
 TINY_LLAMA = "tiny-llama"
 
 
+@dataclass(frozen=True)
+class Codec:
+    """A model's text <-> token ids: `codec(text) -> list[int]`, `codec.decode(ids) -> str`."""
+
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+
+    def __call__(self, text: str) -> list[int]:
+        return self.encode(text)
+
+
 def load_model(name: str, dtype: torch.dtype = torch.float32):
-    """`(model, encode)`: `encode(text) -> list[int]`.
+    """`(model, encode)`: `encode(text) -> list[int]`, and `encode.decode(ids) -> str` (a `Codec`).
 
     `smollm2` is SmolLM2-135M-Instruct from its PyPI wheel; `tiny-llama` is a 2-layer random-weight
     Llama over bytes (for smoke tests: its perplexity means nothing); anything else is a local path or
@@ -192,13 +209,34 @@ def load_model(name: str, dtype: torch.dtype = torch.float32):
         model = LlamaForCausalLM(config).to(dtype).eval()
         model.generation_config.pad_token_id = 0
         model.generation_config.eos_token_id = None
-        return model, lambda text: list(text.encode("utf-8"))
+        return model, Codec(lambda text: list(text.encode("utf-8")), lambda ids: bytes(ids).decode("utf-8", "replace"))
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
-    return model, lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    return model, Codec(lambda text: tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.decode)
+
+
+# ---------------------------------------------------------------------------------------------- scoring
+def next_token_nll(
+    model, ids: torch.Tensor, cache, start: int, tokens: int, progress: bool = False, label: str = "",
+    after_step: Callable[[int], None] | None = None,
+) -> float:
+    """Feed `ids[start + i]` for i < `tokens`, one forward each through `cache`, and return the summed
+    negative log-likelihood of each next token `ids[start + i + 1]`. `after_step(fed)` runs after each
+    forward, `fed` = tokens fed into the cache so far (`start + i + 1`)."""
+    from tqdm.auto import tqdm
+    import torch.nn.functional as F
+
+    nll = 0.0
+    with torch.inference_mode():
+        for position in tqdm(range(start, start + tokens), desc=label, disable=not progress, leave=False, mininterval=1.0):
+            logits = model(input_ids=ids[None, position : position + 1], cache=cache, use_cache=True).logits
+            nll -= F.log_softmax(logits[0, -1].float(), dim=-1)[ids[position + 1]].item()
+            if after_step is not None:
+                after_step(position + 1)
+    return nll
 
 
 # ---------------------------------------------------------------------------------------------- text

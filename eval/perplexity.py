@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -30,17 +29,11 @@ import common  # noqa: E402
 
 def score(model, ids: torch.Tensor, cache, prefill: int, tokens: int, progress: bool, label: str) -> dict:
     """Prefill ids[:prefill], then feed ids[prefill + i] and score ids[prefill + i + 1] for i < tokens."""
-    from tqdm.auto import tqdm
-
-    nll = 0.0
     with torch.inference_mode():
         model(input_ids=ids[None, :prefill], cache=cache, use_cache=True, logits_to_keep=1)
-        start = time.perf_counter()
-        for i in tqdm(range(tokens), desc=label, disable=not progress, leave=False, mininterval=1.0):
-            position = prefill + i
-            logits = model(input_ids=ids[None, position : position + 1], cache=cache, use_cache=True).logits
-            nll -= F.log_softmax(logits[0, -1].float(), dim=-1)[ids[position + 1]].item()
-        seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    nll = common.next_token_nll(model, ids, cache, prefill, tokens, progress, label)
+    seconds = time.perf_counter() - start
     stored = cache.get_seq_length()
     memory = common.cache_bytes(cache)
     return {
