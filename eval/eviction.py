@@ -58,6 +58,7 @@ POLICIES = {"streaming": StreamingLLM, "h2o": H2O, "snapkv": SnapKV, "tova": TOV
             "keep_ratio": KeepRatio, "random": RandomEviction}  # fmt: skip
 FULL = "full"
 NEVER = 10**9  # evict_every: compress after the prompt, never while decoding
+BLOCK = 16  # tokens per block of every cache
 TASKS = {"a": "compress", "b": "passkey", "c": "decode", "d": "peak"}
 DEFAULT_POLICIES = {"compress": list(POLICIES), "passkey": list(POLICIES), "decode": ["streaming", "h2o", "tova"],
                     "peak": ["snapkv", "h2o"]}  # fmt: skip
@@ -91,7 +92,7 @@ def make_policy(text: str, budget: int, args):
 def new_cache(model, policy, **options) -> PagedCache:
     """A PagedCache evicting with `policy` (None: no eviction), read by the "paged" attention."""
     common.use_attention(model, "paged")
-    return PagedCache(model.config, eviction=policy, **options)
+    return PagedCache(model.config, block_size=BLOCK, eviction=policy, **options)
 
 
 def forward(model, cache, ids, **kwargs) -> torch.Tensor:
@@ -271,7 +272,7 @@ def task_decode(model, encode, ids: torch.Tensor, args) -> dict:
             "trace": trace,
         })  # fmt: skip
         print(f"  {name}: ppl {rows[-1]['perplexity']:.4f} in {rows[-1]['seconds']:.1f} s", flush=True)
-    full, flat_bound = rows[0]["perplexity"], 1 + args.block_size / args.decode_budget
+    full, flat_bound = rows[0]["perplexity"], 1 + BLOCK / args.decode_budget
     for row in rows:
         row["delta_pct"] = 100.0 * (row["perplexity"] / full - 1.0)
         row["flat"] = None if row["max_over_min_bytes"] is None else row["max_over_min_bytes"] <= flat_bound + 1e-9
@@ -317,7 +318,7 @@ def prefill_peak(model, cache, ids: torch.Tensor, chunk: int) -> int:
 
 def task_peak(model, encode, ids: torch.Tensor, args) -> dict:
     per_token = kv_bytes_per_token(model.config, model.dtype)
-    bound = (args.peak_budget + args.peak_chunk + args.block_size) * per_token
+    bound = (args.peak_budget + args.peak_chunk + BLOCK) * per_token
     runs = [(FULL, None)] + [(name, between) for name in args.policies["peak"] for between in (True, False)]
     rows = []
     for name, between in runs:
@@ -372,7 +373,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--sinks", type=int, default=4, help="tokens at the start never evicted")
     parser.add_argument("--window", type=int, help="recent tokens never evicted (32; 8 with --quick)")
-    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--offset", type=int, default=0, help="first token of the text for compress/decode/peak")
     parser.add_argument("--seed", type=int, default=0, help="seed of the pass keys")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")

