@@ -29,7 +29,9 @@ class CacheMetrics:
     head's mean token norm in the block), sampled on the first block sealed at each step.
 
     Eviction: `evictions` counts row compactions and `evicted_tokens` the tokens they dropped (summed
-    over layers); the freed blocks show as a drop in `blocks_used` / `used_bytes`.
+    over layers); the freed blocks show as a drop in `blocks_used` / `used_bytes`. Token and block
+    counts are sums over groups, and with eviction every full-attention layer is its own group, so
+    `tokens_stored` then counts each layer's tokens (per-group figures are in `groups`).
     """
 
     block_size: int
