@@ -36,6 +36,7 @@ from .common import (
     is_interpreted,
     last_dim_contiguous,
     load_kv_tile,
+    paged_offsets,
     row_max,
     row_sum,
     softcap_logits,
@@ -50,8 +51,7 @@ def _load_keys(k_head_ptr, table_ptr, k_pos, key_hi, stride_kv_block, stride_kv_
     """Keys ``k_pos`` (those >= key_hi masked to 0) of one row and KV head, gathered through the block table."""
     offs_d = tl.arange(0, BLOCK_D)
     k_valid = k_pos < key_hi
-    block_id = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=k_valid, other=0)
-    tok_off = block_id.to(tl.int64) * stride_kv_block + (k_pos % BLOCK_SIZE) * stride_kv_tok
+    tok_off = paged_offsets(table_ptr, k_pos, k_valid, stride_kv_block, stride_kv_tok, BLOCK_SIZE)
     return load_kv_tile(k_head_ptr, tok_off, offs_d, k_valid[:, None] & (offs_d[None, :] < HEAD_DIM), DOT_DTYPE)
 
 

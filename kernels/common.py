@@ -145,6 +145,21 @@ def visible(q_pos, k_pos, window):
 
 
 @triton.jit
+def block_slots(table_ptr, k_pos, valid, BLOCK_SIZE: tl.constexpr):
+    """Where stored indices ``k_pos`` of one row live: (block id as int64, slot inside the block), read
+    through the row's block table at ``table_ptr``; invalid positions read block 0 and must stay masked."""
+    block_id = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    return block_id, k_pos % BLOCK_SIZE
+
+
+@triton.jit
+def paged_offsets(table_ptr, k_pos, valid, stride_block, stride_tok, BLOCK_SIZE: tl.constexpr):
+    """Element offsets of tokens ``k_pos`` of one row in a ``[blocks, tokens, ...]`` pool (``block_slots``)."""
+    block_id, tok = block_slots(table_ptr, k_pos, valid, BLOCK_SIZE)
+    return block_id * stride_block + tok * stride_tok
+
+
+@triton.jit
 def load_kv_tile(head_ptr, tok_off, offs_d, mask, DOT_DTYPE: tl.constexpr):
     """[BLOCK_N, BLOCK_D] tile of one KV head; ``tok_off`` holds each token's offset in the cache."""
     return tl.load(head_ptr + tok_off[:, None] + offs_d[None, :], mask=mask, other=0.0).to(DOT_DTYPE)
@@ -229,8 +244,7 @@ def attend_key_range(
     for start in range(key_lo, key_hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         k_valid = k_pos < key_hi
-        block_id = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=k_valid, other=0)
-        tok_off = block_id.to(tl.int64) * stride_kv_block + (k_pos % BLOCK_SIZE) * stride_kv_tok
+        tok_off = paged_offsets(table_ptr, k_pos, k_valid, stride_kv_block, stride_kv_tok, BLOCK_SIZE)
         kv_mask = k_valid[:, None] & d_mask[None, :]
         k = load_kv_tile(k_head_ptr, tok_off, offs_d, kv_mask, DOT_DTYPE)
         v = load_kv_tile(v_head_ptr, tok_off, offs_d, kv_mask, DOT_DTYPE)
@@ -290,8 +304,7 @@ def attend_quantized_range(
     for start in range(key_lo, key_hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         valid = k_pos < key_hi
-        block_id = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        tok = k_pos % BLOCK_SIZE
+        block_id, tok = block_slots(table_ptr, k_pos, valid, BLOCK_SIZE)
         k = load_quantized_tile(
             k_codes, k_scales, k_zeros, table_ptr, start, key_hi, block_id, tok, valid,
             stride_kcode_block, stride_kcode_tok, stride_kmeta_block, stride_kmeta_tok,
