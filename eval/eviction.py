@@ -60,7 +60,7 @@ FULL = "full"
 NEVER = 10**9  # evict_every: compress after the prompt, never while decoding
 BLOCK = 16  # tokens per block of every cache
 TASKS = {"a": "compress", "b": "passkey", "c": "decode", "d": "peak"}
-DEFAULT_POLICIES = {"compress": list(POLICIES), "passkey": list(POLICIES), "decode": ["streaming", "h2o", "tova"],
+DEFAULT_POLICIES = {"compress": list(POLICIES), "passkey": list(POLICIES), "decode": ["streaming", "h2o", "h2o:decay=0.99", "tova"],
                     "peak": ["snapkv", "h2o"]}  # fmt: skip
 SIZES = {  # option: (full run, --quick)
     "context": (2048, 256), "score_tokens": (256, 16), "ratios": ([0.5, 0.25, 0.125], [0.5, 0.25, 0.125]),
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="compress passkey decode peak (or a b c d); default: all")
     parser.add_argument("--policies", nargs="+", metavar="SPEC",
                         help=f"policies for every task ({', '.join(POLICIES)}, with :KEY=VALUE options); "
-                             "default per task: compress/passkey all, decode streaming h2o tova, peak snapkv h2o")
+                             "default per task: compress/passkey all, decode streaming h2o h2o:decay=0.99 tova, peak snapkv h2o")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny-llama and tiny sizes")
     parser.add_argument("--model", help="smollm2 (default) | tiny-llama (default with --quick) | a path or hub id")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])

@@ -131,7 +131,8 @@ class StreamingLLM(EvictionPolicy):
 class H2O(EvictionPolicy):
     """Heavy hitters (Zhang et al. 2023): the accumulated attention each token received, plus the
     recent window. `decay` < 1 weights recent attention more (the running sum is multiplied by `decay`
-    before each step adds its mass)."""
+    before each step adds its mass); evicting while decoding long texts, prefer it (e.g. 0.99): pure
+    sums favour the oldest tokens (docs/BENCHMARKS.md, decode-time eviction)."""
 
     decay: float | None = None
     statistic: ClassVar[str | None] = "accumulate"
