@@ -9,6 +9,7 @@ tables (any attention implementation) or leaves them in place for the `"paged"` 
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -377,23 +378,30 @@ class PagedSlidingLayer(PagedLayer):
 def _attention_mass(queries: torch.Tensor, chunks, visible: torch.Tensor, group: int, scale: float, softcap) -> torch.Tensor:
     """Per key, the softmax probability summed over `queries` `[kv_heads, group * s, d]` (float32) over
     the key chunks `[kv_heads, n_i, d]` that `chunks()` yields in order (called twice: once for the
-    log-sum-exp, once for the probabilities); `visible` `[s, sum n_i]`. Returns `[kv_heads, sum n_i]`."""
+    log-sum-exp, once for the probabilities; a single chunk takes one softmax); `visible` `[s, sum n_i]`.
+    Returns `[kv_heads, sum n_i]`."""
     visible = visible[None].expand(group, -1, -1).reshape(1, -1, visible.shape[-1])  # [1, g*s, n]
 
     def logits(chunk: torch.Tensor, start: int) -> torch.Tensor:
-        out = torch.matmul(queries, chunk.float().transpose(-1, -2)) * scale
+        out = torch.matmul(queries, chunk.float().transpose(-1, -2)).mul_(scale)
         if softcap is not None:
-            out = softcap * torch.tanh(out / softcap)
-        return out.masked_fill(~visible[..., start : start + chunk.shape[1]], float("-inf"))
+            out = out.div_(softcap).tanh_().mul_(softcap)
+        return out.masked_fill_(~visible[..., start : start + chunk.shape[1]], float("-inf"))
 
+    stream = chunks()
+    head = list(itertools.islice(stream, 2))
+    if not head:
+        return queries.new_zeros(queries.shape[0], 0)
+    if len(head) == 1:  # the row is one chunk (full precision): one fused softmax, a query seeing no key adds 0
+        return torch.softmax(logits(head[0], 0), dim=-1).nan_to_num_(0.0).sum(dim=1)
     lse, start = None, 0
-    for chunk in chunks():
+    for chunk in itertools.chain(head, stream):
         part = torch.logsumexp(logits(chunk, start), dim=-1)
         lse = part if lse is None else torch.logaddexp(lse, part)
         start += chunk.shape[1]
     masses, start = [], 0
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse) if lse is not None else None
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     for chunk in chunks():
         masses.append(torch.exp(logits(chunk, start) - safe[..., None]).sum(dim=1))
         start += chunk.shape[1]
-    return torch.cat(masses, dim=-1) if masses else queries.new_zeros(queries.shape[0], 0)
+    return torch.cat(masses, dim=-1)
