@@ -60,8 +60,8 @@ FULL = "full"
 NEVER = 10**9  # evict_every: compress after the prompt, never while decoding
 BLOCK = 16  # tokens per block of every cache
 TASKS = {"a": "compress", "b": "passkey", "c": "decode", "d": "peak"}
-DEFAULT_POLICIES = {"compress": list(POLICIES), "passkey": list(POLICIES), "decode": ["streaming", "h2o", "h2o:decay=0.99", "tova"],
-                    "peak": ["snapkv", "h2o"]}  # fmt: skip
+DEFAULT_POLICIES = {"compress": list(POLICIES), "passkey": list(POLICIES),
+                    "decode": ["streaming", "h2o", "h2o:decay=0.99", "tova"], "peak": ["snapkv", "h2o"]}  # fmt: skip
 SIZES = {  # option: (full run, --quick)
     "context": (2048, 256), "score_tokens": (256, 16), "ratios": ([0.5, 0.25, 0.125], [0.5, 0.25, 0.125]),
     "lengths": ([2048, 4096], [256, 512]), "depths": ([0.1, 0.5, 0.9], [0.1, 0.5, 0.9]), "trials": (6, 1),

@@ -380,7 +380,7 @@ def _attention_mass(queries: torch.Tensor, chunks, visible: torch.Tensor, group:
     the key chunks `[kv_heads, n_i, d]` that `chunks()` yields in order (called twice: once for the
     log-sum-exp, once for the probabilities; a single chunk takes one softmax); `visible` `[s, sum n_i]`.
     Returns `[kv_heads, sum n_i]`."""
-    visible = visible[None].expand(group, -1, -1).reshape(1, -1, visible.shape[-1])  # [1, g*s, n]
+    visible = visible[None].expand(group, -1, -1).reshape(1, group * visible.shape[0], visible.shape[1])  # [1, g*s, n]
 
     def logits(chunk: torch.Tensor, start: int) -> torch.Tensor:
         out = torch.matmul(queries, chunk.float().transpose(-1, -2)).mul_(scale)

@@ -25,6 +25,7 @@ from hf_paged_cache import (
     StreamingLLM,
     pyramid_budgets,
 )
+from hf_paged_cache import layers
 from hf_paged_cache.eviction import choose_kept
 
 BLOCK = 4
@@ -302,6 +303,28 @@ def test_quantized_survivors_stay_quantized():
 
     _decode(model, cache, input_ids, torch.ones_like(input_ids), 16, check)
     assert cache.metrics().evicted_tokens > 0 and cache.metrics().quantized_tokens > 0
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_attention_mass_one_chunk_and_chunked_agree_with_a_dense_softmax(softcap):
+    """The torch statistics take one softmax for a row held in one chunk and two passes over several
+    chunks (quantized rows); both equal a dense softmax, and a query that sees no key adds nothing."""
+    gen = torch.Generator().manual_seed(0)
+    kv_heads, group, queries, keys, dim = 2, 3, 5, 11, 8
+    q = torch.randn(kv_heads, group * queries, dim, generator=gen)
+    k = torch.randn(kv_heads, keys, dim, generator=gen)
+    visible = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
+    visible[0] = False  # e.g. a padded query
+    logits = q @ k.transpose(-1, -2) * 0.3
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    mask = visible[None].expand(group, -1, -1).reshape(1, -1, keys)
+    expected = torch.softmax(logits.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0).sum(1)
+    one = layers._attention_mass(q, lambda: iter([k]), visible, group, 0.3, softcap)
+    split = layers._attention_mass(q, lambda: iter([k[:, :4], k[:, 4:9], k[:, 9:]]), visible, group, 0.3, softcap)
+    torch.testing.assert_close(one, expected)
+    torch.testing.assert_close(split, expected)
+    assert layers._attention_mass(q, lambda: iter([]), visible[:, :0], group, 0.3, softcap).shape == (kv_heads, 0)
 
 
 @pytest.mark.parametrize("policy", [H2O, SnapKV])
