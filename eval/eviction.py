@@ -296,20 +296,21 @@ def task_decode(model, encode, ids: torch.Tensor, args) -> dict:
 def prefill_peak(model, cache, ids: torch.Tensor, chunk: int) -> int:
     """Feed `ids` in chunks; the peak of `metrics().used_bytes`, also inside each forward: the cache
     allocates every layer's blocks for a chunk when the first layer writes, and each layer evicts right
-    after its attention, so the peak is seen just before a layer's `after_attention`."""
+    after its attention, so the peak is seen just before the evictor's `after_attention` for a layer."""
     peak = 0
 
     def record() -> None:
         nonlocal peak
         peak = max(peak, cache.metrics().used_bytes)
 
-    evict = cache.after_attention
+    if cache.evictor is not None:
+        evict = cache.evictor.after_attention
 
-    def after_attention(layer, q_len: int) -> None:
-        record()
-        evict(layer, q_len)
+        def after_attention(*args) -> None:
+            record()
+            evict(*args)
 
-    cache.after_attention = after_attention  # an instance attribute: this cache only
+        cache.evictor.after_attention = after_attention  # an instance attribute: this cache's evictor only
     for first in range(0, len(ids), chunk):
         forward(model, cache, ids[first : first + chunk])
         record()

@@ -11,11 +11,11 @@ the torch path below, which reads a single row's blocks as a view when they form
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .layers import PAGED_KV_KWARG, PagedKV
+from .torch_attention import attend
 
 ATTENTION_NAME = "paged"
 
@@ -58,53 +58,8 @@ def paged_attention_forward(
         out = paged_kv.layer.attend(query, paged_kv.plan, attention_mask, scale, softcap).transpose(1, 2)
     else:
         out = attend(query, *paged_kv.read(attention_mask, query.shape[2]), scale, softcap).transpose(1, 2)
-    layer = paged_kv.layer
-    if layer.eviction_policy is not None:
-        if layer.eviction_policy.statistic is not None:  # eviction scores: only when a policy asks
-            layer.record_attention(query, attention_mask, scale, softcap, layer.eviction_policy)
-        layer._owner.after_attention(layer, query.shape[2])
+    paged_kv.finish(query, attention_mask, scale, softcap)  # eviction statistics and triggers, if any
     return out.contiguous(), None
-
-
-def attend(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Attention of `query` `[b, heads, q, d]` over `key`/`value` `[b, kv_heads, n, d]` (grouped heads).
-
-    `mask` is boolean `[b, 1, q, n]` (True = attend) or None, meaning causal with the queries aligned to
-    the last `q` keys. Query rows with nothing to attend to return 0, never NaN.
-    """
-    q_len, n = query.shape[2], key.shape[2]
-    if mask is None and q_len > 1:
-        mask = torch.ones(q_len, n, dtype=torch.bool, device=query.device).tril(n - q_len)[None, None]
-    if softcap is None:
-        out = F.scaled_dot_product_attention(
-            query, key.to(query.dtype), value.to(query.dtype), attn_mask=mask, scale=scale,
-            enable_gqa=query.shape[1] != key.shape[1],
-        )  # fmt: skip
-    else:
-        out = _softcapped_attention(query, key.to(query.dtype), value.to(query.dtype), mask, scale, softcap)
-    if mask is not None:
-        out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
-    return out
-
-
-def _softcapped_attention(query, key, value, mask, scale: float, softcap: float) -> torch.Tensor:
-    """Gemma-2-style logit soft-capping (`softcap * tanh(logits / softcap)`), which SDPA cannot do."""
-    batch, heads, q_len, head_dim = query.shape
-    groups = heads // key.shape[1]
-    grouped = query.view(batch, key.shape[1], groups, q_len, head_dim)
-    logits = torch.matmul(grouped, key.unsqueeze(2).transpose(-1, -2)) * scale
-    logits = softcap * torch.tanh(logits / softcap)
-    if mask is not None:
-        logits = logits.masked_fill(~mask.unsqueeze(1), float("-inf"))
-    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(weights, value.unsqueeze(2)).view(batch, heads, q_len, value.shape[-1])
 
 
 def _kernel_attention(query: torch.Tensor, paged_kv: PagedKV, scale: float, softcap: float | None) -> torch.Tensor:

@@ -1,29 +1,26 @@
-"""Per-row block tables of one group of layers that always hold the same tokens.
+"""The rows of one group of layers that always hold the same tokens, and the planning of a step for them.
 
-All full-attention layers of a model see the same tokens, so they share one set of tables (and one
+All full-attention layers of a model see the same tokens, so they share one `BlockTables` (and one
 `BlockPool` of ids); sliding-window layers of one window size share another. A layer's storage is
 indexed by these ids, so a step is planned once per group and every layer of the group reuses the plan.
-
-Per row the state is explicit:
-- `pads[b]`: left-padding tokens, which occupy no blocks;
-- `base[b]`: logical position held by slot 0 of the row's first block (tokens are stored contiguously
-  from there on; sliding groups advance it when whole blocks leave the window);
-- `tables[b]`: block ids, in order;
-- `run_from[b]`: index in `tables[b]` from which the ids are consecutive, so a read that starts there
-  is a view of the storage rather than a copy.
-The logical length (`length`) counts pads and is shared by every row, as in `DynamicCache`.
+Each row's state is one `Row` record (`rows.py`); the logical length (`length`) counts pads and is shared
+by every row, as in `DynamicCache`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from .block_pool import NULL_BLOCK, BlockPool
+from .rows import BlockList, Row, blocks_freed
+
+BlockCopier = Callable[[list[int], list[int]], None]  # (source ids, target ids): copy contents in every layer
 
 
-def _ceil_div(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -31,7 +28,7 @@ def _ceil_div(a: int, b: int) -> int:
 class StepPlan:
     """What one forward step writes and reads for a group; computed once, used by each of its layers.
 
-    Stored indices count a row's stored tokens from slot 0 of its first block.
+    Stored indices count a row's full-precision tokens from slot 0 of its first block.
     """
 
     q_len: int
@@ -46,18 +43,26 @@ class StepPlan:
     padding_exact: bool  # every stored token is a real one (no padding was stored)
     tables: BlockTables
     # Per row, the logical position of slot 0 of the first full-precision block (virtual after an
-    # eviction compacted the row: see `BlockTables.compact`).
+    # eviction compacted the row: see `Row.base`).
     base: list[int] = field(default_factory=list)
-    # Quantized groups only: per row, the sealed (quantized) block ids that precede the full-precision blocks.
+    # Per row, the sealed (quantized) block ids that precede the full-precision blocks (empty lists
+    # in a full-precision group).
     quantized_tables: list[list[int]] = field(default_factory=list)
     _memo: dict = field(default_factory=dict, repr=False)
 
+    def cached(self, key, build: Callable[[], object]):
+        """`build()`, computed once per step and shared by the group's layers."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
     def tensor(self, name: str, device: torch.device) -> torch.Tensor:
         """A plan tensor on `device`, built and moved once per step (each layer may live elsewhere)."""
-        key = (name, device)
-        if key not in self._memo:
-            self._memo[key] = self._build(name).to(device)
-        return self._memo[key]
+        return self.cached((name, device), lambda: self._build(name).to(device))
+
+    def slots(self, row: int, first: int, count: int) -> torch.Tensor:
+        """Slots of the row's stored tokens [first, first + count)."""
+        return self.tables.slots(row, first, count)
 
     def _build(self, name: str) -> torch.Tensor:
         if name in ("write_slots", "write_tokens"):
@@ -71,11 +76,12 @@ class StepPlan:
             return self.tables.gather_slots(self.kv_offset, self.new_len)
         if name == "block_tables":
             return self.tables.table_tensor().to(torch.int32)
+        bs = self.tables.block_size
         if name == "seq_lens":  # every stored token the kernels read: a quantized prefix, then full precision
-            prefix = [len(table) * self.tables.block_size for table in self.quantized_tables] or [0] * len(self.read_stop)
-            return torch.tensor([q + stop for q, stop in zip(prefix, self.read_stop)], dtype=torch.int32)
+            return torch.tensor([len(q) * bs + stop for q, stop in zip(self.quantized_tables, self.read_stop)],
+                                dtype=torch.int32)  # fmt: skip
         if name == "quantized_lens":
-            return torch.tensor([len(table) * self.tables.block_size for table in self.quantized_tables], dtype=torch.int32)
+            return torch.tensor([len(table) * bs for table in self.quantized_tables], dtype=torch.int32)
         if name == "quantized_block_tables":
             width = max((len(table) for table in self.quantized_tables), default=0)
             rows = [table + [NULL_BLOCK] * (width - len(table)) for table in self.quantized_tables]
@@ -86,7 +92,7 @@ class StepPlan:
 
 
 class BlockTables:
-    """Block tables, pads and lengths for the rows of one layer group, plus the step planning."""
+    """The rows of one layer group, their logical length, and the planning of each step."""
 
     def __init__(self, name: str, pool: BlockPool | None, block_size: int, sliding_window: int | None = None):
         self.name = name
@@ -96,44 +102,58 @@ class BlockTables:
         self.record_past = False
         self.padding_exact = True
         self.plan: StepPlan | None = None
-        self._clear()
-
-    def _clear(self) -> None:
+        self.rows: list[Row] = []
         self.length = 0
-        self.tables: list[list[int]] = []
-        self.pads: list[int] = []
-        self.base: list[int] = []
-        self.run_from: list[int] = []
-        # Eviction: per row, the logical positions of the tokens that survived the last compaction (None:
-        # never compacted); tokens stored since then follow contiguously. See `compact`.
-        self.kept_positions: list[torch.Tensor | None] = []
-        self.plan = None
+
+    # ------------------------------------------------------------------ read-only views of the rows
+    @property
+    def tables(self) -> list[list[int]]:
+        """Full-precision block ids per row."""
+        return [row.blocks.ids for row in self.rows]
+
+    @property
+    def qtables(self) -> list[list[int]]:
+        """Sealed (quantized) block ids per row."""
+        return [row.quantized.ids if row.quantized is not None else [] for row in self.rows]
+
+    @property
+    def pads(self) -> list[int]:
+        return [row.pads for row in self.rows]
+
+    @property
+    def base(self) -> list[int]:
+        return [row.base for row in self.rows]
 
     @property
     def batch_size(self) -> int | None:
-        return len(self.tables) if self.length > 0 else None
+        return len(self.rows) if self.length > 0 else None
 
     def stored_tokens(self, row: int) -> int:
         """Full-precision tokens the row stores."""
-        return max(self.length - self.base[row], 0) if self.length > 0 else 0
+        return max(self.length - self.rows[row].base, 0) if self.length > 0 else 0
+
+    def quantized_tokens(self, row: int) -> int:
+        quantized = self.rows[row].quantized
+        return len(quantized) * self.block_size if quantized is not None and self.length > 0 else 0
 
     def stored_count(self, row: int) -> int:
-        """Every token the row stores (quantized groups add their quantized prefix)."""
-        return self.stored_tokens(row)
+        """Every token the row stores: its quantized prefix, then its full-precision tokens."""
+        return self.quantized_tokens(row) + self.stored_tokens(row)
+
+    def first_stored(self, row: int) -> int:
+        """Logical position of the first token the row still stores (virtual after a compaction)."""
+        quantized = self.rows[row].quantized
+        return self.rows[row].base - (len(quantized) * self.block_size if quantized is not None else 0)
 
     @property
     def compacted(self) -> bool:
         """Whether some row lost tokens from the middle (eviction): stored tokens are then no longer the
         contiguous logical range [base, length), and only readers that go by stored index are exact."""
-        return any(kept is not None for kept in self.kept_positions)
+        return any(row.kept_positions is not None for row in self.rows)
 
     def stored_positions(self, row: int) -> torch.Tensor:
-        """Logical position of each stored token of the row, in stored order (int64 `[stored_count]`).
-
-        After a compaction `base` is virtual (`length - stored_count`), so that new tokens keep their
-        slots and positions; the true positions of the survivors are remembered in `kept_positions`.
-        """
-        count, kept = self.stored_count(row), self.kept_positions[row] if self.kept_positions else None
+        """Logical position of each stored token of the row, in stored order (int64 `[stored_count]`)."""
+        count, kept = self.stored_count(row), self.rows[row].kept_positions
         if kept is None:
             return torch.arange(self.length - count, self.length)
         return torch.cat([kept, torch.arange(self.length - (count - len(kept)), self.length)])
@@ -147,137 +167,138 @@ class BlockTables:
 
     def demands(self, q_len: int, pads: list[int]) -> list[tuple[BlockPool, int, int, str]]:
         """Per pool of the group: (pool, blocks the step allocates, blocks it returns, name for errors)."""
-        return [(self.pool, *self.blocks_needed(q_len, pads), self.name)]
-
-    def blocks_needed(self, q_len: int, pads: list[int]) -> tuple[int, int]:
-        """(blocks the step must allocate, blocks its drops would return to the free queue)."""
         drops = self._step_drops(q_len)
-        returned = {}
-        for row, count in enumerate(drops):
-            for block in self.tables[row][:count] if self.tables else ():
-                returned[block] = returned.get(block, 0) + 1
-        freed = sum(1 for block, refs in returned.items() if self.pool.ref_count(block) == refs)
+        freed = blocks_freed((row.blocks, drop) for row, drop in zip(self.rows, drops)) if self.rows else 0
         needed = 0
         for row, (stored, held, new) in enumerate(self._row_growth(q_len, pads, drops)):
-            needed += max(_ceil_div(stored + new, self.block_size) - held, 0)
-            if new and stored % self.block_size and self.pool.ref_count(self.tables[row][-1]) > 1:
+            needed += max(ceil_div(stored + new, self.block_size) - held, 0)
+            if new and stored % self.block_size and self.pool.ref_count(self.rows[row].blocks.ids[-1]) > 1:
                 needed += 1  # copy-on-write of a shared, partly filled last block
-        return needed, freed
+        return [(self.pool, needed, freed, self.name)]
 
-    def _step_drops(self, q_len: int) -> list[int]:
-        """Leading blocks per row that leave the (full-precision) tables at a step of `q_len` tokens."""
-        return self._drops()
-
-    def _drops(self, keep_past: bool | None = None) -> list[int]:
-        """Leading blocks per row that lie wholly before the next step's window (sliding groups only)."""
+    def _window_drops(self, keep_past: bool | None = None) -> list[tuple[int, int]]:
+        """Per row, (quantized, full-precision) leading blocks wholly before the next step's window
+        (sliding groups only)."""
         keep_past = self.record_past if keep_past is None else keep_past
         if self.sliding_window is None or keep_past or self.length == 0:
-            return [0] * len(self.tables)
-        keep_from = self.read_offset(self.length)
-        return [max(keep_from - base, 0) // self.block_size for base in self.base]
+            return [(0, 0)] * len(self.rows)
+        keep_from, bs = self.read_offset(self.length), self.block_size
+        drops = []
+        for index, row in enumerate(self.rows):
+            quantized = min(max(keep_from - self.first_stored(index), 0) // bs, len(row.quantized or ()))
+            drops.append((quantized, max(keep_from - row.base, 0) // bs))
+        return drops
 
-    def _drop_front(self, row: int, count: int) -> None:
-        table = self.tables[row]
-        self.pool.free(table[:count])
-        del table[:count]
-        self.base[row] += count * self.block_size
-        self.run_from[row] = max(self.run_from[row] - count, 0)
+    def _seal_counts(self, q_len: int, fp_drops: list[int]) -> list[int]:
+        """Full-precision blocks per row (after `fp_drops`) that a step seals: none without quantization."""
+        return [0] * len(self.rows)
+
+    def _step_drops(self, q_len: int) -> list[int]:
+        """Leading full-precision blocks per row that leave the tables at a step (window, then sealing)."""
+        window = [fp for _quantized, fp in self._window_drops()]
+        return [drop + seal for drop, seal in zip(window, self._seal_counts(q_len, window))]
 
     def _row_growth(self, q_len: int, pads: list[int], drops: list[int]):
         """Per row: (stored tokens after drops, blocks held after drops, new stored tokens)."""
-        rows = len(pads) if self.length == 0 else len(self.tables)
-        for row in range(rows):
-            if self.length == 0:
-                yield 0, 0, q_len - pads[row]
-            else:
-                stored = self.stored_tokens(row) - drops[row] * self.block_size
-                yield stored, len(self.tables[row]) - drops[row], q_len
+        if self.length == 0:
+            for pad in pads:
+                yield 0, 0, q_len - pad
+            return
+        for index, row in enumerate(self.rows):
+            stored = self.stored_tokens(index) - drops[index] * self.block_size
+            yield stored, len(row.blocks) - drops[index], q_len
 
-    def apply_step(self, q_len: int, pads: list[int], copy_blocks) -> StepPlan:
-        """Drop, copy-on-write and allocate for a step of `q_len` tokens; the caller checked the free blocks.
-
-        `copy_blocks(src, dst)` copies block contents in every layer of the group (for copy-on-write).
-        """
-        bs = self.block_size
+    def apply_step(self, q_len: int, pads: list[int], copy_blocks: BlockCopier, seal_blocks: BlockCopier) -> StepPlan:
+        """Drop, seal, copy-on-write and allocate for a step of `q_len` tokens (the caller checked the free
+        blocks), and return its plan. `copy_blocks(src, dst)` copies block contents in every layer of the
+        group (copy-on-write); `seal_blocks(src, dst)` quantizes them (quantized groups)."""
         start = self.length
         if start == 0:
-            self.tables = [[] for _ in pads]
-            self.pads = list(pads)
-            self.base = list(pads)
-            self.run_from = [0] * len(pads)
-            self.kept_positions = [None] * len(pads)
-        drops = self._step_drops(q_len)
-        cow_src, cow_dst = [], []
-        write_slots, write_tokens = [], []
-        for row, ((stored, _held, new), drop) in enumerate(zip(self._row_growth(q_len, pads, drops), drops)):
-            table = self.tables[row]
-            if drop:
-                self._drop_front(row, drop)
-            if new and stored % bs and self.pool.ref_count(table[-1]) > 1:
-                previous = table[-1]
-                (copy,) = self.pool.allocate(1, after=table[-2] if len(table) > 1 else None)
-                self.pool.free([previous])
-                cow_src.append(previous)
-                cow_dst.append(copy)
-                self._set_last(row, copy)
-            extra = _ceil_div(stored + new, bs) - len(table)
-            if extra > 0:
-                fresh = self.pool.allocate(extra, after=table[-1] if table else None)
-                table.extend(fresh)
-                for index in range(max(len(table) - extra, 1), len(table)):  # the run may break inside `fresh` too
-                    if table[index] != table[index - 1] + 1:
-                        self.run_from[row] = index
-            if new:
-                first_token = row * q_len + (q_len - new)
-                write_slots.append(self._slots(table, stored, new))
-                write_tokens.append(torch.arange(first_token, first_token + new))
-        if cow_src:
-            copy_blocks(cow_src, cow_dst)
+            self.rows = [self._new_row(pad) for pad in pads]
+        else:
+            for row, (quantized, _fp) in zip(self.rows, self._window_drops()):
+                if quantized:
+                    row.quantized.drop_front(quantized)
+            self._seal(q_len, seal_blocks)
+        write_slots, write_tokens = self._allocate(q_len, pads, copy_blocks)
         self.length = start + q_len
         slots = torch.cat(write_slots) if write_slots else torch.empty(0, dtype=torch.long)
         tokens = torch.cat(write_tokens) if write_tokens else torch.empty(0, dtype=torch.long)
-        all_written = tokens.numel() == q_len * len(self.tables)
         kv_offset = self.read_offset(start)
-        read_start = [max(kv_offset - base, 0) for base in self.base]
-        read_stop = [self.stored_tokens(row) for row in range(len(self.tables))]
+        read_start = [max(kv_offset - row.base, 0) for row in self.rows]
+        read_stop = [self.stored_tokens(index) for index in range(len(self.rows))]
         self.plan = StepPlan(
             q_len=q_len,
             new_len=self.length,
             kv_offset=kv_offset,
             write_slots=slots,
-            write_tokens=None if all_written else tokens,
+            write_tokens=None if tokens.numel() == q_len * len(self.rows) else tokens,
             read_start=read_start,
             read_stop=read_stop,
-            new_tokens=[q_len - pads[row] if start == 0 else q_len for row in range(len(self.tables))],
-            run_start=[self._run_start(row, a, b) for row, (a, b) in enumerate(zip(read_start, read_stop))],
+            new_tokens=[q_len - pads[index] if start == 0 else q_len for index in range(len(self.rows))],
+            run_start=[self._run_start(index, a, b) for index, (a, b) in enumerate(zip(read_start, read_stop))],
             padding_exact=self.padding_exact,
             tables=self,
-            base=list(self.base),
+            base=self.base,
+            quantized_tables=[list(table) for table in self.qtables],
         )
         return self.plan
 
-    def _set_last(self, row: int, block: int) -> None:
-        table = self.tables[row]
-        table[-1] = block
-        if len(table) > 1 and block != table[-2] + 1:
-            self.run_from[row] = len(table) - 1
+    def _new_row(self, pad: int) -> Row:
+        return Row(pads=pad, base=pad, blocks=BlockList(self.pool))
 
-    def _slots(self, table: list[int], first: int, count: int) -> torch.Tensor:
+    def _seal(self, q_len: int, seal_blocks: BlockCopier) -> None:
+        """Quantize the blocks a step seals (quantized groups)."""
+
+    def _allocate(self, q_len: int, pads: list[int], copy_blocks: BlockCopier):
+        """Drop leading blocks, copy-on-write shared last blocks and allocate new ones; per row, the slots
+        of the stored new tokens and their index among the step's B*q tokens."""
+        bs = self.block_size
+        drops = self._step_drops(q_len)
+        cow_src, cow_dst, write_slots, write_tokens = [], [], [], []
+        for index, ((stored, _held, new), drop) in enumerate(zip(self._row_growth(q_len, pads, drops), drops)):
+            row = self.rows[index]
+            if drop:
+                row.blocks.drop_front(drop)
+                row.base += drop * bs
+            if new and stored % bs and self.pool.ref_count(row.blocks.ids[-1]) > 1:
+                old, fresh = row.blocks.replace_last()
+                cow_src.append(old)
+                cow_dst.append(fresh)
+            extra = ceil_div(stored + new, bs) - len(row.blocks)
+            if extra > 0:
+                row.blocks.extend(extra)
+            if new:
+                first_token = index * q_len + (q_len - new)
+                write_slots.append(self.slots(index, stored, new))
+                write_tokens.append(torch.arange(first_token, first_token + new))
+        if cow_src:
+            copy_blocks(cow_src, cow_dst)
+        return write_slots, write_tokens
+
+    def slots(self, row: int, first: int, count: int) -> torch.Tensor:
+        """Slots of the row's full-precision stored tokens [first, first + count)."""
         stored = torch.arange(first, first + count)
-        blocks = torch.tensor(table, dtype=torch.long)[stored // self.block_size]
+        blocks = torch.tensor(self.rows[row].blocks.ids, dtype=torch.long)[stored // self.block_size]
         return blocks * self.block_size + stored % self.block_size
 
     def _run_start(self, row: int, start: int, stop: int) -> int | None:
         if stop <= start:
             return None
-        first = start // self.block_size
-        return self.tables[row][first] if first >= self.run_from[row] else None
+        first, blocks = start // self.block_size, self.rows[row].blocks
+        return blocks.ids[first] if first >= blocks.run_from else None
+
+    def first_run_block(self, row: int) -> int | None:
+        """The first block id when all of the row's full-precision blocks form one run, else None."""
+        blocks = self.rows[row].blocks
+        return blocks.ids[0] if blocks.ids and blocks.run_from == 0 else None
 
     # ------------------------------------------------------------------ reading
     def table_tensor(self) -> torch.Tensor:
         """Block tables as one int64 tensor `[rows, max blocks]`, short rows padded with the null block."""
-        width = max((len(table) for table in self.tables), default=0)
-        return torch.tensor([table + [NULL_BLOCK] * (width - len(table)) for table in self.tables], dtype=torch.long)
+        tables = self.tables
+        width = max((len(table) for table in tables), default=0)
+        return torch.tensor([table + [NULL_BLOCK] * (width - len(table)) for table in tables], dtype=torch.long)
 
     def gather_slots(self, kv_offset: int, new_len: int) -> torch.Tensor:
         """Slot of every logical position in [kv_offset, new_len) per row; unstored ones map to the null slot."""
@@ -295,26 +316,18 @@ class BlockTables:
     # ------------------------------------------------------------------ whole-batch edits
     def reorder(self, order: list[int]) -> None:
         """Row i becomes a copy of row order[i] (beam search): shares blocks by reference count."""
-        tables = [list(self.tables[source]) for source in order]
-        self.pool.fork(block for table in tables for block in table)
-        self.pool.free(block for table in self.tables for block in table)
-        self.tables = tables
-        self.pads = [self.pads[source] for source in order]
-        self.base = [self.base[source] for source in order]
-        self.run_from = [self.run_from[source] for source in order]
-        self.kept_positions = [self.kept_positions[source] for source in order]
+        rows = [self.rows[source].fork() for source in order]
+        for row in self.rows:
+            row.release()
+        self.rows = rows
         self.plan = None
-
-    def first_stored(self, row: int) -> int:
-        """Logical position of the first token the row still stores."""
-        return self.base[row]
 
     def check_crop(self, new_len: int) -> None:
         """Raise (changing nothing) if cropping to `new_len` would need tokens that were already dropped."""
         needed_from = self.read_offset(new_len)
-        for row in range(len(self.tables)):
-            first = self.first_stored(row)
-            if first > self.pads[row] and needed_from < first:
+        for index, row in enumerate(self.rows):
+            first = self.first_stored(index)
+            if first > row.pads and needed_from < first:
                 raise RuntimeError(
                     f"Cannot crop the {self.name} layers to {new_len} tokens: their sliding window already dropped "
                     f"positions before {first}. Call `cache.activate_past_recording()` before generating "
@@ -323,83 +336,122 @@ class BlockTables:
 
     def crop(self, new_len: int) -> None:
         """Forget every token at or after logical position `new_len`."""
-        for row, kept in enumerate(self.kept_positions):
-            if kept is not None and new_len > 0:
-                self._crop_compacted(row, new_len)
-        for row, table in enumerate(self.tables):
-            keep = _ceil_div(max(new_len - self.base[row], 0), self.block_size)
-            self.pool.free(table[keep:])
-            del table[keep:]
-            self.run_from[row] = min(self.run_from[row], max(len(table) - 1, 0))
+        if new_len == 0:
+            self.release()
+            return
+        for index, row in enumerate(self.rows):
+            if row.kept_positions is not None:
+                self._crop_compacted(index, new_len)
+            elif row.quantized is not None and len(row.quantized) and new_len < row.base:  # into the sealed prefix
+                first = self.first_stored(index)
+                keep = max(new_len - first, 0) // self.block_size
+                row.quantized.truncate(keep)
+                row.blocks.free_all()
+                row.base = first + keep * self.block_size
+            row.blocks.truncate(ceil_div(max(new_len - row.base, 0), self.block_size))
         self.length = new_len
         self.plan = None
-        if new_len == 0:
-            self._clear()
 
-    def _crop_compacted(self, row: int, new_len: int) -> None:
+    def _crop_compacted(self, index: int, new_len: int) -> None:
         """Crop a compacted row: its survivors up to `new_len`, by stored index (`base` is virtual)."""
-        positions = self.stored_positions(row)
+        row = self.rows[index]
+        positions = self.stored_positions(index)
         keep = int((positions < new_len).sum())
-        self.kept_positions[row] = positions[: min(keep, len(self.kept_positions[row]))]
-        self.base[row] = new_len - (keep - self.stored_count(row) + self.stored_tokens(row))
-
-    # ------------------------------------------------------------------ eviction
-    def unit_sizes(self, row: int) -> list[int]:
-        """Sizes of the units a row's stored tokens are evicted in, in stored order: single tokens here."""
-        return [1] * self.stored_count(row)
-
-    def check_compact(self, keeps: dict[int, torch.Tensor]) -> None:
-        """Raise (changing nothing) if compacting rows `keeps` needs more fresh blocks than are free:
-        a row's shared (copy-on-write) blocks cannot be written, so its survivors go to fresh ones."""
-        fresh = sum(self._fresh_needed(row, keep) for row, keep in keeps.items())
-        if fresh > self.pool.num_free:
-            from .errors import OutOfBlocksError
-
-            raise OutOfBlocksError(self.name, fresh, self.pool.num_free, self.pool.num_blocks, self.block_size)
-
-    def _fresh_needed(self, row: int, keep_fp: torch.Tensor) -> int:
-        needed = _ceil_div(int(keep_fp.sum()), self.block_size)
-        return sum(1 for block in self.tables[row][:needed] if self.pool.ref_count(block) > 1)
-
-    def compact(self, row: int, keep: torch.Tensor, move_tokens) -> int:
-        """Keep the row's stored tokens where `keep` (bool, stored order) is True; returns tokens evicted.
-
-        Survivors move, in order, to the front of the row's blocks; blocks no longer needed go back to
-        the pool; blocks shared with other rows are not written (fresh ones take their survivors).
-        `move_tokens(src_slots, dst_slots)` moves K/V in every layer of the group (reading all sources
-        before writing any). The logical length is unchanged: `base` becomes virtual.
-        """
-        positions = self.stored_positions(row)
-        self._compact_storage(row, keep, move_tokens)
-        self.kept_positions[row] = positions[keep]
-        self.plan = None
-        return int((~keep).sum())
-
-    def _compact_storage(self, row: int, keep: torch.Tensor, move_tokens) -> None:
-        bs, table = self.block_size, self.tables[row]
-        sources = keep.nonzero().flatten()
-        needed = _ceil_div(len(sources), bs)
-        reusable = [block if self.pool.ref_count(block) == 1 else None for block in table[:needed]]
-        self.pool.free([block for block in table if block not in reusable])
-        targets = [block if block is not None else self.pool.allocate(1)[0] for block in reusable]
-        src = torch.tensor(table, dtype=torch.long)[sources // bs] * bs + sources % bs if len(sources) else sources
-        dst = torch.tensor(targets, dtype=torch.long).repeat_interleave(bs)[: len(sources)] * bs
-        dst = dst + torch.arange(len(sources)) % bs
-        moved = src != dst
-        if bool(moved.any()):
-            move_tokens(src[moved], dst[moved])
-        self.tables[row] = targets
-        self.base[row] = self.length - len(sources)
-        self.run_from[row] = max((i for i in range(1, len(targets)) if targets[i] != targets[i - 1] + 1), default=0)
+        row.kept_positions = positions[: min(keep, len(row.kept_positions))]
+        row.base = new_len - (keep - self.stored_count(index) + self.stored_tokens(index))
 
     def release(self) -> None:
         """Return every block to the pool and forget all rows."""
-        self.pool.free(block for table in self.tables for block in table)
-        self._clear()
+        for row in self.rows:
+            row.release()
+        self.rows = []
+        self.length = 0
+        self.plan = None
 
     def trim_to_window(self) -> None:
         """Free the blocks a recorded past kept beyond the window (after `crop` in assisted decoding)."""
-        for row, drop in enumerate(self._drops(keep_past=False)):
-            if drop:
-                self._drop_front(row, drop)
+        for row, (quantized, fp) in zip(self.rows, self._window_drops(keep_past=False)):
+            if quantized:
+                row.quantized.drop_front(quantized)
+            if fp:
+                row.blocks.drop_front(fp)
+                row.base += fp * self.block_size
         self.plan = None
+
+
+class QuantizedBlockTables(BlockTables):
+    """Block tables whose rows start with sealed quantized blocks (ids of a second pool, `qpool`).
+
+    At each step's planning, every full-precision block that holds only tokens stored before the step
+    and lies wholly before the most recent `residual_length` tokens (counted after the step) is sealed:
+    a quantized block is allocated, every layer of the group quantizes the block into it, and the
+    full-precision block goes back to its pool. Only tokens stored before the step are sealed, so no
+    layer has written the step's new tokens yet and a freed block may be reused in the same step.
+    History is quantized exactly once; quantized blocks are always full, so rows share them without
+    copy-on-write.
+    """
+
+    def __init__(self, name: str, pool: BlockPool | None, qpool: BlockPool, block_size: int,
+                 sliding_window: int | None, kv_format, residual_length: int):  # fmt: skip
+        super().__init__(name, pool, block_size, sliding_window)
+        self.qpool = qpool
+        self.kv_format = kv_format
+        self.residual_length = residual_length
+
+    def _new_row(self, pad: int) -> Row:
+        return Row(pads=pad, base=pad, blocks=BlockList(self.pool), quantized=BlockList(self.qpool))
+
+    def _seal_counts(self, q_len: int, fp_drops: list[int]) -> list[int]:
+        if self.length == 0:
+            return [0] * len(self.rows)
+        horizon = min(self.length, self.length + q_len - self.residual_length)
+        return [
+            max(min(max(horizon - row.base, 0) // self.block_size, len(row.blocks)) - drop, 0)
+            for row, drop in zip(self.rows, fp_drops)
+        ]
+
+    def _sealed_blocks(self, q_len: int) -> list[list[int]]:
+        """Per row, the full-precision block ids a step of `q_len` tokens seals."""
+        window = [fp for _quantized, fp in self._window_drops()]
+        seals = self._seal_counts(q_len, window)
+        return [row.blocks.ids[drop : drop + seal] for row, drop, seal in zip(self.rows, window, seals)]
+
+    def demands(self, q_len: int, pads: list[int]) -> list[tuple[BlockPool, int, int, str]]:
+        sealed = {block for blocks in self._sealed_blocks(q_len) for block in blocks}
+        quantized_drops = [(row.quantized, drop) for row, (drop, _fp) in zip(self.rows, self._window_drops())]
+        freed = blocks_freed(quantized_drops) if self.rows else 0
+        return [*super().demands(q_len, pads), (self.qpool, len(sealed), freed, f"{self.name} (quantized)")]
+
+    def _seal(self, q_len: int, seal_blocks: BlockCopier) -> None:
+        sealed: dict[int, int] = {}  # fp block -> its quantized block (rows sharing a block share its copy)
+        for row, blocks in zip(self.rows, self._sealed_blocks(q_len)):
+            for block in blocks:
+                fresh = block not in sealed
+                if fresh:
+                    (sealed[block],) = self.qpool.allocate(1, after=row.quantized.ids[-1] if len(row.quantized) else None)
+                row.quantized.append_shared(sealed[block], fresh)
+        if sealed:
+            seal_blocks(list(sealed), list(sealed.values()))
+
+    def check_crop(self, new_len: int) -> None:
+        """Cropping inside a row's quantized prefix is exact only at a block boundary (whole quantized
+        blocks are dropped; none is re-quantized); anywhere else it raises, changing nothing."""
+        for index, row in enumerate(self.rows):
+            if row.kept_positions is not None and new_len > 0:
+                if int((self.stored_positions(index) < new_len).sum()) < self.quantized_tokens(index):
+                    raise RuntimeError(
+                        f"Cannot crop the {self.name} layers to {new_len} tokens: row {index} was compacted by "
+                        "eviction and the crop would reach into its quantized blocks; crop fewer tokens."
+                    )
+                continue
+            offset = new_len - self.first_stored(index)
+            if new_len > 0 and len(row.quantized) and new_len < row.base and offset > 0 and offset % self.block_size:
+                lower = new_len - offset % self.block_size
+                raise RuntimeError(
+                    f"Cannot crop the {self.name} layers to {new_len} tokens: position {new_len} lies inside a "
+                    f"quantized block (row {index}), and a quantized block is never re-quantized or split. Crop to "
+                    f"a block boundary ({lower} or {lower + self.block_size}) or into the full-precision tokens "
+                    f"(>= {row.base}), or raise `residual_length` (now {self.residual_length}) so that more "
+                    "recent tokens stay in full precision."
+                )
+        super().check_crop(new_len)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -10,14 +11,14 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_laye
 
 from .attention import ATTENTION_NAME
 from .block_pool import BlockPool
-from .block_tables import BlockTables, StepPlan
+from .block_tables import BlockTables, QuantizedBlockTables, StepPlan
 from .config import PagedCacheConfig
-from .quantization import parse_kv_format
 from .errors import OutOfBlocksError
-from .eviction import ScoreInputs, choose_kept
+from .eviction import Evictor
 from .layers import PagedLayer, PagedSlidingLayer
-from .memory import SLIDING_TYPES, CacheMetrics
-from .quantized_layers import QuantizedBlockTables, QuantizedLayer, QuantizedSlidingLayer
+from .memory import SLIDING_TYPES, CacheMetrics, collect_metrics
+from .quantization import parse_kv_format
+from .quantized_layers import QuantizedLayer, QuantizedSlidingLayer
 
 
 class PagedCache(Cache):
@@ -49,40 +50,29 @@ class PagedCache(Cache):
             raise TypeError(f"PagedCache needs the model's config (`model.config`), got {type(config).__name__}")
         self.options = options
         self.model_config = config.get_text_config(decoder=True)
-        self.reads_in_place = False
         self.groups: dict[str, BlockTables] = {}
-        self._last_q_len = 0  # tokens of the previous forward (eviction triggers tell prefill from decode)
-        self._decode_steps = 0
-        self.evictions: dict[str, list[int]] = {}  # group -> [row compactions, tokens evicted]
         layer_types, layer_kwargs = get_layer_types_and_kwargs(self.model_config)
-        for index, spec in (options.quant_layers or {}).items():
-            if index >= len(layer_types) or (
-                spec is not None and layer_types[index] != "full_attention" and layer_types[index] not in SLIDING_TYPES
-            ):
-                kind = "does not exist" if index >= len(layer_types) else f"is a {layer_types[index]!r} layer"
-                raise ValueError(
-                    f"`quant_layers` names layer {index}, which {kind}: only the attention layers of this model's "
-                    f"{len(layer_types)} layers are stored in blocks and can be quantized"
-                )
+        _check_quant_layers(options, layer_types)
         layers = []
         for index, (layer_type, kwargs_of_layer) in enumerate(zip(layer_types, layer_kwargs)):
             quant = options.layer_quant(index)
             if layer_type == "full_attention":
                 # With eviction each full-attention layer keeps its own tables: layers keep different tokens.
                 tables = self._group(f"full_attention@{index}" if options.eviction else "full_attention", None, quant)
-                layer_class = QuantizedLayer if quant else PagedLayer
-                layers.append(layer_class(tables, options, self))
+                layers.append((QuantizedLayer if quant else PagedLayer)(tables, options))
             elif layer_type in SLIDING_TYPES:
-                window = kwargs_of_layer["sliding_window"]
-                tables = self._group(f"sliding_attention[{window}]", window, quant)
+                tables = self._group(f"sliding_attention[{kwargs_of_layer['sliding_window']}]",
+                                     kwargs_of_layer["sliding_window"], quant)  # fmt: skip
                 layer_class = QuantizedSlidingLayer if quant else PagedSlidingLayer
-                layers.append(layer_class(tables, options, self))
-                # Chunked attention stores like a sliding window but masks by chunk, which only
-                # transformers' mask (the torch path) knows: the kernels mask by window.
-                layers[-1].chunked = layer_type == "chunked_attention"
+                layers.append(layer_class(tables, options, chunked=layer_type == "chunked_attention"))
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs_of_layer))
         super().__init__(layers=layers)
+        self.evictor = None
+        if options.eviction is not None:
+            evicting = {i: layer for i, layer in enumerate(layers) if isinstance(layer, PagedLayer) and not layer.is_sliding}
+            self.evictor = Evictor(options.eviction, evicting, options.block_size, options.evict_every,
+                                   options.evict_between_chunks)  # fmt: skip
 
     def _group(self, name: str, window: int | None, quant: str | None = None) -> BlockTables:
         """The tables of layers of one kind (full, or sliding with one window) and one storage format."""
@@ -95,7 +85,7 @@ class PagedCache(Cache):
             else:
                 self.groups[name] = QuantizedBlockTables(
                     name, pool, BlockPool(self._fixed_pool_size()), self.options.block_size, window,
-                    parse_kv_format(quant), self.options.residual_length, self._sealer(name),
+                    parse_kv_format(quant), self.options.residual_length,
                 )  # fmt: skip
         return self.groups[name]
 
@@ -105,6 +95,9 @@ class PagedCache(Cache):
     @property
     def paged_layers(self) -> list[PagedLayer]:
         return [layer for layer in self.layers if isinstance(layer, PagedLayer)]
+
+    def _members(self, group: BlockTables) -> list[PagedLayer]:
+        return [layer for layer in self.paged_layers if layer.tables is group]
 
     # ------------------------------------------------------------------ the write path
     def update(
@@ -119,19 +112,27 @@ class PagedCache(Cache):
         if not isinstance(layer, PagedLayer):
             return layer.update(key_states, value_states, *args, **kwargs)
         attention_kwargs = kwargs.get("kwargs")
-        if layer.tables.compacted and (attention_kwargs is None or not self._attention_is_paged()):
+        # Whether this forward runs the "paged" attention, which reads K/V from the blocks itself.
+        in_place = attention_kwargs is not None and self._attention_is_paged()
+        if layer.tables.compacted and not in_place:
             raise RuntimeError(
                 "This PagedCache evicted tokens (`eviction`), and only the \"paged\" attention reads an evicted "
                 "cache (other implementations expect every position to be stored): call "
                 "`register_paged_attention()` and `model.set_attn_implementation(\"paged\")`."
             )
-        return layer.update(key_states, value_states, attention_kwargs)
+        layer.check_states(key_states)
+        plan = self._plan(layer, key_states, value_states, attention_kwargs)
+        if not in_place:
+            return layer.update(key_states, value_states, plan)
+        after = None
+        if self.evictor is not None and layer_idx in self.evictor.layers:
+            after = functools.partial(self.evictor.after_attention, layer_idx)
+        return layer.update(key_states, value_states, plan, attention_kwargs, after)
 
     def _attention_is_paged(self) -> bool:
         return getattr(self.model_config, "_attn_implementation", None) == ATTENTION_NAME
 
-
-    def begin_step(
+    def _plan(
         self, layer: PagedLayer, key_states: torch.Tensor, value_states: torch.Tensor, attention_kwargs: dict | None
     ) -> StepPlan:
         """The plan of `layer`'s group for this forward; the first layer of a forward plans every group.
@@ -143,12 +144,39 @@ class PagedCache(Cache):
         tables = layer.tables
         if tables.plan is not None and layer.seq_len + q_len == tables.length and tables.plan.q_len == q_len:
             return tables.plan
+        self._check_step(layer, batch, q_len)
+        self._ensure_pools(key_states, value_states)
+        stepping = [group for group in self.groups.values() if group.length == tables.length]
+        pads = [0] * batch
+        if tables.length == 0:
+            pads, exact = _left_padding(attention_kwargs, batch, q_len)
+            for group in stepping:
+                group.padding_exact = exact
+        if self.evictor is not None:
+            self.evictor.before_step(stepping, q_len)
+        growth, shortage = self._growth(stepping, q_len, pads)
+        if shortage is not None and self.evictor is not None:  # pool pressure: evict to budget, plan again
+            self.evictor.relieve(stepping)
+            growth, shortage = self._growth(stepping, q_len, pads)
+        if shortage is not None:
+            raise shortage
+        for pool, extra in growth:
+            pool.grow(extra)
+        for group in stepping:
+            members = self._members(group)
+            group.apply_step(q_len, pads, functools.partial(_copy_blocks, members), functools.partial(_seal, members))
+        if self.evictor is not None:
+            self.evictor.step_planned(q_len)
+        return tables.plan
+
+    def _check_step(self, layer: PagedLayer, batch: int, q_len: int) -> None:
+        tables = layer.tables
         if layer.seq_len != tables.length:
             raise RuntimeError(
                 f"PagedCache layer holds {layer.seq_len} tokens but its group holds {tables.length}: a forward pass "
                 "was interrupted. Call `cache.reset()` (or `cache.crop(...)`) before using it again."
             )
-        rows = len(tables.tables)
+        rows = len(tables.rows)
         if tables.length > 0 and batch != rows:
             raise ValueError(
                 f"PagedCache holds {rows} sequences from an earlier generation but received a batch of {batch}: "
@@ -156,123 +184,19 @@ class PagedCache(Cache):
             )
         if q_len == 0:
             raise ValueError("PagedCache.update received no new tokens (query length 0)")
-        self._ensure_pools(key_states, value_states)
-        # Whether this forward runs the "paged" attention, which reads K/V from the blocks itself.
-        self.reads_in_place = self._attention_is_paged()
-        stepping = [group for group in self.groups.values() if group.length == tables.length]
-        pads = [0] * batch
-        if tables.length == 0:
-            pads, exact = _left_padding(attention_kwargs, batch, q_len)
-            for group in stepping:
-                group.padding_exact = exact
-        self._evict_on_schedule(stepping, q_len)
-        growth = self._growth(stepping, q_len, pads)
-        if growth is None and self.options.eviction is not None:  # pool pressure: evict to budget, retry
-            self._evict(stepping, slack=0)
-            growth = self._growth(stepping, q_len, pads)
-        if growth is None:
-            self._growth(stepping, q_len, pads, raise_error=True)
-        for pool, extra in growth:
-            pool.grow(extra)
-        for group in stepping:
-            group.apply_step(q_len, pads, self._copier(group))
-        self._last_q_len = q_len
-        return tables.plan
 
-    def _growth(self, stepping: list[BlockTables], q_len: int, pads: list[int], raise_error: bool = False):
-        """[(pool, blocks to add)] for the step, or None when a fixed pool is short (raising if asked)."""
+    def _growth(self, stepping: list[BlockTables], q_len: int, pads: list[int]):
+        """([(pool, blocks to add)], None) for the step, or ([], the error to raise) when a fixed pool is short."""
         growth = []
         for group in stepping:
             for pool, needed, freed, name in group.demands(q_len, pads):
                 available = pool.num_free + freed
                 if needed > available:
                     if not self.options.growable:
-                        if raise_error:
-                            raise OutOfBlocksError(name, needed, available, pool.num_blocks, group.block_size)
-                        return None
+                        return [], OutOfBlocksError(name, needed, available, pool.num_blocks, group.block_size)
                     in_use_after = pool.num_used - freed + needed  # grow to twice that, like a vector
                     growth.append((pool, 2 * in_use_after - pool.num_blocks))
-        return growth
-
-    # ------------------------------------------------------------------ eviction
-    def _evict_on_schedule(self, stepping: list[BlockTables], q_len: int) -> None:
-        """Before a step: count decode steps, and compress a prompt whose chunks were not evicted
-        (`evict_between_chunks=False`) now that it is complete. Other evictions happen as each layer
-        finishes its attention (`after_attention`)."""
-        if self.options.eviction is None or not stepping or stepping[0].length == 0:
-            return
-        if q_len == 1:
-            self._decode_steps += 1
-            if self._last_q_len > 1 and not self.options.evict_between_chunks:
-                self._evict(stepping, slack=0)
-
-    def after_attention(self, layer: PagedLayer, q_len: int) -> None:
-        """Apply the eviction policy to `layer` once its attention (and statistics) for the step are done:
-        after every prompt chunk rows go down to their budget (unless `evict_between_chunks` is off);
-        while decoding, every `evict_every` steps, or else once a row holds a whole block more than its
-        budget (so each eviction frees at least one block)."""
-        if self.options.eviction is None or layer.eviction_policy is None:
-            return
-        every = self.options.evict_every
-        if q_len > 1:
-            if self.options.evict_between_chunks:
-                self._evict([layer.tables], slack=0)
-        elif every is None:
-            self._evict([layer.tables], slack=self.options.block_size)
-        elif self._decode_steps % every == 0:
-            self._evict([layer.tables], slack=0)
-
-    def evict_now(self) -> int:
-        """Apply the eviction policy now: every row above its budget is compacted to it. Returns the
-        tokens evicted (summed over layers and rows)."""
-        if self.options.eviction is None:
-            raise ValueError("This PagedCache has no eviction policy: build it with `eviction=...` (e.g. SnapKV(budget=1024))")
-        before = sum(tokens for _rows, tokens in self.evictions.values())
-        self._evict([group for group in self.groups.values() if group.length > 0], slack=0)
-        return sum(tokens for _rows, tokens in self.evictions.values()) - before
-
-    def _evict(self, groups: list[BlockTables], slack: int) -> None:
-        """Compact every row of `groups` that stores more than its budget + `slack` tokens down to the budget.
-
-        All decisions are made (and the fresh blocks copy-on-write needs are checked) before any row
-        changes, so running out of blocks here leaves the cache as it was.
-        """
-        policy = self.options.eviction
-        decisions = []
-        for group in groups:
-            layers = [layer for layer in self.paged_layers if layer.tables is group]
-            if group.sliding_window is not None or len(layers) != 1 or not layers[0].is_initialized:
-                continue
-            layer = layers[0]
-            keeps = {}
-            for row in range(len(group.tables)):
-                count = group.stored_count(row)
-                budget = policy.budget_for(group.length - group.pads[row], self.layers.index(layer))
-                if count > budget + slack:
-                    keeps[row] = self._choose_kept(layer, row, budget)
-            if keeps:
-                group.check_compact(keeps)
-                decisions.append((group, layer, keeps))
-        for group, layer, keeps in decisions:
-            counts = self.evictions.setdefault(group.name, [0, 0])
-            for row, keep in keeps.items():
-                counts[0] += 1
-                counts[1] += group.compact(row, keep, layer.move_tokens)
-                layer.compact_stats(row, keep)
-
-    def _choose_kept(self, layer: PagedLayer, row: int, budget: int) -> torch.Tensor:
-        policy, group = self.options.eviction, layer.tables
-        positions = group.stored_positions(row)
-        attention = None
-        if policy.statistic is not None:
-            stats = layer.attention_stats
-            attention = (
-                stats[row, :, : len(positions)].cpu() if stats is not None and stats.shape[0] > row
-                else torch.zeros(layer.kv_shape[0], len(positions))
-            )  # fmt: skip
-        inputs = ScoreInputs(positions, group.length, attention, lambda: layer.stored_keys(row).cpu())
-        return choose_kept(policy.score(inputs).cpu(), positions, group.pads[row], group.length, budget, policy,
-                           group.unit_sizes(row))  # fmt: skip
+        return growth, None
 
     def _ensure_pools(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Create the pools of a `max_memory` cache once the first K/V reveal bytes per block (heads per
@@ -292,21 +216,13 @@ class PagedCache(Cache):
         for group in self.groups.values():
             group.pool = BlockPool(num_blocks)
 
-    def _copier(self, group: BlockTables):
-        def copy_blocks(sources: list[int], targets: list[int]) -> None:
-            for layer in self.paged_layers:
-                if layer.tables is group:
-                    layer.copy_blocks(sources, targets)
-
-        return copy_blocks
-
-    def _sealer(self, name: str):
-        def seal(sources: list[int], targets: list[int]) -> None:
-            for layer in self.paged_layers:
-                if layer.tables is self.groups[name]:
-                    layer.seal(sources, targets)
-
-        return seal
+    # ------------------------------------------------------------------ eviction
+    def evict_now(self) -> int:
+        """Apply the eviction policy now: every row above its budget is compacted to it. Returns the
+        tokens evicted (summed over layers and rows)."""
+        if self.evictor is None:
+            raise ValueError("This PagedCache has no eviction policy: build it with `eviction=...` (e.g. SnapKV(budget=1024))")
+        return self.evictor.evict([group for group in self.groups.values() if group.length > 0], slack=0)
 
     # ------------------------------------------------------------------ whole-cache edits used by generate()
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -317,7 +233,7 @@ class PagedCache(Cache):
                 layer.reorder_cache(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        rows = len(next(iter(self.groups.values())).tables) if self.groups else 0
+        rows = len(next(iter(self.groups.values())).rows) if self.groups else 0
         self._reorder([row for row in range(rows) for _ in range(repeats)])
         for layer in self.layers:
             if not isinstance(layer, PagedLayer):
@@ -333,9 +249,8 @@ class PagedCache(Cache):
         for group in self.groups.values():
             if group.length > 0:
                 group.reorder(order)
-        for layer in self.paged_layers:  # eviction statistics follow their rows (beam search)
-            if layer.attention_stats is not None:
-                layer.attention_stats = layer.attention_stats[torch.tensor(order, device=layer.device)]
+        if self.evictor is not None:
+            self.evictor.reorder(order)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (assisted and prompt-lookup decoding roll back this way)."""
@@ -355,10 +270,11 @@ class PagedCache(Cache):
         for name, target in targets.items():
             self.groups[name].crop(target)
             self.groups[name].trim_to_window()
+        if self.evictor is not None:
+            self.evictor.cropped()
         for layer in self.layers:
             if isinstance(layer, PagedLayer):
-                layer.seq_len = layer.tables.length
-                layer.forget_stats_after(lambda row, group=layer.tables: group.stored_count(row))
+                layer.sync_length()
             else:
                 layer.crop(tokens_to_remove)
 
@@ -366,12 +282,11 @@ class PagedCache(Cache):
         """Return every block to the pool; storage stays allocated for the next generation."""
         for group in self.groups.values():
             group.release()
-        self._last_q_len = self._decode_steps = 0
-        self.evictions.clear()
+        if self.evictor is not None:
+            self.evictor.reset()
         for layer in self.layers:
             if isinstance(layer, PagedLayer):
-                layer.seq_len = 0
-                layer.attention_stats = None
+                layer.sync_length()
             else:
                 layer.reset()
 
@@ -383,57 +298,37 @@ class PagedCache(Cache):
     # ------------------------------------------------------------------ accounting
     def metrics(self) -> CacheMetrics:
         """Blocks, tokens and bytes held right now, per group and in total."""
-        groups = {}
-        for name, group in self.groups.items():
-            layers = [layer for layer in self.paged_layers if layer.tables is group]
-            block_bytes = sum(layer.block_bytes for layer in layers)
-            pool = group.pool
-            tokens = sum(group.stored_tokens(row) for row in range(len(group.tables)))
-            evictions, evicted = self.evictions.get(name, (0, 0))
-            used = pool.num_used * block_bytes if pool else 0
-            ideal = tokens * block_bytes // group.block_size
-            quantized = {"quantized_blocks_total": 0, "quantized_blocks_used": 0, "quantized_tokens": 0,
-                         "quantized_bytes": 0}  # fmt: skip
-            table_entries = sum(len(table) for table in group.tables)
-            if isinstance(group, QuantizedBlockTables):
-                qblock_bytes = sum(layer.quantized_block_bytes for layer in layers)
-                qtokens = sum(group.quantized_tokens(row) for row in range(len(group.qtables)))
-                quantized = {
-                    "quantized_blocks_total": group.qpool.num_blocks,
-                    "quantized_blocks_used": group.qpool.num_used,
-                    "quantized_tokens": qtokens,
-                    "quantized_bytes": group.qpool.num_used * qblock_bytes,
-                }
-                tokens += qtokens
-                used += quantized["quantized_bytes"]
-                ideal += qtokens * qblock_bytes // group.block_size
-                table_entries += sum(len(table) for table in group.qtables)
-            groups[name] = {
-                "layers": len(layers),
-                "blocks_total": pool.num_blocks if pool else 0,
-                "blocks_used": pool.num_used if pool else 0,
-                "blocks_free": pool.num_free if pool else 0,
-                "tokens_stored": tokens,
-                "pool_bytes": sum(layer.storage_bytes for layer in layers),
-                "used_bytes": used,
-                "ideal_bytes": ideal,
-                "waste_bytes": max(used - ideal, 0),
-                "table_bytes": 4 * table_entries,
-                **quantized,
-                "evictions": evictions,
-                "evicted_tokens": evicted,
-            }
-        total = {key: sum(group[key] for group in groups.values()) for key in next(iter(groups.values()), {})}
-        total.pop("layers", None)
-        quant_error = {
-            index: layer.quant_error()
-            for index, layer in enumerate(self.layers)
-            if isinstance(layer, QuantizedLayer) and layer.error_stats["key"][1]
-        }
-        return CacheMetrics(block_size=self.options.block_size, groups=groups, quant_error=quant_error, **total)
+        counts = self.evictor.counts if self.evictor is not None else {}
+        groups = {name: (group, self._members(group), counts.get(name, (0, 0))) for name, group in self.groups.items()}
+        quantized = {index: layer for index, layer in enumerate(self.layers) if isinstance(layer, QuantizedLayer)}
+        return collect_metrics(self.options.block_size, groups, quantized)
 
     def __repr__(self) -> str:
         return f"PagedCache(groups={list(self.groups)}, block_size={self.options.block_size}, layers={len(self.layers)})"
+
+
+def _copy_blocks(layers: list[PagedLayer], sources: list[int], targets: list[int]) -> None:
+    """Copy-on-write: block contents from `sources` to `targets` in every layer of a group."""
+    for layer in layers:
+        layer.copy_blocks(sources, targets)
+
+
+def _seal(layers: list[PagedLayer], sources: list[int], targets: list[int]) -> None:
+    """Quantize full-precision blocks `sources` into sealed blocks `targets` in every layer of a group."""
+    for layer in layers:
+        layer.seal(sources, targets)
+
+
+def _check_quant_layers(options: PagedCacheConfig, layer_types: list[str]) -> None:
+    for index, spec in (options.quant_layers or {}).items():
+        if index >= len(layer_types) or (
+            spec is not None and layer_types[index] != "full_attention" and layer_types[index] not in SLIDING_TYPES
+        ):
+            kind = "does not exist" if index >= len(layer_types) else f"is a {layer_types[index]!r} layer"
+            raise ValueError(
+                f"`quant_layers` names layer {index}, which {kind}: only the attention layers of this model's "
+                f"{len(layer_types)} layers are stored in blocks and can be quantized"
+            )
 
 
 def _left_padding(attention_kwargs: dict | None, batch: int, q_len: int) -> tuple[list[int], bool]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .eviction import EvictionPolicy
+from .eviction.policies import EvictionPolicy
 from .quantization import KVFormat, parse_kv_format
 
 BACKENDS = ("auto", "torch", "triton")

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
+
+from .block_tables import BlockTables, QuantizedBlockTables
+from .config import PagedCacheConfig
+
+if TYPE_CHECKING:
+    from .layers import PagedLayer
 
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 
@@ -62,6 +69,58 @@ class CacheMetrics:
         return {**asdict(self), "kv_bytes": self.kv_bytes}
 
 
+def collect_metrics(
+    block_size: int,
+    groups: Mapping[str, tuple[BlockTables, Sequence[PagedLayer], tuple[int, int]]],
+    quantized_layers: Mapping[int, PagedLayer],
+) -> CacheMetrics:
+    """A `CacheMetrics` snapshot from each group's tables, its layers and its (compactions, evicted
+    tokens), and the quantized layers by index (for their sampled reconstruction error)."""
+    per_group = {name: _group_metrics(*entry) for name, entry in groups.items()}
+    total = {key: sum(group[key] for group in per_group.values()) for key in next(iter(per_group.values()), {})}
+    total.pop("layers", None)
+    quant_error = {index: layer.quant_error() for index, layer in quantized_layers.items() if layer.error_stats["key"][1]}
+    return CacheMetrics(block_size=block_size, groups=per_group, quant_error=quant_error, **total)
+
+
+def _group_metrics(group: BlockTables, layers: Sequence[PagedLayer], evictions: tuple[int, int]) -> dict[str, int]:
+    pool, rows = group.pool, range(len(group.rows))
+    block_bytes = sum(layer.block_bytes for layer in layers)
+    tokens = sum(group.stored_tokens(row) for row in rows)
+    used = pool.num_used * block_bytes if pool else 0
+    ideal = tokens * block_bytes // group.block_size
+    table_entries = sum(len(table) for table in group.tables)
+    quantized = {"quantized_blocks_total": 0, "quantized_blocks_used": 0, "quantized_tokens": 0, "quantized_bytes": 0}
+    if isinstance(group, QuantizedBlockTables):
+        qblock_bytes = sum(layer.quantized_block_bytes for layer in layers)
+        qtokens = sum(group.quantized_tokens(row) for row in rows)
+        quantized = {
+            "quantized_blocks_total": group.qpool.num_blocks,
+            "quantized_blocks_used": group.qpool.num_used,
+            "quantized_tokens": qtokens,
+            "quantized_bytes": group.qpool.num_used * qblock_bytes,
+        }
+        tokens += qtokens
+        used += quantized["quantized_bytes"]
+        ideal += qtokens * qblock_bytes // group.block_size
+        table_entries += sum(len(table) for table in group.qtables)
+    return {
+        "layers": len(layers),
+        "blocks_total": pool.num_blocks if pool else 0,
+        "blocks_used": pool.num_used if pool else 0,
+        "blocks_free": pool.num_free if pool else 0,
+        "tokens_stored": tokens,
+        "pool_bytes": sum(layer.storage_bytes for layer in layers),
+        "used_bytes": used,
+        "ideal_bytes": ideal,
+        "waste_bytes": max(used - ideal, 0),
+        "table_bytes": 4 * table_entries,
+        **quantized,
+        "evictions": evictions[0],
+        "evicted_tokens": evictions[1],
+    }
+
+
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype = torch.float16) -> int:
     """Keys + values of one token over all attention layers of `config`, in bytes."""
     shapes = _attention_layer_shapes(config)
@@ -88,8 +147,6 @@ def estimate_kv_bytes(
     `PagedCacheConfig`, a quantized layer holds its full blocks older than the last `residual_length`
     tokens quantized (the format's exact bytes per block) and the rest in `dtype`.
     """
-    from .config import PagedCacheConfig  # config imports quantization only; avoid a cycle at import time
-
     options = PagedCacheConfig(
         block_size=block_size, quant=quant, quant_layers=quant_layers,
         full_precision_layers=full_precision_layers, residual_length=residual_length,

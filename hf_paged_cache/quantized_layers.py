@@ -1,14 +1,8 @@
-"""Quantized KV storage: block tables with a sealed quantized prefix, and the layers that store it.
+"""Cache layers whose history is stored quantized: sealed quantized blocks, then full-precision ones.
 
-A quantized group's row is a prefix of *sealed* quantized blocks (ids of the group's second pool,
-`qpool`) followed by full-precision blocks (the ordinary tables). At each step's planning, every
-full-precision block that holds only tokens stored before the step and lies wholly before the most
-recent `residual_length` tokens (counted after the step) is sealed: a quantized block is allocated,
-every layer of the group quantizes the block into it (one vectorized `quantize` per layer for all
-blocks sealed at the step), and the full-precision block goes back to its pool. Only tokens stored
-before the step are sealed, so no layer has written the step's new tokens yet and a freed block may be
-reused (or be a copy-on-write target) in the same step. History is quantized exactly once, never again.
-Quantized blocks are always full, so beam search shares them without copy-on-write.
+Which blocks are sealed when is the tables' business (`block_tables.QuantizedBlockTables`); a layer
+quantizes the blocks it is told to (`seal`, one vectorized `quantize` per layer for all blocks sealed
+at a step) and reads them back.
 
 Reads: the `"paged"` attention (`QuantizedLayer.attend`) dequantizes runs of at most `CHUNK_TOKENS`
 quantized tokens at a time and merges the chunks with an online softmax, so no full-precision copy of
@@ -20,199 +14,14 @@ Under the Triton backend the kernels read the quantized prefix themselves (dequa
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from .attention import attend
-from .block_pool import BlockPool
-from .block_tables import BlockTables, StepPlan
+from .block_tables import QuantizedBlockTables, StepPlan
 from .layers import PagedLayer, PagedSlidingLayer
 from .quantization import KVFormat
+from .torch_attention import OnlineSoftmax, attend, causal_mask, visible_columns
 
 CHUNK_TOKENS = 2048  # quantized tokens dequantized at a time by the paged read (a bounded transient)
-
-
-class QuantizedBlockTables(BlockTables):
-    """`BlockTables` whose rows start with sealed quantized blocks (`qtables`, ids of `qpool`).
-
-    `base[row]` is the logical position of the first *full-precision* block; the quantized prefix covers
-    `[base - len(qtables[row]) * block_size, base)`.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        pool: BlockPool | None,
-        qpool: BlockPool | None,
-        block_size: int,
-        sliding_window: int | None,
-        kv_format: KVFormat,
-        residual_length: int,
-        seal: Callable[[list[int], list[int]], None],
-    ):
-        self.qpool = qpool
-        self.kv_format = kv_format
-        self.residual_length = residual_length
-        self.seal = seal  # seal(fp block ids, quantized block ids): quantize in every layer of the group
-        super().__init__(name, pool, block_size, sliding_window)
-
-    def _clear(self) -> None:
-        super()._clear()
-        self.qtables: list[list[int]] = []
-
-    def quantized_base(self, row: int) -> int:
-        return self.base[row] - len(self.qtables[row]) * self.block_size
-
-    def quantized_tokens(self, row: int) -> int:
-        return len(self.qtables[row]) * self.block_size if self.length > 0 else 0
-
-    def stored_count(self, row: int) -> int:
-        return self.quantized_tokens(row) + self.stored_tokens(row)
-
-    # ------------------------------------------------------------------ eviction
-    def unit_sizes(self, row: int) -> list[int]:
-        """Quantized blocks are evicted whole (their tokens share scales and are never re-quantized)."""
-        return [self.block_size] * len(self.qtables[row]) + [1] * self.stored_tokens(row)
-
-    def check_compact(self, keeps: dict[int, torch.Tensor]) -> None:
-        super().check_compact({row: keep[self.quantized_tokens(row) :] for row, keep in keeps.items()})
-
-    def _compact_storage(self, row: int, keep: torch.Tensor, move_tokens) -> None:
-        """Drop the quantized blocks `keep` leaves out (no data moves), compact the full-precision rest."""
-        split = self.quantized_tokens(row)
-        kept_blocks = keep[:split].view(-1, self.block_size).all(dim=1).tolist() if split else []
-        table = self.qtables[row]
-        self.qpool.free([block for block, kept in zip(table, kept_blocks) if not kept])
-        self.qtables[row] = [block for block, kept in zip(table, kept_blocks) if kept]
-        super()._compact_storage(row, keep[split:], move_tokens)
-
-    # ------------------------------------------------------------------ planning
-    def _quantized_drops(self, keep_past: bool | None = None) -> list[int]:
-        """Leading quantized blocks per row wholly before the next step's window (sliding groups only)."""
-        keep_past = self.record_past if keep_past is None else keep_past
-        if self.sliding_window is None or keep_past or self.length == 0:
-            return [0] * len(self.qtables)
-        keep_from = self.read_offset(self.length)
-        return [
-            min(max(keep_from - self.quantized_base(row), 0) // self.block_size, len(table))
-            for row, table in enumerate(self.qtables)
-        ]
-
-    def _seals(self, q_len: int, window_drops: list[int]) -> list[int]:
-        """Full-precision blocks per row (after the window drops) that a step of `q_len` tokens seals."""
-        if self.length == 0:
-            return [0] * len(self.tables)
-        horizon = min(self.length, self.length + q_len - self.residual_length)
-        return [
-            max(min(max(horizon - base, 0) // self.block_size, len(table)) - drop, 0)
-            for base, table, drop in zip(self.base, self.tables, window_drops)
-        ]
-
-    def _step_drops(self, q_len: int) -> list[int]:
-        window = self._drops()
-        return [drop + seal for drop, seal in zip(window, self._seals(q_len, window))]
-
-    def demands(self, q_len: int, pads: list[int]) -> list[tuple[BlockPool, int, int, str]]:
-        window = self._drops()
-        sealed = {
-            block
-            for table, drop, seal in zip(self.tables, window, self._seals(q_len, window))
-            for block in table[drop : drop + seal]
-        }
-        returned: dict[int, int] = {}
-        for table, count in zip(self.qtables, self._quantized_drops()):
-            for block in table[:count]:
-                returned[block] = returned.get(block, 0) + 1
-        freed = sum(1 for block, refs in returned.items() if self.qpool.ref_count(block) == refs)
-        return [*super().demands(q_len, pads), (self.qpool, len(sealed), freed, f"{self.name} (quantized)")]
-
-    def apply_step(self, q_len: int, pads: list[int], copy_blocks) -> StepPlan:
-        """Drop quantized blocks that left the window, seal blocks (quantizing them in every layer), then
-        plan the full-precision part as usual (which frees the sealed blocks)."""
-        if self.length > 0:
-            for row, count in enumerate(self._quantized_drops()):
-                if count:
-                    self.qpool.free(self.qtables[row][:count])
-                    del self.qtables[row][:count]
-            window = self._drops()
-            sealed: dict[int, int] = {}  # fp block -> its quantized block (rows sharing a block share its copy)
-            for row, (drop, seal) in enumerate(zip(window, self._seals(q_len, window))):
-                for block in self.tables[row][drop : drop + seal]:
-                    if block in sealed:
-                        self.qpool.fork([sealed[block]])
-                    else:
-                        qtable = self.qtables[row]
-                        (sealed[block],) = self.qpool.allocate(1, after=qtable[-1] if qtable else None)
-                    self.qtables[row].append(sealed[block])
-            if sealed:
-                self.seal(list(sealed), list(sealed.values()))
-        else:
-            self.qtables = [[] for _ in pads]
-        plan = super().apply_step(q_len, pads, copy_blocks)
-        plan.quantized_tables = [list(table) for table in self.qtables]
-        return plan
-
-    # ------------------------------------------------------------------ whole-batch edits
-    def reorder(self, order: list[int]) -> None:
-        qtables = [list(self.qtables[source]) for source in order]
-        self.qpool.fork(block for table in qtables for block in table)
-        self.qpool.free(block for table in self.qtables for block in table)
-        super().reorder(order)
-        self.qtables = qtables
-
-    def first_stored(self, row: int) -> int:
-        return self.quantized_base(row)
-
-    def check_crop(self, new_len: int) -> None:
-        """Cropping inside a row's quantized prefix is exact only at a block boundary (whole quantized
-        blocks are dropped; none is re-quantized); anywhere else it raises, changing nothing."""
-        for row, table in enumerate(self.qtables):
-            if self.kept_positions[row] is not None and new_len > 0:
-                if int((self.stored_positions(row) < new_len).sum()) < self.quantized_tokens(row):
-                    raise RuntimeError(
-                        f"Cannot crop the {self.name} layers to {new_len} tokens: row {row} was compacted by "
-                        "eviction and the crop would reach into its quantized blocks; crop fewer tokens."
-                    )
-                continue
-            offset = new_len - self.quantized_base(row)
-            if new_len > 0 and table and new_len < self.base[row] and offset > 0 and offset % self.block_size:
-                lower = new_len - offset % self.block_size
-                raise RuntimeError(
-                    f"Cannot crop the {self.name} layers to {new_len} tokens: position {new_len} lies inside a "
-                    f"quantized block (row {row}), and a quantized block is never re-quantized or split. Crop to "
-                    f"a block boundary ({lower} or {lower + self.block_size}) or into the full-precision tokens "
-                    f"(>= {self.base[row]}), or raise `residual_length` (now {self.residual_length}) so that more "
-                    "recent tokens stay in full precision."
-                )
-        super().check_crop(new_len)
-
-    def crop(self, new_len: int) -> None:
-        if new_len == 0:
-            self.qpool.free(block for table in self.qtables for block in table)
-        else:
-            for row, table in enumerate(self.qtables):
-                if table and self.kept_positions[row] is None and new_len < self.base[row]:  # into the quantized prefix
-                    first = self.quantized_base(row)
-                    keep = max(new_len - first, 0) // self.block_size
-                    self.qpool.free(table[keep:])
-                    del table[keep:]
-                    self.pool.free(self.tables[row])
-                    self.tables[row].clear()
-                    self.base[row], self.run_from[row] = first + keep * self.block_size, 0
-        super().crop(new_len)
-
-    def release(self) -> None:
-        if self.qpool is not None:
-            self.qpool.free(block for table in self.qtables for block in table)
-        super().release()
-
-    def trim_to_window(self) -> None:
-        for row, count in enumerate(self._quantized_drops(keep_past=False)):
-            if count:
-                self.qpool.free(self.qtables[row][:count])
-                del self.qtables[row][:count]
-        super().trim_to_window()
 
 
 class QuantizedLayer(PagedLayer):
@@ -225,8 +34,8 @@ class QuantizedLayer(PagedLayer):
     is_quantized = True
     tables: QuantizedBlockTables
 
-    def __init__(self, tables: QuantizedBlockTables, options, owner):
-        super().__init__(tables, options, owner)
+    def __init__(self, tables: QuantizedBlockTables, options, chunked: bool = False):
+        super().__init__(tables, options, chunked)
         self.kv_format: KVFormat = tables.kv_format
         self.qkey: dict[str, torch.Tensor] = {}
         self.qvalue: dict[str, torch.Tensor] = {}
@@ -238,7 +47,7 @@ class QuantizedLayer(PagedLayer):
         self.qkey, self.qvalue = self._allocate_quantized(self.tables.qpool.num_blocks + 1)
 
     def _allocate_quantized(self, blocks: int) -> tuple[dict, dict]:
-        bs, heads = self.options.block_size, self.kv_shape[0]
+        bs, heads = self.tables.block_size, self.kv_shape[0]
         return (
             self.kv_format.key.allocate(blocks, bs, heads, self.kv_shape[1], device=self.device),
             self.kv_format.value.allocate(blocks, bs, heads, self.value_dim, device=self.device),
@@ -264,7 +73,7 @@ class QuantizedLayer(PagedLayer):
         """Bytes of one quantized block (key + value codes, scales and zero points)."""
         if not self.is_initialized:
             return 0
-        bs, heads = self.options.block_size, self.kv_shape[0]
+        bs, heads = self.tables.block_size, self.kv_shape[0]
         return self.kv_format.key.bytes_per_block(bs, heads, self.kv_shape[1]) + self.kv_format.value.bytes_per_block(
             bs, heads, self.value_dim
         )
@@ -320,13 +129,13 @@ class QuantizedLayer(PagedLayer):
         them reads views of the pool; each chunk holds at most `CHUNK_TOKENS` tokens. Computed once per
         step and row, shared by the group's layers.
         """
-        key = ("quantized_chunks", row)
-        if key not in plan._memo:
-            bs, table = self.options.block_size, plan.quantized_tables[row]
+        def build() -> list[tuple[slice, int]]:
+            bs, table = self.tables.block_size, plan.quantized_tables[row]
             start = plan.base[row] - len(table) * bs
             first = max(plan.kv_offset - start, 0) // bs
-            plan._memo[key] = [(ids, start + index * bs) for ids, index in _id_runs(table, first, bs)]
-        return plan._memo[key]
+            return [(ids, start + index * bs) for ids, index in _id_runs(table, first, bs)]
+
+        return plan.cached(("quantized_chunks", row), build)
 
     def _dequantized(self, blocks: slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks decoded as `[kv_heads, tokens, head_dim]` keys and values."""
@@ -336,7 +145,7 @@ class QuantizedLayer(PagedLayer):
 
     def stored_key_chunks(self, row: int):
         """Quantized keys decoded a run (at most `CHUNK_TOKENS`) at a time, then the full-precision ones."""
-        for ids, _index in _id_runs(self.tables.qtables[row], 0, self.options.block_size):
+        for ids, _index in _id_runs(self.tables.rows[row].quantized.ids, 0, self.tables.block_size):
             yield self.kv_format.key.dequantize(self.qkey, ids).flatten(0, 1).transpose(0, 1)
         yield from super().stored_key_chunks(row)
 
@@ -381,19 +190,19 @@ class QuantizedLayer(PagedLayer):
             return attend(query, *self.read_with_mask(plan, mask, q_len), scale, softcap)
         width = plan.new_len - plan.kv_offset
         if mask is None:
-            mask = torch.ones(q_len, width, dtype=torch.bool, device=query.device).tril(width - q_len)[None, None]
+            mask = causal_mask(q_len, width, query.device)
         out = []
         for row in range(batch):
             row_mask = mask[row if mask.shape[0] > 1 else 0, 0]
-            softmax = _OnlineSoftmax(query[row], scale, softcap)
+            softmax = OnlineSoftmax(query[row], scale, softcap)
             for blocks, first in self._quantized_chunks(plan, row):
                 keys, values = self._dequantized(blocks, torch.float32)
-                softmax.update(keys, values, _visible(row_mask, first - plan.kv_offset, keys.shape[1]))
+                softmax.update(keys, values, visible_columns(row_mask, first - plan.kv_offset, keys.shape[1]))
             start, stop = plan.read_start[row], plan.read_stop[row]
             if stop > start:
                 view = self.row_view(plan, row)
                 if view is None:
-                    slots = plan.tables._slots(plan.tables.tables[row], start, stop - start)
+                    slots = plan.slots(row, start, stop - start)
                     view = self.read_slots(slots.to(self.device))
                 first = plan.base[row] + start - plan.kv_offset
                 softmax.update(view[0].float(), view[1].float(), row_mask[:, first : first + stop - start])
@@ -412,50 +221,6 @@ def _id_runs(table: list[int], first: int, block_size: int) -> list[tuple[slice,
         runs.append((slice(table[index], table[index] + run), index))
         index += run
     return runs
-
-
-def _visible(row_mask: torch.Tensor, first: int, count: int) -> torch.Tensor:
-    """Columns [first, first + count) of a `[q, width]` mask; columns before 0 (left of the read) are hidden."""
-    if first >= 0:
-        return row_mask[:, first : first + count]
-    hidden = torch.zeros(row_mask.shape[0], -first, dtype=torch.bool, device=row_mask.device)
-    return torch.cat([hidden, row_mask[:, : first + count]], dim=1)
-
-
-class _OnlineSoftmax:
-    """Attention of one row's queries `[heads, q, d]` over K/V chunks `[kv_heads, n, d]` (grouped heads),
-    merged with a running max, sum and accumulator (float32). Fully masked queries give 0."""
-
-    def __init__(self, query: torch.Tensor, scale: float, softcap: float | None):
-        self.heads, self.q_len, _ = query.shape
-        self.query, self.scale, self.softcap = query.float(), scale, softcap
-        self.max = self.total = self.acc = None
-
-    def update(self, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> None:
-        kv_heads = keys.shape[0]
-        groups = self.heads // kv_heads
-        query = self.query.reshape(kv_heads, groups * self.q_len, -1)
-        logits = torch.matmul(query, keys.to(query.device).transpose(-1, -2)) * self.scale  # [kv_heads, g*q, n]
-        if self.softcap is not None:
-            logits = self.softcap * torch.tanh(logits / self.softcap)
-        visible = visible.to(logits.device)[None].expand(groups, -1, -1).reshape(1, groups * self.q_len, -1)
-        logits = logits.masked_fill(~visible, float("-inf"))
-        chunk_max = logits.amax(-1, keepdim=True)
-        new_max = chunk_max if self.max is None else torch.maximum(self.max, chunk_max)
-        safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-        weights = torch.exp(logits - safe)
-        chunk = torch.matmul(weights, values.to(query.device))
-        if self.max is None:
-            self.total, self.acc = weights.sum(-1, keepdim=True), chunk
-        else:
-            decay = torch.exp(self.max - safe)
-            self.total = self.total * decay + weights.sum(-1, keepdim=True)
-            self.acc = self.acc * decay + chunk
-        self.max = new_max
-
-    def result(self) -> torch.Tensor:
-        out = torch.where(self.total > 0, self.acc / self.total.clamp(min=1e-30), torch.zeros_like(self.acc))
-        return out.reshape(self.heads, self.q_len, -1)
 
 
 class QuantizedSlidingLayer(QuantizedLayer, PagedSlidingLayer):

@@ -25,7 +25,7 @@ from hf_paged_cache import (
     StreamingLLM,
     pyramid_budgets,
 )
-from hf_paged_cache import layers
+from hf_paged_cache import torch_attention
 from hf_paged_cache.eviction import choose_kept
 
 BLOCK = 4
@@ -320,11 +320,11 @@ def test_attention_mass_one_chunk_and_chunked_agree_with_a_dense_softmax(softcap
         logits = softcap * torch.tanh(logits / softcap)
     mask = visible[None].expand(group, -1, -1).reshape(1, -1, keys)
     expected = torch.softmax(logits.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0).sum(1)
-    one = layers._attention_mass(q, lambda: iter([k]), visible, group, 0.3, softcap)
-    split = layers._attention_mass(q, lambda: iter([k[:, :4], k[:, 4:9], k[:, 9:]]), visible, group, 0.3, softcap)
+    one = torch_attention.attention_mass(q, lambda: iter([k]), visible, group, 0.3, softcap)
+    split = torch_attention.attention_mass(q, lambda: iter([k[:, :4], k[:, 4:9], k[:, 9:]]), visible, group, 0.3, softcap)
     torch.testing.assert_close(one, expected)
     torch.testing.assert_close(split, expected)
-    assert layers._attention_mass(q, lambda: iter([]), visible[:, :0], group, 0.3, softcap).shape == (kv_heads, 0)
+    assert torch_attention.attention_mass(q, lambda: iter([]), visible[:, :0], group, 0.3, softcap).shape == (kv_heads, 0)
 
 
 @pytest.mark.parametrize("policy", [H2O, SnapKV])
@@ -337,7 +337,8 @@ def test_kernel_statistics_equal_the_torch_path(policy):
     for backend in ("torch", "triton"):
         cache = PagedCache(model.config, block_size=BLOCK, eviction=policy(budget=6, sinks=1, window=2), backend=backend)
         _decode(model, cache, input_ids, attention_mask, 2)
-        stats[backend] = [(layer.attention_stats, [layer.tables.stored_count(r) for r in range(2)]) for layer in cache.paged_layers]
+        stats[backend] = [(cache.evictor.stats[index].scores, [layer.tables.stored_count(r) for r in range(2)])
+                          for index, layer in cache.evictor.layers.items()]
     for (torch_stats, counts), (kernel_stats, kernel_counts) in zip(stats["torch"], stats["triton"]):
         assert counts == kernel_counts
         for row, count in enumerate(counts):

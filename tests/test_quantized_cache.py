@@ -16,9 +16,9 @@ import torch
 from tiny_models import MODELS, MODELS_BY_NAME, PAD_ID, VOCAB, padded_batch
 
 from hf_paged_cache import OutOfBlocksError, PagedCache, PagedCacheConfig, estimate_kv_bytes
-from hf_paged_cache.block_tables import BlockTables
+from hf_paged_cache.block_tables import BlockTables, QuantizedBlockTables
 from hf_paged_cache.quantization import parse_kv_format
-from hf_paged_cache.quantized_layers import QuantizedBlockTables, QuantizedLayer
+from hf_paged_cache.quantized_layers import QuantizedLayer
 
 FORMATS = ("int8", "int4", "int2", "fp8_e4m3", "K4V2")
 BLOCK = 4

@@ -1,4 +1,4 @@
-"""Token-eviction policies: each scores a row's stored tokens; the cache decides when and what to free.
+"""Token-eviction policies: each scores a row's stored tokens; the evictor decides when to free them.
 
 A policy is one small dataclass with a `score()` (higher = keep), in the spirit of kvpress's presses.
 What every policy shares lives in `EvictionPolicy`: the budget (tokens, or a ratio of the row's
@@ -6,14 +6,10 @@ tokens), per-layer budget schedules, and the protected tokens -- the first `sink
 sinks, StreamingLLM) and the most recent `window` tokens are never evicted. The cache applies a policy
 after the prompt's prefill, between chunks of a chunked prefill, during decoding and under pool
 pressure (`PagedCacheConfig.evict_every` / `evict_between_chunks`), and compacts each row's survivors so
-that whole blocks return to the pool (`PagedCache.evict_now()` triggers it by hand).
+that whole blocks return to the pool (`PagedCache.evict_now()` triggers it by hand): see `evictor.py`.
 
-Policies that need attention statistics name them in `statistic`; the `"paged"` attention then emits,
-for every stored key, the attention probability it received summed over its query-head group:
-- "accumulate": summed over every query since the key was stored (H2O; `decay` multiplies the running
-  sum by `decay` before each step's mass is added -- the scores decay, never the K/V values);
-- "last": the most recent query's attention only (TOVA);
-- "window": the last `observation_window` queries of the latest multi-token step (SnapKV).
+A policy that needs attention statistics names a `Statistic` object (`statistics.py`) in `statistic`:
+which queries it observes and how it folds their attention into a running score per stored key.
 """
 
 from __future__ import annotations
@@ -21,13 +17,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
-
 import torch
 import torch.nn.functional as F
 
-STATISTICS = (None, "accumulate", "last", "window")
-
+from .statistics import Accumulated, LastQuery, ObservationWindow, Statistic
 
 @dataclass
 class ScoreInputs:
@@ -80,9 +73,6 @@ class EvictionPolicy:
     window: int = 32
     layer_budgets: Sequence[float] | None = None
 
-    statistic: ClassVar[str | None] = None
-    needs_keys: ClassVar[bool] = False
-
     def __post_init__(self) -> None:
         name = type(self).__name__
         budget = self.budget
@@ -114,6 +104,11 @@ class EvictionPolicy:
             base *= self.layer_budgets[layer_idx]
         return max(math.floor(base), self.sinks + self.window, 1)
 
+    @property
+    def statistic(self) -> Statistic | None:
+        """The attention statistic `score` reads as `inputs.attention` (None: it needs none)."""
+        return None
+
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         """`[n]` or `[kv_heads, n]` scores (higher = keep); per-head scores are averaged over heads."""
         raise NotImplementedError
@@ -135,12 +130,15 @@ class H2O(EvictionPolicy):
     sums favour the oldest tokens (docs/BENCHMARKS.md, decode-time eviction)."""
 
     decay: float | None = None
-    statistic: ClassVar[str | None] = "accumulate"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.decay is not None and not 0.0 < self.decay <= 1.0:
             raise ValueError(f"H2O: `decay` must be in (0, 1] or None, got {self.decay!r}")
+
+    @property
+    def statistic(self) -> Statistic:
+        return Accumulated(self.decay)
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         return inputs.attention
@@ -153,7 +151,10 @@ class SnapKV(EvictionPolicy):
 
     observation_window: int = 32
     kernel_size: int = 5
-    statistic: ClassVar[str | None] = "window"
+
+    @property
+    def statistic(self) -> Statistic:
+        return ObservationWindow(self.observation_window)
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         pad = self.kernel_size // 2
@@ -165,7 +166,9 @@ class SnapKV(EvictionPolicy):
 class TOVA(EvictionPolicy):
     """TOVA (Oren et al. 2024): keep the tokens the latest query attends to most."""
 
-    statistic: ClassVar[str | None] = "last"
+    @property
+    def statistic(self) -> Statistic:
+        return LastQuery()
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         return inputs.attention
@@ -175,8 +178,6 @@ class TOVA(EvictionPolicy):
 class KeyNorm(EvictionPolicy):
     """Keep the keys of smallest L2 norm (Devoto et al. 2024: low-norm keys draw high attention);
     needs no attention at all."""
-
-    needs_keys: ClassVar[bool] = True
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         return -inputs.keys.norm(dim=-1)
@@ -188,7 +189,10 @@ class KeepRatio(EvictionPolicy):
     received, summed over the queries that saw it, divided by how many did."""
 
     budget: int | float = 0.5
-    statistic: ClassVar[str | None] = "accumulate"
+
+    @property
+    def statistic(self) -> Statistic:
+        return Accumulated()
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         observed = (inputs.length - inputs.positions).clamp(min=1).float()

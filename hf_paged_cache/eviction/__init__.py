@@ -1,0 +1,40 @@
+"""Token eviction: policies decide what survives (`policies`) from scores fed by attention statistics
+(`statistics` says which, `attention_stats` records them), the evictor decides when (`evictor`), and
+compaction frees the blocks (`compaction`)."""
+
+from .evictor import Evictor
+from .policies import (
+    H2O,
+    TOVA,
+    EvictionPolicy,
+    KeepRatio,
+    KeyNorm,
+    RandomEviction,
+    ScoreInputs,
+    SnapKV,
+    StreamingLLM,
+    choose_kept,
+    pyramid_budgets,
+)
+from .attention_stats import AttentionStats
+from .statistics import Accumulated, LastQuery, ObservationWindow, Statistic
+
+__all__ = [
+    "Accumulated",
+    "AttentionStats",
+    "EvictionPolicy",
+    "Evictor",
+    "H2O",
+    "KeepRatio",
+    "KeyNorm",
+    "LastQuery",
+    "ObservationWindow",
+    "RandomEviction",
+    "ScoreInputs",
+    "SnapKV",
+    "Statistic",
+    "StreamingLLM",
+    "TOVA",
+    "choose_kept",
+    "pyramid_budgets",
+]

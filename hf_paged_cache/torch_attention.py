@@ -1,0 +1,153 @@
+"""The torch attention every read path shares: causal masks, soft-capping, grouped (GQA) heads, an online
+softmax over K/V chunks, and the attention mass eviction scores are made of.
+
+Kernels have their own Triton versions (`hf_paged_cache.kernels`); this module is what runs everywhere
+else, so the plain, quantized and statistics paths agree by construction.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_mask(q_len: int, n: int, device: torch.device) -> torch.Tensor:
+    """Boolean `[1, 1, q_len, n]`: the queries are the last `q_len` of the `n` keys."""
+    return torch.ones(q_len, n, dtype=torch.bool, device=device).tril(n - q_len)[None, None]
+
+
+def grouped_logits(queries: torch.Tensor, keys: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """Scaled (and soft-capped) logits of grouped queries `[kv_heads, g * q, d]` against `[kv_heads, n, d]`."""
+    logits = torch.matmul(queries, keys.to(queries.dtype).transpose(-1, -2)).mul_(scale)
+    if softcap is not None:  # Gemma-2: softcap * tanh(logits / softcap)
+        logits = logits.div_(softcap).tanh_().mul_(softcap)
+    return logits
+
+
+def group_visibility(visible: torch.Tensor, group: int) -> torch.Tensor:
+    """A `[q, n]` mask repeated for each query head of a KV head's group: `[1, group * q, n]`."""
+    return visible[None].expand(group, -1, -1).reshape(1, group * visible.shape[0], visible.shape[1])
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of `query` `[b, heads, q, d]` over `key`/`value` `[b, kv_heads, n, d]` (grouped heads).
+
+    `mask` is boolean `[b, 1, q, n]` (True = attend) or None, meaning causal with the queries aligned to
+    the last `q` keys. Query rows with nothing to attend to return 0, never NaN.
+    """
+    q_len, n = query.shape[2], key.shape[2]
+    if mask is None and q_len > 1:
+        mask = causal_mask(q_len, n, query.device)
+    key, value = key.to(query.dtype), value.to(query.dtype)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
+        )
+    else:  # SDPA cannot soft-cap: one row at a time through the shared grouped logits
+        out = torch.stack([
+            _softcapped_row(query[b], key[b], value[b], None if mask is None else mask[b if mask.shape[0] > 1 else 0, 0],
+                            scale, softcap)
+            for b in range(query.shape[0])
+        ])  # fmt: skip
+    if mask is not None:
+        out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    return out
+
+
+def _softcapped_row(query, key, value, visible, scale: float, softcap: float) -> torch.Tensor:
+    heads, q_len, head_dim = query.shape
+    group = heads // key.shape[0]
+    logits = grouped_logits(query.reshape(key.shape[0], group * q_len, head_dim), key, scale, softcap)
+    if visible is not None:
+        logits = logits.masked_fill(~group_visibility(visible, group), float("-inf"))
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value).reshape(heads, q_len, value.shape[-1])
+
+
+def visible_columns(row_mask: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Columns [first, first + count) of a `[q, width]` mask; columns before 0 (left of the read) are hidden."""
+    if first >= 0:
+        return row_mask[:, first : first + count]
+    hidden = torch.zeros(row_mask.shape[0], -first, dtype=torch.bool, device=row_mask.device)
+    return torch.cat([hidden, row_mask[:, : first + count]], dim=1)
+
+
+class OnlineSoftmax:
+    """Attention of one row's queries `[heads, q, d]` over K/V chunks `[kv_heads, n, d]` (grouped heads),
+    merged with a running max, sum and accumulator (float32), so no chunk outlives its `update`.
+    Fully masked queries give 0."""
+
+    def __init__(self, query: torch.Tensor, scale: float, softcap: float | None):
+        self.heads, self.q_len, _ = query.shape
+        self.query, self.scale, self.softcap = query.float(), scale, softcap
+        self.max = self.total = self.acc = None
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> None:
+        kv_heads = keys.shape[0]
+        group = self.heads // kv_heads
+        query = self.query.reshape(kv_heads, group * self.q_len, -1)
+        logits = grouped_logits(query, keys.to(query.device), self.scale, self.softcap)
+        logits = logits.masked_fill(~group_visibility(visible.to(logits.device), group), float("-inf"))
+        chunk_max = logits.amax(-1, keepdim=True)
+        new_max = chunk_max if self.max is None else torch.maximum(self.max, chunk_max)
+        safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+        weights = torch.exp(logits - safe)
+        chunk = torch.matmul(weights, values.to(query.device).float())
+        if self.max is None:
+            self.total, self.acc = weights.sum(-1, keepdim=True), chunk
+        else:
+            decay = torch.exp(self.max - safe)
+            self.total = self.total * decay + weights.sum(-1, keepdim=True)
+            self.acc = self.acc * decay + chunk
+        self.max = new_max
+
+    def result(self) -> torch.Tensor:
+        out = torch.where(self.total > 0, self.acc / self.total.clamp(min=1e-30), torch.zeros_like(self.acc))
+        return out.reshape(self.heads, self.q_len, -1)
+
+
+def attention_mass(
+    queries: torch.Tensor,
+    chunks: Callable[[], Iterator[torch.Tensor]],
+    visible: torch.Tensor,
+    group: int,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Per key, the softmax probability summed over `queries` `[kv_heads, group * s, d]` (float32) over
+    the key chunks `[kv_heads, n_i, d]` that `chunks()` yields in order (called twice: once for the
+    log-sum-exp, once for the probabilities; a single chunk takes one softmax); `visible` `[s, sum n_i]`.
+    Returns `[kv_heads, sum n_i]`."""
+    visible = group_visibility(visible, group)
+
+    def logits(chunk: torch.Tensor, start: int) -> torch.Tensor:
+        out = grouped_logits(queries, chunk.float(), scale, softcap)
+        return out.masked_fill_(~visible[..., start : start + chunk.shape[1]], float("-inf"))
+
+    stream = chunks()
+    head = list(itertools.islice(stream, 2))
+    if not head:
+        return queries.new_zeros(queries.shape[0], 0)
+    if len(head) == 1:  # the row is one chunk (full precision): one fused softmax, a query seeing no key adds 0
+        return torch.softmax(logits(head[0], 0), dim=-1).nan_to_num_(0.0).sum(dim=1)
+    lse, start = None, 0
+    for chunk in itertools.chain(head, stream):
+        part = torch.logsumexp(logits(chunk, start), dim=-1)
+        lse = part if lse is None else torch.logaddexp(lse, part)
+        start += chunk.shape[1]
+    masses, start = [], 0
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    for chunk in chunks():
+        masses.append(torch.exp(logits(chunk, start) - safe[..., None]).sum(dim=1))
+        start += chunk.shape[1]
+    return torch.cat(masses, dim=-1)

@@ -1,0 +1,63 @@
+"""The shared torch attention against a dense softmax written out here: masks, soft-capping, grouped heads,
+the online softmax over chunks, and the attention mass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged_cache.torch_attention import OnlineSoftmax, attend, attention_mass, causal_mask, visible_columns
+
+
+def _dense(query, key, value, visible, scale, softcap):
+    """[heads, q, d] over [kv_heads, n, d] with visible [q, n]: probabilities and output, by the book."""
+    group = query.shape[0] // key.shape[0]
+    key, value = key.repeat_interleave(group, 0), value.repeat_interleave(group, 0)
+    logits = query @ key.transpose(-1, -2) * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
+    return probs, probs @ value
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_attend_matches_a_dense_softmax_and_zeroes_rows_that_see_nothing(softcap, kv_heads):
+    heads, q_len, n, d = 4, 3, 7, 8
+    query, key, value = torch.randn(2, heads, q_len, d), torch.randn(2, kv_heads, n, d), torch.randn(2, kv_heads, n, d)
+    mask = causal_mask(q_len, n, torch.device("cpu")).expand(2, 1, q_len, n).clone()
+    mask[1, 0, 0] = False  # a query of row 1 sees no key (left padding)
+    out = attend(query, key, value, mask, 0.3, softcap)
+    for row in range(2):
+        _probs, expected = _dense(query[row], key[row], value[row], mask[row, 0], 0.3, softcap)
+        torch.testing.assert_close(out[row], expected, atol=1e-5, rtol=1e-5)
+    assert torch.all(out[1, :, 0] == 0)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_online_softmax_over_chunks_equals_attention_over_the_whole(softcap):
+    heads, kv_heads, q_len, n, d = 4, 2, 3, 11, 8
+    query, key, value = torch.randn(heads, q_len, d), torch.randn(kv_heads, n, d), torch.randn(kv_heads, n, d)
+    visible = causal_mask(q_len, n, torch.device("cpu"))[0, 0]
+    softmax = OnlineSoftmax(query, 0.3, softcap)
+    for lo, hi in ((0, 4), (4, 9), (9, 11)):
+        softmax.update(key[:, lo:hi], value[:, lo:hi], visible[:, lo:hi])
+    _probs, expected = _dense(query, key, value, visible, 0.3, softcap)
+    torch.testing.assert_close(softmax.result(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_mass_is_the_probability_summed_over_the_group_and_queries():
+    heads, kv_heads, q_len, n, d = 4, 2, 3, 9, 8
+    query, key = torch.randn(heads, q_len, d), torch.randn(kv_heads, n, d)
+    visible = causal_mask(q_len, n, torch.device("cpu"))[0, 0]
+    probs, _ = _dense(query, key, key, visible, 0.3, None)
+    expected = probs.reshape(kv_heads, heads // kv_heads * q_len, n).sum(1)
+    grouped = query.reshape(kv_heads, -1, d)
+    mass = attention_mass(grouped, lambda: iter([key[:, :5], key[:, 5:]]), visible, heads // kv_heads, 0.3, None)
+    torch.testing.assert_close(mass, expected)
+
+
+def test_visible_columns_hides_columns_left_of_the_read():
+    mask = torch.tensor([[True, False, True]])
+    assert visible_columns(mask, 1, 2).tolist() == [[False, True]]
+    assert visible_columns(mask, -2, 3).tolist() == [[False, False, True]]
