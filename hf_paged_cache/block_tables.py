@@ -294,6 +294,21 @@ class BlockTables:
         return blocks.ids[0] if blocks.ids and blocks.run_from == 0 else None
 
     # ------------------------------------------------------------------ reading
+    def block_read(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's read range as whole blocks, in stored order: (block ids `[rows, width]`, null-padded;
+        the logical position of every slot of them `[rows, width * block_size]`; whether that slot is in
+        the row's read range). Reading whole blocks copies `block_size` tokens per index, and rows need
+        not line up by position: the mask goes by each slot's logical position instead."""
+        bs = self.block_size
+        first = [start // bs for start in plan.read_start]
+        counts = [max(ceil_div(stop, bs) - block, 0) for block, stop in zip(first, plan.read_stop)]
+        width = max(max(counts, default=0), 1)
+        ids = torch.tensor([row.blocks.ids[block : block + count] + [NULL_BLOCK] * (width - count)
+                            for row, block, count in zip(self.rows, first, counts)], dtype=torch.long)  # fmt: skip
+        stored = torch.tensor(first)[:, None] * bs + torch.arange(width * bs)[None, :]
+        valid = (stored >= torch.tensor(plan.read_start)[:, None]) & (stored < torch.tensor(plan.read_stop)[:, None])
+        return ids, torch.tensor(plan.base)[:, None] + stored, valid
+
     def table_tensor(self) -> torch.Tensor:
         """Block tables as one int64 tensor `[rows, max blocks]`, short rows padded with the null block."""
         tables = self.tables

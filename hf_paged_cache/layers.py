@@ -96,9 +96,10 @@ class PagedLayer(CacheLayerMixin):
 
     def _allocate(self, head_dim: int, blocks: int | None = None) -> torch.Tensor:
         blocks = self.tables.pool.num_blocks + 1 if blocks is None else blocks
-        storage = allocate_kv_blocks(blocks, self.tables.block_size, self.kv_shape[0], head_dim, self.dtype, self.device)
-        storage[0].zero_()  # the null block: what unstored positions (padding) read as
-        return storage
+        # Zero-filled: the null block is what unstored positions (padding) read as, and whole-block reads
+        # (`read_with_mask`) see the unwritten tail of a row's last block, masked but never NaN.
+        return allocate_kv_blocks(blocks, self.tables.block_size, self.kv_shape[0], head_dim, self.dtype, self.device,
+                                  fill=0.0)
 
     def _fit_pool(self) -> None:
         """Grow the storage after the (growable) pool grew; existing blocks keep their ids."""
@@ -218,6 +219,11 @@ class PagedLayer(CacheLayerMixin):
             views.append(flat[offset : offset + stop - start].transpose(0, 1))
         return views[0], views[1]
 
+    @staticmethod
+    def _reads_one_view(plan: StepPlan) -> bool:
+        """Whether the step reads one row whose stored range is exactly the logical read range."""
+        return len(plan.read_start) == 1 and plan.new_len - plan.kv_offset == plan.read_stop[0] - plan.read_start[0]
+
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V at the given slots (any shape `S`), as `[*S[:-1], kv_heads, S[-1], head_dim]`."""
         out = []
@@ -231,7 +237,7 @@ class PagedLayer(CacheLayerMixin):
 
         A single row whose blocks form one run comes back as a strided view of the storage: no copy.
         """
-        if len(plan.read_start) == 1 and plan.new_len - plan.kv_offset == plan.read_stop[0] - plan.read_start[0]:
+        if self._reads_one_view(plan):
             view = self.row_view(plan, 0)
             if view is not None:
                 return view[0].unsqueeze(0), view[1].unsqueeze(0)
@@ -241,28 +247,29 @@ class PagedLayer(CacheLayerMixin):
     def read_with_mask(
         self, plan: StepPlan, mask: torch.Tensor | None, q_len: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """K/V of the step's read range and the boolean mask `[b, 1, q, n]` (or None) that goes with them.
+        """K/V of the step's read range and the boolean mask `[b, 1, q, n]` (or None) that goes with them,
+        for the `"paged"` attention, which needs no alignment of rows by position.
 
-        Unless eviction compacted a row this is `gather` with the model's mask. A compacted row stores
-        its survivors in front of its virtual `base` (`BlockTables.compact`): the read then starts at the
-        smallest base of the batch and hides, per row, the columns before that row's own base (positions
-        whose tokens were evicted), which the model's mask still shows.
+        A single uncompacted row whose blocks form one run is a view with the model's mask. Otherwise
+        every row's range is read as whole blocks in stored order (`BlockTables.block_read`) and the mask
+        is the model's, taken at each slot's logical position, hiding slots outside the row's range. A
+        compacted row stores its survivors in front of its virtual `base` (`Row.base`), so they stand at
+        positions the model's mask shows.
         """
-        if not plan.tables.compacted:
-            return (*self.gather(plan), mask)
-        first = max(min(plan.base), plan.kv_offset)
-        width = plan.new_len - first
-        if len(plan.read_start) == 1 and plan.read_stop[0] - plan.read_start[0] == width:
-            view = self.row_view(plan, 0) or self.read_slots(plan.slots(0, 0, width).to(self.device))
-            keys, values = view[0].unsqueeze(0), view[1].unsqueeze(0)
-        else:
-            keys, values = self.read_slots(plan.tables.gather_slots(first, plan.new_len).to(self.device))
+        if self._reads_one_view(plan) and not plan.tables.compacted:
+            view = self.row_view(plan, 0)
+            if view is not None:
+                return view[0].unsqueeze(0), view[1].unsqueeze(0), mask
+        ids, positions, valid = plan.cached(("block_read", self.device),
+                                            lambda: tuple(t.to(self.device) for t in plan.tables.block_read(plan)))
+        keys, values = (_gather_blocks(blocks, ids) for blocks in (self.key_blocks, self.value_blocks))
+        total = plan.new_len - plan.kv_offset
         if mask is None:
-            mask = causal_mask(q_len, plan.new_len - plan.kv_offset, keys.device)
-        columns = torch.arange(first, plan.new_len, device=mask.device)
-        bases = torch.tensor(plan.base, device=mask.device)
-        own = (columns[None, :] >= bases[:, None])[:, None, None, :]
-        return keys, values, mask[..., first - plan.kv_offset :] & own
+            mask = causal_mask(q_len, total, keys.device)
+        columns = (positions - plan.kv_offset).clamp(0, total - 1)
+        mask = mask.expand(len(plan.read_start), 1, q_len, total)
+        visible = mask.gather(-1, columns[:, None, None, :].expand(-1, 1, q_len, -1))
+        return keys, values, visible & valid[:, None, None, :]
 
     # ------------------------------------------------------------------ eviction support
     def stored_key_chunks(self, row: int):
@@ -312,3 +319,12 @@ class PagedSlidingLayer(PagedLayer):
 
     def get_max_length(self) -> int:
         return self.sliding_window
+
+
+def _gather_blocks(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Whole blocks `ids` `[rows, width]` of storage `[num_blocks, block_size, kv_heads, d]` (head-major
+    underneath), as `[rows, kv_heads, width * block_size, d]`: one index per block, contiguous per head."""
+    heads_first = blocks.permute(2, 0, 1, 3)  # the contiguous [kv_heads, num_blocks, block_size, d] of the layout
+    rows, width = ids.shape
+    gathered = heads_first.index_select(1, ids.reshape(-1))
+    return gathered.view(heads_first.shape[0], rows, width * blocks.shape[1], blocks.shape[-1]).transpose(0, 1)
