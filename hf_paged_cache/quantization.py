@@ -25,7 +25,8 @@ Writes (`quantize(x, out, blocks, offsets=None)`) are one vectorized call either
   and token t goes to slot `offsets[t]` of block `blocks[t]`.
 Per-token formats encode every token independently, so writing a block token by token gives exactly the
 codes of writing it whole. Reads (`dequantize(fields, blocks, dtype)`) return
-`[len(blocks), block_size, kv_heads, head_dim]`.
+`[len(blocks), block_size, kv_heads, head_dim]`. `kernel_format(block_size, head_dim)` tells the Triton
+kernels how the codes are encoded (a `KernelFormat`), so they read and write the format without naming it.
 
 Metadata precision. Scales and zero points are float16. Each is rounded *outward* before the codes are
 computed (scales up, zero points down), so the stored grid always covers the data and the round-trip
@@ -69,6 +70,7 @@ __all__ = [
     "Int8",
     "IntN",
     "KVFormat",
+    "KernelFormat",
     "QuantFormat",
     "pack_codes",
     "parse_kv_format",
@@ -167,14 +169,41 @@ def _as_ids(ids: BlockIds, device: torch.device) -> Tensor:
     return torch.as_tensor(ids, dtype=torch.long, device=device).reshape(-1)
 
 
+@dataclass(frozen=True)
+class KernelFormat:
+    """A format's blocks as the Triton kernels (`hf_paged_cache.kernels`) read and write them.
+
+    The kernels know *encodings*, not format classes: they compile one variant per `KernelFormat` and
+    branch only on these fields, so a new format whose codes use an encoding below runs in them as it
+    is -- its class returns its `KernelFormat` from `kernel_format`, and no kernel code changes.
+
+    - Integer codes with a `zero_point`: x = zero + scale * code, unsigned codes in [0, qmax] (a "zero"
+      field holds the zero points), `bits` 8 (uint8) or 2 / 4, packed planar into uint8 (`pack_codes`).
+    - Integer codes without (`exponent_bits` 0): x = scale * code, int8 codes in [-qmax, qmax].
+    - float8 codes (`exponent_bits` e > 0, 7 - e mantissa bits, exponent bias 2**(e - 1) - 1, as in
+      e4m3fn / e5m2): their uint8 bit patterns, x = scale * code; `qmax` is the largest finite value.
+
+    Metadata is float16: one scale (and zero point) per `group` adjacent channels of a KV head, per
+    token (`per_token`) or per block (then shared by all of the block's tokens).
+    """
+
+    bits: int
+    exponent_bits: int
+    zero_point: bool
+    qmax: float
+    per_token: bool
+    group: int
+
+
 # --------------------------------------------------------------------------------------------------
 # The interface every format implements.
 # --------------------------------------------------------------------------------------------------
 
 
 class QuantFormat:
-    """Storage layout + encode / decode of one K or V block. Subclasses implement `fields`, `_encode`
-    and `_decode`; this class does the byte accounting and the vectorized block / token indexing.
+    """Storage layout + encode / decode of one K or V block. Subclasses implement `fields`, `_encode`,
+    `_decode` and `kernel_format`; this class does the byte accounting and the vectorized block / token
+    indexing.
 
     `_encode` maps float32 `[..., block_size, kv_heads, head_dim]` (whole blocks) or, for per-token
     formats, `[..., kv_heads, head_dim]` to the field values with the same leading dims; `_decode`
@@ -184,6 +213,10 @@ class QuantFormat:
     needs_full_block: bool = False
 
     def fields(self, block_size: int, kv_heads: int, head_dim: int) -> FieldSpec:
+        raise NotImplementedError
+
+    def kernel_format(self, block_size: int, head_dim: int) -> KernelFormat:
+        """How the Triton kernels read and write this format's blocks of this size (see `KernelFormat`)."""
         raise NotImplementedError
 
     def bytes_per_block(self, block_size: int, kv_heads: int, head_dim: int) -> int:
@@ -280,15 +313,22 @@ class Int8(QuantFormat):
     Cost vs float16, head_dim 64 (any block size): (64 + 2) / 128 = 0.516x.
     """
 
+    QMAX = 127
+
     def fields(self, block_size: int, kv_heads: int, head_dim: int) -> FieldSpec:
         return {
             "codes": ((block_size, kv_heads, head_dim), torch.int8),
             "scale": ((block_size, kv_heads), _META_DTYPE),
         }
 
+    def kernel_format(self, block_size: int, head_dim: int) -> KernelFormat:
+        return KernelFormat(
+            bits=8, exponent_bits=0, zero_point=False, qmax=float(self.QMAX), per_token=True, group=head_dim
+        )
+
     def _encode(self, x: Tensor) -> dict[str, Tensor]:
-        scale = _absmax_scale(x, (-1,), 127.0)
-        codes = torch.round(x / _nonzero(scale)).clamp_(-127, 127).to(torch.int8)
+        scale = _absmax_scale(x, (-1,), float(self.QMAX))
+        codes = torch.round(x / _nonzero(scale)).clamp_(-self.QMAX, self.QMAX).to(torch.int8)
         return {"codes": codes, "scale": scale.squeeze(-1)}
 
     def _decode(self, fields: dict[str, Tensor]) -> Tensor:
@@ -366,6 +406,12 @@ class IntN(QuantFormat):
             "zero": (meta_shape, _META_DTYPE),
         }
 
+    def kernel_format(self, block_size: int, head_dim: int) -> KernelFormat:
+        return KernelFormat(
+            bits=self.bits, exponent_bits=0, zero_point=True, qmax=float((1 << self.bits) - 1),
+            per_token=self.axis == "token", group=self.group(head_dim, block_size),
+        )  # fmt: skip
+
     def _encode(self, x: Tensor) -> dict[str, Tensor]:
         # token: x is [..., heads, head_dim], reduce over each group's channels;
         # channel: x is [n, block, heads, head_dim], reduce over the group's channels and the block's tokens.
@@ -430,6 +476,12 @@ class FP8(QuantFormat):
             "codes": ((block_size, kv_heads, head_dim), torch.uint8),
             "scale": (scale_shape, _META_DTYPE),
         }
+
+    def kernel_format(self, block_size: int, head_dim: int) -> KernelFormat:
+        return KernelFormat(  # fmt "e<exponent bits>m<mantissa bits>"
+            bits=8, exponent_bits=int(self.fmt[1]), zero_point=False, qmax=torch.finfo(self.fp8_dtype).max,
+            per_token=self.granularity == "token", group=head_dim,
+        )  # fmt: skip
 
     def _encode(self, x: Tensor) -> dict[str, Tensor]:
         fp8_max = torch.finfo(self.fp8_dtype).max

@@ -287,12 +287,14 @@ def attend_quantized_range(
     BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
-    K_KIND: tl.constexpr,
     K_BITS: tl.constexpr,
+    K_EXPONENT_BITS: tl.constexpr,
+    K_ZERO_POINT: tl.constexpr,
     K_PER_TOKEN: tl.constexpr,
     K_GROUP: tl.constexpr,
-    V_KIND: tl.constexpr,
     V_BITS: tl.constexpr,
+    V_EXPONENT_BITS: tl.constexpr,
+    V_ZERO_POINT: tl.constexpr,
     V_PER_TOKEN: tl.constexpr,
     V_GROUP: tl.constexpr,
 ):
@@ -308,12 +310,14 @@ def attend_quantized_range(
         k = load_quantized_tile(
             k_codes, k_scales, k_zeros, table_ptr, start, key_hi, block_id, tok, valid,
             stride_kcode_block, stride_kcode_tok, stride_kmeta_block, stride_kmeta_tok,
-            K_KIND, K_BITS, K_PER_TOKEN, K_GROUP, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_DTYPE,
+            K_BITS, K_EXPONENT_BITS, K_ZERO_POINT, K_PER_TOKEN, K_GROUP,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_DTYPE,
         )  # fmt: skip
         v = load_quantized_tile(
             v_codes, v_scales, v_zeros, table_ptr, start, key_hi, block_id, tok, valid,
             stride_vcode_block, stride_vcode_tok, stride_vmeta_block, stride_vmeta_tok,
-            V_KIND, V_BITS, V_PER_TOKEN, V_GROUP, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_DTYPE,
+            V_BITS, V_EXPONENT_BITS, V_ZERO_POINT, V_PER_TOKEN, V_GROUP,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_DTYPE,
         )  # fmt: skip
         acc, m_i, l_i = online_softmax_step(
             acc, m_i, l_i, q, q_pos, k_pos, key_hi, k, v, scale, softcap, window, USE_SOFTCAP, DOT_DTYPE
@@ -370,12 +374,14 @@ def attend_stored_keys(
     USE_SOFTCAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     QUANTIZED: tl.constexpr,
-    K_KIND: tl.constexpr,
     K_BITS: tl.constexpr,
+    K_EXPONENT_BITS: tl.constexpr,
+    K_ZERO_POINT: tl.constexpr,
     K_PER_TOKEN: tl.constexpr,
     K_GROUP: tl.constexpr,
-    V_KIND: tl.constexpr,
     V_BITS: tl.constexpr,
+    V_EXPONENT_BITS: tl.constexpr,
+    V_ZERO_POINT: tl.constexpr,
     V_PER_TOKEN: tl.constexpr,
     V_GROUP: tl.constexpr,
 ):
@@ -395,13 +401,14 @@ def attend_stored_keys(
         acc, m_i, l_i = attend_quantized_range(
             acc, m_i, l_i, q, q_pos, key_lo, tl.minimum(key_hi, quant_len), quant_tables + row * stride_quant_table,
             k_codes + kv_head * stride_kcode_head, k_scales + kv_head * stride_kmeta_head,
-            k_zeros + kv_head * stride_kmeta_head if K_KIND == "uint" else k_zeros,
+            k_zeros + kv_head * stride_kmeta_head if K_ZERO_POINT else k_zeros,
             v_codes + kv_head * stride_vcode_head, v_scales + kv_head * stride_vmeta_head,
-            v_zeros + kv_head * stride_vmeta_head if V_KIND == "uint" else v_zeros,
+            v_zeros + kv_head * stride_vmeta_head if V_ZERO_POINT else v_zeros,
             stride_kcode_block, stride_kcode_tok, stride_kmeta_block, stride_kmeta_tok,
             stride_vcode_block, stride_vcode_tok, stride_vmeta_block, stride_vmeta_tok,
             scale, softcap, window, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_SOFTCAP, DOT_DTYPE,
-            K_KIND, K_BITS, K_PER_TOKEN, K_GROUP, V_KIND, V_BITS, V_PER_TOKEN, V_GROUP,
+            K_BITS, K_EXPONENT_BITS, K_ZERO_POINT, K_PER_TOKEN, K_GROUP,
+            V_BITS, V_EXPONENT_BITS, V_ZERO_POINT, V_PER_TOKEN, V_GROUP,
         )  # fmt: skip
         acc, m_i, l_i = attend_key_range(
             acc, m_i, l_i, q, q_pos - quant_len, tl.maximum(key_lo, quant_len) - quant_len, key_hi - quant_len,

@@ -33,22 +33,41 @@ def small_int_to_float(x):
 
 
 @triton.jit
-def fp8_to_float(code, KIND: tl.constexpr):
-    """float8 bit patterns (uint8) as float32, through float16 bit fields (exact, and on every GPU
-    generation: native fp8 conversions need sm_89).
+def fp8_to_float(code, EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr):
+    """float8 bit patterns (uint8; exponent bias 2**(EXPONENT_BITS - 1) - 1) as float32, through float16 bit
+    fields (exact, and on every GPU generation: native fp8 conversions need sm_89).
 
-    e5m2 is the high byte of a float16. e4m3 (exponent bias 7, no infinities) moved into a float16's
-    exponent and mantissa fields (bias 15) reads 2**8 too small, subnormals included; its NaN patterns
-    never occur (codes are clamped to +-448 when written).
+    The exponent and mantissa fields moved into a float16's (bias 15, 10 mantissa bits) read
+    2**(15 - bias) too small, subnormals included, which one multiply undoes (e5m2 is exactly the high
+    byte of a float16: the multiply is by 1). Infinities and NaNs never occur (codes are clamped to
+    +-qmax when written).
     """
+    BIAS: tl.constexpr = (1 << (EXPONENT_BITS - 1)) - 1
     bits = code.to(tl.uint16)
-    if KIND == "e5m2":
-        value = (bits << 8).to(tl.float16, bitcast=True).to(tl.float32)
-    else:
-        tl.static_assert(KIND == "e4m3", "unknown fp8 kind")
-        half = ((bits & 0x7F) << 7) | ((bits & 0x80) << 8)
-        value = half.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-    return value
+    half = ((bits & 0x7F) << (10 - MANTISSA_BITS)) | ((bits & 0x80) << 8)
+    return half.to(tl.float16, bitcast=True).to(tl.float32) * (1 << (15 - BIAS))
+
+
+@triton.jit
+def decode_codes(
+    token_codes, mask, BITS: tl.constexpr, EXPONENT_BITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """The codes of ``[BLOCK_N, BLOCK_D]`` channels as float32 numbers (before scale and zero point are
+    applied): the one place that reads an encoding (``hf_paged_cache.quantization.KernelFormat``).
+
+    ``token_codes`` points at each token's codes of the KV head (a ``[BLOCK_N, 1]`` column of pointers).
+    """
+    offs_d = tl.arange(0, BLOCK_D)
+    if BITS < 8:  # unsigned, planar: channel d is in byte d % BYTES, at bit (d // BYTES) * BITS
+        BYTES: tl.constexpr = HEAD_DIM * BITS // 8
+        raw = tl.load(token_codes + (offs_d % BYTES)[None, :], mask=mask, other=0).to(tl.int32)
+        x = small_int_to_float((raw >> ((offs_d // BYTES) * BITS)[None, :]) & ((1 << BITS) - 1))
+    elif EXPONENT_BITS > 0:
+        raw = tl.load(token_codes + offs_d[None, :], mask=mask, other=0)
+        x = fp8_to_float(raw, EXPONENT_BITS, 7 - EXPONENT_BITS)  # float8: 1 sign bit
+    else:  # whole bytes, signed or not as stored (int8 / uint8)
+        x = small_int_to_float(tl.load(token_codes + offs_d[None, :], mask=mask, other=0).to(tl.int32))
+    return x
 
 
 @triton.jit
@@ -85,8 +104,9 @@ def load_quantized_tile(
     stride_code_tok,
     stride_meta_block,
     stride_meta_tok,
-    KIND: tl.constexpr,
     BITS: tl.constexpr,
+    EXPONENT_BITS: tl.constexpr,
+    ZERO_POINT: tl.constexpr,
     PER_TOKEN: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -99,22 +119,16 @@ def load_quantized_tile(
 
     The tile holds stored indices ``start + arange(BLOCK_N)``; those ``>= key_hi`` read as 0. ``block_id``
     (int64), ``tok`` and ``valid`` are each token's quantized block, offset in it, and ``< key_hi``.
-    ``codes_ptr`` / ``scales_ptr`` / ``zeros_ptr`` point at the KV head's slice of the pool (zeros only for
-    KIND "uint"). ``start`` must be a multiple of BLOCK_N: the tile is then NB whole blocks of TB tokens,
-    or lies inside one block (NB = 1), and per-block metadata is read once per block of the tile.
+    ``codes_ptr`` / ``scales_ptr`` / ``zeros_ptr`` point at the KV head's slice of the pool (zeros only with
+    ZERO_POINT). BITS ... GROUP: the format's constants (``quantized.format_constexprs``). ``start`` must be
+    a multiple of BLOCK_N: the tile is then NB whole blocks of TB tokens, or lies inside one block (NB = 1),
+    and per-block metadata is read once per block of the tile.
     Dequantization runs in float32 (x = scale * code (+ zero)), rounded once to DOT_DTYPE.
     """
     offs_d = tl.arange(0, BLOCK_D)
     mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
     token_codes = codes_ptr + (block_id * stride_code_block + tok * stride_code_tok)[:, None]
-    if KIND == "uint":
-        BYTES: tl.constexpr = HEAD_DIM * BITS // 8  # planar: channel d is in byte d % BYTES, plane d // BYTES
-        raw = tl.load(token_codes + (offs_d % BYTES)[None, :], mask=mask, other=0).to(tl.int32)
-        x = small_int_to_float((raw >> ((offs_d // BYTES) * BITS)[None, :]) & ((1 << BITS) - 1))
-    elif KIND == "int8":
-        x = small_int_to_float(tl.load(token_codes + offs_d[None, :], mask=mask, other=0).to(tl.int32))
-    else:
-        x = fp8_to_float(tl.load(token_codes + offs_d[None, :], mask=mask, other=0), KIND)
+    x = decode_codes(token_codes, mask, BITS, EXPONENT_BITS, HEAD_DIM, BLOCK_D)
 
     # Metadata rows: one per token, or one per block of the tile; GROUPS values per row (the last
     # GROUPS - NUM_GROUPS pad a head_dim that is not a power of two).
@@ -134,9 +148,9 @@ def load_quantized_tile(
     meta_offs = rows[:, None] + offs_g[None, :]
     meta_mask = rows_valid[:, None] & (offs_g < NUM_GROUPS)[None, :]
     scale = tl.load(scales_ptr + meta_offs, mask=meta_mask, other=0.0).to(tl.float32)
-    if KIND == "uint":
+    if ZERO_POINT:
         zero = tl.load(zeros_ptr + meta_offs, mask=meta_mask, other=0.0).to(tl.float32)
     else:
         zero = scale  # unused
-    x = apply_meta(x, scale, zero, BLOCK_N if PER_TOKEN else NB, 1 if PER_TOKEN else TB, GROUPS, KIND == "uint")
+    x = apply_meta(x, scale, zero, BLOCK_N if PER_TOKEN else NB, 1 if PER_TOKEN else TB, GROUPS, ZERO_POINT)
     return x.to(DOT_DTYPE)

@@ -89,12 +89,16 @@ def _paged_prefill_kernel(
     USE_SOFTCAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     QUANTIZED: tl.constexpr,
-    K_KIND: tl.constexpr,
     K_BITS: tl.constexpr,
+    K_EXPONENT_BITS: tl.constexpr,
+    K_ZERO_POINT: tl.constexpr,
+    K_QMAX: tl.constexpr,
     K_PER_TOKEN: tl.constexpr,
     K_GROUP: tl.constexpr,
-    V_KIND: tl.constexpr,
     V_BITS: tl.constexpr,
+    V_EXPONENT_BITS: tl.constexpr,
+    V_ZERO_POINT: tl.constexpr,
+    V_QMAX: tl.constexpr,
     V_PER_TOKEN: tl.constexpr,
     V_GROUP: tl.constexpr,
 ):
@@ -144,7 +148,8 @@ def _paged_prefill_kernel(
         quant_tables, quant_lens, stride_quant_table,
         scale, softcap, window,
         BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_SOFTCAP, DOT_DTYPE,
-        QUANTIZED, K_KIND, K_BITS, K_PER_TOKEN, K_GROUP, V_KIND, V_BITS, V_PER_TOKEN, V_GROUP,
+        QUANTIZED, K_BITS, K_EXPONENT_BITS, K_ZERO_POINT, K_PER_TOKEN, K_GROUP,
+        V_BITS, V_EXPONENT_BITS, V_ZERO_POINT, V_PER_TOKEN, V_GROUP,
     )  # fmt: skip
 
     out = normalize(acc, l_i)  # padding rows: 0

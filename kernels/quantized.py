@@ -8,9 +8,18 @@ full-precision block ``fp_block_tables[row, (s - lens[row]) // block_size]``. ``
 and causal masks and sliding windows use ``s`` exactly as without quantization.
 
 The storage formats are those of ``hf_paged_cache.quantization`` (codes, float16 scales and zero points per
-block, ``[num_qblocks, *fmt.fields(...)]`` per field). Each becomes four constexprs of the kernels -- ``KIND``,
-``BITS``, ``PER_TOKEN``, ``GROUP`` (see ``format_constexprs``) -- prefixed ``K_`` / ``V_``, so key and value
-formats make compile-time variants independently (``K4V2`` is one kernel variant, not a runtime branch).
+block, ``[num_qblocks, *fmt.fields(...)]`` per field). Each format declares how the kernels see it, its
+``KernelFormat`` (``fmt.kernel_format``); its fields become constexprs of the kernels (``BITS``,
+``EXPONENT_BITS``, ``ZERO_POINT``, ``QMAX``, ``PER_TOKEN``, ``GROUP``: see ``format_constexprs``) prefixed
+``K_`` / ``V_``, so key and value formats make compile-time variants independently (``K4V2`` is one kernel
+variant, not a runtime branch). Nothing here or in the kernels names a format class.
+
+Adding a format: a class in ``hf_paged_cache.quantization`` whose ``kernel_format`` describes its codes with
+an encoding of ``KernelFormat`` (integer codes of 2, 4 or 8 bits with or without a zero point, float8 codes)
+needs no kernel change. A new encoding (say, codes looked up in a table) is a new ``KernelFormat`` field and
+one branch on it in each of the two JIT functions that know encodings, ``dequantize.decode_codes`` (codes
+to numbers) and ``seal.encode_codes`` (numbers to codes), plus its case in ``_check_encoding`` here (and, if
+its scales are not absmax- or min/max-based, in ``seal.quantize_tile``'s metadata step).
 
 This module is plain Python and torch (no triton import): cache layers can build a ``QuantizedKV`` without
 triggering kernel compilation or fixing ``TRITON_INTERPRET``.
@@ -18,16 +27,15 @@ triggering kernel compilation or fixing ``TRITON_INTERPRET``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from hf_paged_cache.quantization import FP8, Int8, IntN, QuantFormat
+from hf_paged_cache.quantization import KernelFormat, QuantFormat
 
-# The constexpr KIND of each family of formats.
-KIND_INT8 = "int8"  # symmetric signed int8 codes, x = scale * code
-KIND_UINT = "uint"  # asymmetric unsigned 2 / 4-bit codes packed planar, x = zero + scale * code
-KIND_FP8 = {"e4m3": "e4m3", "e5m2": "e5m2"}  # float8 bit patterns stored as uint8, x = scale * fp8(code)
+# The constexpr of each KernelFormat field: its name upper-cased.
+CONSTEXPR_NAMES = tuple(field.name.upper() for field in dataclasses.fields(KernelFormat))
 
 
 @dataclass(frozen=True)
@@ -52,49 +60,69 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _meta_per_token(fmt: QuantFormat) -> bool:
-    """Whether ``fmt`` stores a scale per token (Int8, IntN "token", FP8 "token") rather than per block."""
-    if isinstance(fmt, IntN):
-        return fmt.axis == "token"
-    if isinstance(fmt, FP8):
-        return fmt.granularity == "token"
-    return True
+def _check_encoding(fmt: QuantFormat, kernel_format: KernelFormat, block_size: int, head_dim: int) -> None:
+    """``kernel_format`` must be an encoding the JIT code implements (see ``KernelFormat``), codes stored
+    in the dtype it reads them as."""
+    codes_dtype = fmt.fields(block_size, 1, head_dim)["codes"][1]
+    bits, exponent_bits, zero_point = kernel_format.bits, kernel_format.exponent_bits, kernel_format.zero_point
+    if exponent_bits:  # float8 bit patterns
+        supported = bits == 8 and exponent_bits <= 5 and not zero_point and codes_dtype == torch.uint8
+    elif zero_point:  # unsigned integers, packed planar below 8 bits
+        supported = bits in (2, 4, 8) and codes_dtype == torch.uint8
+    else:  # signed whole bytes
+        supported = bits == 8 and codes_dtype == torch.int8
+    if not supported or kernel_format.qmax <= 0:
+        raise ValueError(
+            f"no kernel variant for {fmt!r}: {kernel_format} with {codes_dtype} codes is not an encoding the "
+            "kernels implement (uint8 float8 bit patterns; unsigned 2, 4 or 8-bit integers in uint8 with a zero "
+            "point; int8 integers without)"
+        )
 
 
 def format_constexprs(fmt: QuantFormat, block_size: int, head_dim: int) -> dict:
-    """The constexprs a kernel needs to read or write ``fmt`` blocks of this block size and head dim.
+    """The constexprs a kernel needs to read or write ``fmt`` blocks of this block size and head dim: the
+    fields of the format's own ``fmt.kernel_format(block_size, head_dim)``, named upper-case.
 
-    - ``KIND``: ``"int8"``, ``"uint"`` (IntN) or ``"e4m3"`` / ``"e5m2"`` (FP8);
-    - ``BITS``: bits per code (8, 4 or 2); codes of 4 / 2 bits are packed planar (``pack_codes``);
-    - ``PER_TOKEN``: one scale (and zero) per token (True) or per block (IntN "channel", FP8 "head");
-    - ``GROUP``: channels sharing a scale (``head_dim`` when a whole head does).
-
-    Kernels reshape a head into ``[groups, GROUP]`` to reduce or expand per-group metadata, which needs a
-    power-of-two ``GROUP`` unless a single group spans the head, and tile whole blocks, which needs a
-    power-of-two ``block_size``: other combinations raise a ValueError naming the format.
+    Every kernel that handles a side takes all of them (``QMAX`` only matters when writing codes). Checked
+    here for every format alike: kernels reshape a head into ``[groups, GROUP]`` to reduce or expand
+    per-group metadata, which needs a power-of-two ``GROUP`` unless a single group spans the head, and
+    tile whole blocks, which needs a power-of-two ``block_size``; the codes must be an encoding the kernels
+    implement. Otherwise a ValueError names the format.
     """
     if not _is_power_of_two(block_size):
         raise ValueError(f"no kernel variant for {fmt!r} at block_size {block_size}: it must be a power of two")
-    if isinstance(fmt, Int8):
-        return dict(KIND=KIND_INT8, BITS=8, PER_TOKEN=True, GROUP=head_dim)
-    if isinstance(fmt, FP8):
-        return dict(KIND=KIND_FP8[fmt.fmt], BITS=8, PER_TOKEN=_meta_per_token(fmt), GROUP=head_dim)
-    if isinstance(fmt, IntN):
-        group = fmt.group(head_dim, block_size)
-        if group < head_dim and not _is_power_of_two(group):
-            raise ValueError(
-                f"no kernel variant for {fmt!r} at head_dim {head_dim}, block_size {block_size}: its scale groups "
-                f"of {group} channels must be a power of two (or span the whole head)"
-            )
-        return dict(KIND=KIND_UINT, BITS=fmt.bits, PER_TOKEN=_meta_per_token(fmt), GROUP=group)
-    raise ValueError(f"no kernel variant for the quantization format {fmt!r}")
+    kernel_format = fmt.kernel_format(block_size, head_dim)
+    if kernel_format.group < head_dim and not _is_power_of_two(kernel_format.group):
+        raise ValueError(
+            f"no kernel variant for {fmt!r} at head_dim {head_dim}, block_size {block_size}: its scale groups "
+            f"of {kernel_format.group} channels must be a power of two (or span the whole head)"
+        )
+    _check_encoding(fmt, kernel_format, block_size, head_dim)
+    return dict(zip(CONSTEXPR_NAMES, dataclasses.astuple(kernel_format)))
 
 
-def side_constexprs(prefix: str, fmt: QuantFormat | None, block_size: int, head_dim: int) -> dict:
-    """``format_constexprs`` with every name prefixed (``K_`` / ``V_``); all None without a format."""
+def side_args(
+    side: str, fmt: QuantFormat | None, fields: dict[str, torch.Tensor] | None, block_size: int, head_dim: int
+) -> tuple[dict, dict]:
+    """(runtime arguments, constexprs) of one side, ``side`` "k" or "v": its pool's code / scale / zero
+    pointers and their (block, token, head) strides, and ``format_constexprs`` prefixed ``K_`` / ``V_``.
+
+    Per-block metadata has no token dim: its token stride is 0. Without a format everything is None (the
+    JIT turns None into a constexpr, and the kernels never touch these arguments).
+    """
+    names = [f"{side}_{name}" for name in ("codes", "scales", "zeros")]
+    names += [f"stride_{side}{part}_{dim}" for part in ("code", "meta") for dim in ("block", "tok", "head")]
+    prefix = f"{side.upper()}_"
     if fmt is None:
-        return {f"{prefix}{name}": None for name in ("KIND", "BITS", "PER_TOKEN", "GROUP")}
-    return {f"{prefix}{name}": value for name, value in format_constexprs(fmt, block_size, head_dim).items()}
+        return dict.fromkeys(names), {prefix + name: None for name in CONSTEXPR_NAMES}
+    constexprs = format_constexprs(fmt, block_size, head_dim)
+    codes, scales = fields["codes"], fields["scale"]  # scales: [n, block, heads(, groups)] or [n, heads(, groups)]
+    if constexprs["PER_TOKEN"]:
+        meta_strides = (scales.stride(0), scales.stride(1), scales.stride(2))
+    else:
+        meta_strides = (scales.stride(0), 0, scales.stride(1))
+    values = [codes, scales, fields.get("zero"), codes.stride(0), codes.stride(1), codes.stride(2), *meta_strides]
+    return dict(zip(names, values)), {prefix + name: value for name, value in constexprs.items()}
 
 
 def check_fields(
@@ -111,25 +139,6 @@ def check_fields(
             )
 
 
-def field_args(prefix: str, fmt: QuantFormat | None, fields: dict[str, torch.Tensor] | None) -> dict:
-    """Kernel arguments of one side's pool: code / scale / zero pointers and their (block, token, head) strides.
-
-    Per-block metadata has no token dim: its token stride is 0. Without a format everything is None (the
-    JIT turns None into a constexpr, and the kernels never touch these arguments).
-    """
-    names = [f"{prefix}_{name}" for name in ("codes", "scales", "zeros")]
-    names += [f"stride_{prefix}{part}_{dim}" for part in ("code", "meta") for dim in ("block", "tok", "head")]
-    if fmt is None:
-        return dict.fromkeys(names)
-    codes, scales = fields["codes"], fields["scale"]  # scales: [n, block, heads(, groups)] or [n, heads(, groups)]
-    if _meta_per_token(fmt):
-        meta_strides = (scales.stride(0), scales.stride(1), scales.stride(2))
-    else:
-        meta_strides = (scales.stride(0), 0, scales.stride(1))
-    values = [codes, scales, fields.get("zero"), codes.stride(0), codes.stride(1), codes.stride(2), *meta_strides]
-    return dict(zip(names, values))
-
-
 def attention_args(
     quantized: QuantizedKV | None, batch: int, block_size: int, kv_heads: int, head_dim: int, device: torch.device
 ) -> tuple[dict, dict]:
@@ -142,14 +151,10 @@ def attention_args(
         key = value = (None, None)
     else:
         key, value = (quantized.key_format, quantized.key_fields), (quantized.value_format, quantized.value_fields)
-    constexprs = dict(
-        QUANTIZED=quantized is not None,
-        **side_constexprs("K_", key[0], block_size, head_dim),
-        **side_constexprs("V_", value[0], block_size, head_dim),
-    )
-    args = dict(
-        **field_args("k", *key), **field_args("v", *value), quant_tables=None, quant_lens=None, stride_quant_table=None
-    )
+    k_args, k_constexprs = side_args("k", *key, block_size, head_dim)
+    v_args, v_constexprs = side_args("v", *value, block_size, head_dim)
+    constexprs = dict(QUANTIZED=quantized is not None, **k_constexprs, **v_constexprs)
+    args = dict(**k_args, **v_args, quant_tables=None, quant_lens=None, stride_quant_table=None)
     if quantized is None:
         return args, constexprs
     check_fields(quantized.key_format, quantized.key_fields, block_size, kv_heads, head_dim, "key")

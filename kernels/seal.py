@@ -37,7 +37,7 @@ import triton.language as tl
 from hf_paged_cache.quantization import QuantFormat
 
 from .common import Launch, block_d, check_paged_kv
-from .quantized import check_fields, field_args, side_constexprs
+from .quantized import check_fields, side_args
 
 _FP16_MAX = tl.constexpr(65504.0)
 
@@ -82,31 +82,42 @@ def fp16_down(x):
 
 
 @triton.jit
-def fp8_encode(y, KIND: tl.constexpr):
+def fp8_encode(y, EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr):
     """float32 ``y`` (within the fp8 range) rounded to nearest-even fp8, as its uint8 bit pattern (in int32).
 
     |y| is rounded onto the fp8 grid by adding and subtracting step * 2**23, step being the fp8 spacing in
-    |y|'s binade (or the subnormal spacing); the result is exactly a float16 whose bit fields give the fp8
-    ones (the inverse of ``dequantize.fp8_to_float``). The sign comes from y's bits, so -0.0 gives 0x80 as
-    in torch.
+    |y|'s binade (or the subnormal spacing); the result, scaled by 2**(bias - 15), is exactly a float16
+    whose bit fields give the fp8 ones (the inverse of ``dequantize.fp8_to_float``). The sign comes from
+    y's bits, so -0.0 gives 0x80 as in torch.
     """
-    if KIND == "e5m2":
-        MANTISSA: tl.constexpr = 2
-        MIN_STEP_EXP: tl.constexpr = -16  # subnormal spacing 2**-14 * 2**-2
-    else:
-        MANTISSA: tl.constexpr = 3
-        MIN_STEP_EXP: tl.constexpr = -9  # 2**-6 * 2**-3
+    BIAS: tl.constexpr = (1 << (EXPONENT_BITS - 1)) - 1
+    MIN_STEP_EXP: tl.constexpr = 1 - BIAS - MANTISSA_BITS  # the subnormal spacing, 2**(1 - bias - mantissa)
     y_bits = y.to(tl.int32, bitcast=True)
     magnitude = tl.abs(y)
     exponent = ((y_bits >> 23) & 0xFF) - 127
-    step_exp = tl.maximum(exponent - MANTISSA, MIN_STEP_EXP)
+    step_exp = tl.maximum(exponent - MANTISSA_BITS, MIN_STEP_EXP)
     magic = ((step_exp + 23 + 127) << 23).to(tl.float32, bitcast=True)
     rounded = (magnitude + magic) - magic
-    if KIND == "e5m2":
-        code = (rounded.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) >> 8) & 0x7F
-    else:
-        code = (((rounded * 0.00390625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)) >> 7) & 0x7F
+    half = (rounded * (1.0 / (1 << (15 - BIAS)))).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    code = (half >> (10 - MANTISSA_BITS)) & 0x7F
     return code | ((y_bits >> 24) & 0x80)
+
+
+@triton.jit
+def encode_codes(x, scale, zero, EXPONENT_BITS: tl.constexpr, ZERO_POINT: tl.constexpr, QMAX: tl.constexpr):
+    """float32 ``x`` as codes (int32) given its stored float16 metadata, rounded as the reference rounds:
+    the one place that writes an encoding (``hf_paged_cache.quantization.KernelFormat``)."""
+    if ZERO_POINT:
+        x = tl.minimum(tl.maximum(x, -_FP16_MAX), _FP16_MAX)
+        code = round_half_even(tl.math.div_rn(x - zero, scale))
+        code = tl.minimum(tl.maximum(code, 0.0), QMAX).to(tl.int32)
+    elif EXPONENT_BITS > 0:
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
+        code = fp8_encode(y, EXPONENT_BITS, 7 - EXPONENT_BITS)  # float8: 1 sign bit
+    else:
+        code = round_half_even(tl.math.div_rn(x, scale))
+        code = tl.minimum(tl.maximum(code, -QMAX), QMAX).to(tl.int32)
+    return code
 
 
 @triton.jit
@@ -142,18 +153,20 @@ def quantize_tile(
     zeros_ptr,
     stride_code_tok,
     stride_meta_tok,
-    KIND: tl.constexpr,
     BITS: tl.constexpr,
+    EXPONENT_BITS: tl.constexpr,
+    ZERO_POINT: tl.constexpr,
+    QMAX: tl.constexpr,
     PER_TOKEN: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Quantize one block of one KV head: ``src_ptr`` -> its block's codes / scales (/ zeros) slices."""
+    """Quantize one block of one KV head: ``src_ptr`` -> its block's codes / scales (/ zeros) slices.
+
+    BITS ... GROUP: the format's constants (``quantized.format_constexprs``)."""
     NUM_GROUPS: tl.constexpr = HEAD_DIM // GROUP
-    LEVELS: tl.constexpr = (1 << BITS) - 1.0  # IntN codes 0 .. LEVELS
-    QMAX: tl.constexpr = 127.0 if KIND == "int8" else (448.0 if KIND == "e4m3" else 57344.0)  # symmetric formats
     tok = tl.arange(0, BLOCK_SIZE)[:, None]
     offs_d = tl.arange(0, BLOCK_D)[None, :]
     d_mask = offs_d < HEAD_DIM
@@ -163,14 +176,14 @@ def quantize_tile(
     offs_g = tl.arange(0, 1 if NUM_GROUPS == 1 else BLOCK_D // GROUP)[None, :]
     meta_ptrs = (tok * stride_meta_tok if PER_TOKEN else 0) + offs_g
     meta_mask = (tok >= 0 if PER_TOKEN else offs_g >= 0) & (offs_g < NUM_GROUPS)
-    if KIND == "uint":
+    if ZERO_POINT:  # codes 0 .. QMAX over [min, max]
         x = tl.minimum(tl.maximum(x, -_FP16_MAX), _FP16_MAX)
         low = group_stat(tl.where(d_mask, x, float("inf")), "min", PER_TOKEN, GROUP, NUM_GROUPS)
         high = group_stat(tl.where(d_mask, x, float("-inf")), "max", PER_TOKEN, GROUP, NUM_GROUPS)
         zero = fp16_down(low)
-        scale = fp16_up(tl.math.div_rn(high - zero, LEVELS))
+        scale = fp16_up(tl.math.div_rn(high - zero, QMAX))
         tl.store(zeros_ptr + meta_ptrs, zero.to(tl.float16), mask=meta_mask)
-    else:
+    else:  # codes -QMAX .. QMAX over [-absmax, absmax]
         absmax = group_stat(tl.where(d_mask, tl.abs(x), 0.0), "max", PER_TOKEN, GROUP, NUM_GROUPS)
         scale = fp16_up(tl.math.div_rn(absmax, QMAX))
     tl.store(scales_ptr + meta_ptrs, scale.to(tl.float16), mask=meta_mask)
@@ -187,16 +200,11 @@ def quantize_tile(
         plane_meta = (tok * stride_meta_tok if PER_TOKEN else 0) + channel // GROUP
         plane_scale = tl.load(scales_ptr + plane_meta, mask=byte_mask, other=1.0).to(tl.float32)
         plane_scale = tl.where(plane_scale == 0.0, 1.0, plane_scale)  # scale 0: every code is 0 (as in torch)
-        if KIND == "uint":
-            xp = tl.minimum(tl.maximum(xp, -_FP16_MAX), _FP16_MAX)
+        if ZERO_POINT:
             plane_zero = tl.load(zeros_ptr + plane_meta, mask=byte_mask, other=0.0).to(tl.float32)
-            code = round_half_even(tl.math.div_rn(xp - plane_zero, plane_scale))
-            code = tl.minimum(tl.maximum(code, 0.0), LEVELS).to(tl.int32)
-        elif KIND == "int8":
-            code = round_half_even(tl.math.div_rn(xp, plane_scale))
-            code = tl.minimum(tl.maximum(code, -QMAX), QMAX).to(tl.int32)
         else:
-            code = fp8_encode(tl.minimum(tl.maximum(tl.math.div_rn(xp, plane_scale), -QMAX), QMAX), KIND)
+            plane_zero = plane_scale  # unused
+        code = encode_codes(xp, plane_scale, plane_zero, EXPONENT_BITS, ZERO_POINT, QMAX)
         packed = packed | ((code & 0xFF) << (plane * BITS))
     tl.store(codes_ptr + tok * stride_code_tok + offs_d, packed.to(codes_ptr.dtype.element_ty), mask=byte_mask)
 
@@ -231,12 +239,16 @@ def _quantize_blocks_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    K_KIND: tl.constexpr,
     K_BITS: tl.constexpr,
+    K_EXPONENT_BITS: tl.constexpr,
+    K_ZERO_POINT: tl.constexpr,
+    K_QMAX: tl.constexpr,
     K_PER_TOKEN: tl.constexpr,
     K_GROUP: tl.constexpr,
-    V_KIND: tl.constexpr,
     V_BITS: tl.constexpr,
+    V_EXPONENT_BITS: tl.constexpr,
+    V_ZERO_POINT: tl.constexpr,
+    V_QMAX: tl.constexpr,
     V_PER_TOKEN: tl.constexpr,
     V_GROUP: tl.constexpr,
 ):
@@ -249,17 +261,19 @@ def _quantize_blocks_kernel(
     quantize_tile(
         k_cache + src, stride_kv_tok,
         k_codes + dst * stride_kcode_block + head * stride_kcode_head, k_scales + k_meta,
-        k_zeros + k_meta if K_KIND == "uint" else k_zeros,
+        k_zeros + k_meta if K_ZERO_POINT else k_zeros,
         stride_kcode_tok, stride_kmeta_tok,
-        K_KIND, K_BITS, K_PER_TOKEN, K_GROUP, BLOCK_SIZE, HEAD_DIM, BLOCK_D,
+        K_BITS, K_EXPONENT_BITS, K_ZERO_POINT, K_QMAX, K_PER_TOKEN, K_GROUP,
+        BLOCK_SIZE, HEAD_DIM, BLOCK_D,
     )  # fmt: skip
     v_meta = dst * stride_vmeta_block + head * stride_vmeta_head
     quantize_tile(
         v_cache + src, stride_kv_tok,
         v_codes + dst * stride_vcode_block + head * stride_vcode_head, v_scales + v_meta,
-        v_zeros + v_meta if V_KIND == "uint" else v_zeros,
+        v_zeros + v_meta if V_ZERO_POINT else v_zeros,
         stride_vcode_tok, stride_vmeta_tok,
-        V_KIND, V_BITS, V_PER_TOKEN, V_GROUP, BLOCK_SIZE, HEAD_DIM, BLOCK_D,
+        V_BITS, V_EXPONENT_BITS, V_ZERO_POINT, V_QMAX, V_PER_TOKEN, V_GROUP,
+        BLOCK_SIZE, HEAD_DIM, BLOCK_D,
     )  # fmt: skip
 
 
@@ -281,14 +295,12 @@ def plan_quantize_blocks(
         raise ValueError(f"src_blocks and dst_blocks must be integer ids of equal length, got {src} and {dst}")
     if src.numel() == 0:
         return []
-    constexprs = dict(
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-        **side_constexprs("K_", key_format, block_size, head_dim),
-        **side_constexprs("V_", value_format, block_size, head_dim),
-    )  # fmt: skip
+    k_args, k_constexprs = side_args("k", key_format, key_fields, block_size, head_dim)
+    v_args, v_constexprs = side_args("v", value_format, value_fields, block_size, head_dim)
+    constexprs = dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), **k_constexprs)
+    constexprs.update(v_constexprs)
     args = dict(
-        k_cache=k_cache, v_cache=v_cache, src_blocks=src, dst_blocks=dst,
-        **field_args("k", key_format, key_fields), **field_args("v", value_format, value_fields),
+        k_cache=k_cache, v_cache=v_cache, src_blocks=src, dst_blocks=dst, **k_args, **v_args,
         stride_kv_block=k_cache.stride(0), stride_kv_tok=k_cache.stride(1), stride_kv_head=k_cache.stride(2),
     )  # fmt: skip
     # A program holds a [block_size, head_dim] float32 tile and its packed codes: 8 warps keep a 32 x 128

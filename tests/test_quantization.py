@@ -342,6 +342,27 @@ def test_needs_full_block_only_for_block_wide_scales():
     assert IntN(4, "channel").needs_full_block and not IntN(4, "token").needs_full_block
 
 
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=repr)
+def test_kernel_format_describes_what_quantize_writes(fmt):
+    """The constants a format hands the kernels agree with its own torch encoding: metadata layout, zero
+    point, code range (reached by each row's extreme), and for float codes the float8 type of that width."""
+    block_size, kv_heads, head_dim = 16, 2, 64
+    kernel = fmt.kernel_format(block_size, head_dim)
+    spec = fmt.fields(block_size, kv_heads, head_dim)
+    assert kernel.per_token == (spec["scale"][0][0] == block_size) == (not fmt.needs_full_block)
+    assert kernel.zero_point == ("zero" in spec)
+    groups = spec["scale"][0][2 if kernel.per_token else 1 :]
+    assert kernel.group * math.prod(groups) == head_dim
+    x = torch.randn(1, block_size, kv_heads, head_dim, generator=torch.Generator().manual_seed(0))
+    _, pool = roundtrip(fmt, x)
+    codes = pool["codes"][1:]
+    if kernel.exponent_bits:  # uint8 bit patterns of the float8 type of that exponent width
+        codes = codes.view({4: torch.float8_e4m3fn, 5: torch.float8_e5m2}[kernel.exponent_bits]).float()
+    elif kernel.bits < 8:
+        codes = unpack_codes(codes, kernel.bits)
+    assert codes.min() >= (0 if kernel.zero_point else -kernel.qmax) and codes.abs().max() == kernel.qmax
+
+
 def test_dequantize_reads_any_blocks_in_any_order_and_dtype():
     fmt = IntN(4, "channel")
     x = torch.randn(4, 16, 2, 64)

@@ -6,16 +6,41 @@ own ``quantize`` into shuffled blocks of the key / value pools, whose spare bloc
 spare table entries point at it -- so a kernel reading a quantized block it should not returns NaN.
 """
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.nn.functional as F
 from kernel_testing import DEVICE, PagedKV
 
 from hf_paged_cache.kernels import QuantizedKV
-from hf_paged_cache.quantization import parse_kv_format
+from hf_paged_cache.quantization import KernelFormat, QuantFormat, _absmax_scale, _nonzero, parse_kv_format
 
 # The formats of the kernels' format axis (hf_paged_cache.kernels.variants.QUANT_FORMATS).
 FORMATS = ("int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2", "K4V2", "K8V4")
+
+
+@dataclass(frozen=True)
+class Int8PerHead(QuantFormat):
+    """A format the kernels have never seen: symmetric int8 codes with one float16 scale per KV head per
+    block. Its encoding is one they know (whole-byte signed integers, no zero point), so declaring its
+    ``kernel_format`` is all it takes to run in them."""
+
+    needs_full_block = True
+
+    def fields(self, block_size, kv_heads, head_dim):
+        return {"codes": ((block_size, kv_heads, head_dim), torch.int8), "scale": ((kv_heads,), torch.float16)}
+
+    def kernel_format(self, block_size, head_dim):
+        return KernelFormat(bits=8, exponent_bits=0, zero_point=False, qmax=127.0, per_token=False, group=head_dim)
+
+    def _encode(self, x):  # x: [n, block_size, kv_heads, head_dim]
+        scale = _absmax_scale(x, (1, -1), 127.0)
+        codes = torch.round(x / _nonzero(scale)).clamp_(-127, 127).to(torch.int8)
+        return {"codes": codes, "scale": scale[:, 0, :, 0]}
+
+    def _decode(self, fields):
+        return fields["codes"].float() * fields["scale"].float()[:, None, :, None]
 
 
 class QuantizedPagedKV:

@@ -11,6 +11,7 @@ junk that must survive outside the destination blocks.
 import pytest
 import torch
 from kernel_testing import DEVICE
+from quantized_testing import Int8PerHead
 
 from hf_paged_cache.kernels import quantize_blocks, quantize_blocks_ref
 from hf_paged_cache.kernels.layout import allocate_kv_blocks
@@ -28,6 +29,7 @@ _CASES = [
     (FP8("e4m3", "head"), IntN(4, "token", group_size=32), torch.float16, 64, 16),
     (IntN(2, "channel", group_size=1), FP8("e5m2", "head"), torch.float32, 64, 16),
     (IntN(4, "channel"), IntN(2, "token"), torch.float16, 80, 16),  # head_dim 80: groups 4 and 80
+    (Int8PerHead(), FP8("e5m2"), torch.float16, 64, 16),  # a format declared in the tests only
 ]
 
 

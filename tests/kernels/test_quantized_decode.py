@@ -7,15 +7,17 @@ last block, and an empty row. The reference itself is checked against dense atte
 dequantized K/V.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_testing import DEVICE, assert_close
-from quantized_testing import QuantizedPagedKV, format_params, sdpa_row
+from quantized_testing import Int8PerHead, QuantizedPagedKV, format_params, sdpa_row
 
 from hf_paged_cache.kernels import QuantizedKV, paged_decode_attention, paged_decode_attention_ref
 from hf_paged_cache.kernels.paged_decode import plan_paged_decode
 from hf_paged_cache.kernels.quantized import format_constexprs
-from hf_paged_cache.quantization import Int8, IntN
+from hf_paged_cache.quantization import Int8, IntN, KVFormat
 
 
 def rows_for(block_size):
@@ -87,6 +89,28 @@ def test_quantized_decode_reference_matches_dense(generator, randn, window):
     for b, n in enumerate(paged.seq_lens.tolist()):
         expected = sdpa_row(query[b, None], torch.tensor([n - 1]), paged.dense_k[b], paged.dense_v[b], 0.25, window)
         assert_close(out[b], expected[0], torch.float32)
+
+
+def test_a_format_declares_its_own_kernel_constants(generator, randn):
+    """A format class the kernels have never seen, of an encoding they know, gets its constexprs from its own
+    ``kernel_format`` and decodes like its reference: no kernel change."""
+    assert format_constexprs(Int8PerHead(), 16, 64) == dict(
+        BITS=8, EXPONENT_BITS=0, ZERO_POINT=False, QMAX=127.0, PER_TOKEN=False, GROUP=64
+    )
+    formats = KVFormat(Int8PerHead(), IntN(4, "token"))
+    paged = QuantizedPagedKV(rows_for(16), 2, 64, 16, torch.float16, formats, generator)
+    query = randn(5, 4, 64, dtype=torch.float16)
+    out, expected = run_both(query, paged, 0.125, num_splits=2)
+    assert_close(out, expected, torch.float16)
+
+
+def test_an_encoding_the_kernels_lack_is_refused():
+    class FP4(Int8PerHead):
+        def kernel_format(self, block_size, head_dim):
+            return dataclasses.replace(super().kernel_format(block_size, head_dim), bits=4, exponent_bits=2)
+
+    with pytest.raises(ValueError, match=r"FP4\(\).*not an encoding the kernels implement"):
+        format_constexprs(FP4(), 16, 64)
 
 
 def test_unsupported_format_names_it():
