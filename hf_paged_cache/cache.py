@@ -12,6 +12,7 @@ from .attention import ATTENTION_NAME
 from .block_pool import BlockPool
 from .block_tables import BlockTables, StepPlan
 from .config import PagedCacheConfig
+from .distributed import reduce_scores, tensor_parallel_size
 from .quantization import parse_kv_format
 from .errors import OutOfBlocksError
 from .eviction import ScoreInputs, choose_kept
@@ -49,6 +50,7 @@ class PagedCache(Cache):
             raise TypeError(f"PagedCache needs the model's config (`model.config`), got {type(config).__name__}")
         self.options = options
         self.model_config = config.get_text_config(decoder=True)
+        self.tp_size = tensor_parallel_size(config)  # ranks sharing the KV heads (tensor parallelism)
         self.reads_in_place = False
         self.groups: dict[str, BlockTables] = {}
         self._last_q_len = 0  # tokens of the previous forward (eviction triggers tell prefill from decode)
@@ -271,7 +273,8 @@ class PagedCache(Cache):
                 else torch.zeros(layer.kv_shape[0], len(positions))
             )  # fmt: skip
         inputs = ScoreInputs(positions, group.length, attention, lambda: layer.stored_keys(row).cpu())
-        return choose_kept(policy.score(inputs).cpu(), positions, group.pads[row], group.length, budget, policy,
+        scores = reduce_scores(policy.score(inputs), self.tp_size)  # the same on every tensor-parallel rank
+        return choose_kept(scores.cpu(), positions, group.pads[row], group.length, budget, policy,
                            group.unit_sizes(row))  # fmt: skip
 
     def _ensure_pools(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -430,7 +433,8 @@ class PagedCache(Cache):
             for index, layer in enumerate(self.layers)
             if isinstance(layer, QuantizedLayer) and layer.error_stats["key"][1]
         }
-        return CacheMetrics(block_size=self.options.block_size, groups=groups, quant_error=quant_error, **total)
+        return CacheMetrics(block_size=self.options.block_size, groups=groups, quant_error=quant_error,
+                            tp_size=self.tp_size, **total)  # fmt: skip
 
     def __repr__(self) -> str:
         return f"PagedCache(groups={list(self.groups)}, block_size={self.options.block_size}, layers={len(self.layers)})"
