@@ -66,8 +66,12 @@ def prompt_ids(codec: common.Codec | None, vocab_size: int, tokens: int) -> torc
 
 
 def load(folder: Path, tensor_parallel: bool):
-    from transformers import AutoModelForCausalLM, DistributedConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, DistributedConfig
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    kv_heads = AutoConfig.from_pretrained(folder).get_text_config().num_key_value_heads
+    if tensor_parallel and kv_heads % world:
+        raise SystemExit(f"{world} ranks cannot split the model's {kv_heads} KV heads: use a world size dividing {kv_heads}")
     extra = {"distributed_config": DistributedConfig(tp_plan="auto")} if tensor_parallel else {}
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **extra).eval()
     model.generation_config.eos_token_id = None  # every run generates exactly --max-new-tokens
@@ -78,7 +82,8 @@ def kept_positions(cache) -> list[list[list[int]]] | None:
     """The logical positions every row of every group stores, when the cache evicted (else None)."""
     if not isinstance(cache, PagedCache) or cache.options.eviction is None:
         return None
-    return [[group.stored_positions(row).tolist() for row in range(len(group.tables))] for group in cache.groups.values()]
+    groups = cache.groups.values()
+    return [[group.stored_positions(row).tolist() for row in range(len(group.tables))] for group in groups]
 
 
 def paged_metrics(cache) -> dict:
@@ -184,13 +189,15 @@ def main(argv: list[str] | None = None) -> int:
         [{**row, "kv_rank": row["per_rank"][0]["kv_bytes"], "same": same(row)} for row in rows],
         [("cache", "cache", ""), ("same", "= 1 process", ""), ("tokens_per_s", "tok/s", ".2f"),
          ("single_tokens_per_s", "tok/s 1 proc", ".2f"), ("kv_rank", "KV B/rank", ","),
-         ("kv_bytes_total", "KV B total", ","), ("single_kv_bytes", "KV B 1 proc", ","), ("evicted_tokens", "evicted", "d")],
+         ("kv_bytes_total", "KV B total", ","), ("single_kv_bytes", "KV B 1 proc", ","),
+         ("evicted_tokens", "evicted", "d")],
     )  # fmt: skip
     for row in rows:
         print(f"{row['cache']}: {row['tokens']}" + (f"\n    {codec.decode(row['tokens'])!r}" if codec else ""))
     if args.out:
         common.write_json(args.out, {"model": args.model, "world_size": world, "threads": args.threads,
-                                     "prompt_tokens": ids.shape[1], "environment": common.environment(), "rows": rows})  # fmt: skip
+                                     "prompt_tokens": ids.shape[1], "new_tokens": args.max_new_tokens,
+                                     "environment": common.environment(), "rows": rows})  # fmt: skip
     mismatched = [row["cache"] for row in rows if not (row["tokens_equal"] and row["kept_equal"])]
     if mismatched:
         print(f"MISMATCH with the one-process run: {', '.join(mismatched)}", file=sys.stderr)

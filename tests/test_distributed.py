@@ -28,6 +28,7 @@ CACHES = {
     "dynamic": "dynamic",
     "plain": "paged:attn=paged",
     "int8": "paged:attn=paged,quant=int8,residual_length=16",
+    "max_memory": "paged:attn=paged,max_memory=64KiB",
     "streaming": f"paged:attn=paged,eviction=streaming,{EVICT}",
     "h2o": f"paged:attn=paged,eviction=h2o,{EVICT}",
 }
@@ -42,7 +43,8 @@ def _torchrun(folder: Path, out: Path, ranks: int = 2, timeout: int = 240) -> di
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     except subprocess.TimeoutExpired as error:
         pytest.fail(f"torchrun did not finish in {timeout} s:\n{error.stdout}\n{error.stderr}")
-    assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
+    output = f"{result.stdout[-4000:]}\n{result.stderr[-8000:]}"  # the table, and every rank's traceback
+    assert result.returncode == 0, f"torchrun failed with {result.returncode}:\n{output}"
     return json.loads(out.read_text())
 
 
@@ -54,8 +56,10 @@ def test_tensor_parallel_matches_one_process_with_half_the_bytes_per_rank(tmp_pa
     for name, row in rows.items():
         assert row["tokens_equal"] and row["kept_equal"], f"{name}: the 2 ranks differ from one process: {row}"
         assert [rank["kv_bytes"] * 2 for rank in row["per_rank"]] == [row["single_kv_bytes"]] * 2, name
-    for name in ("dynamic", "plain", "int8"):  # lossless at this length (int8 too): DynamicCache's tokens
+    for name in ("dynamic", "plain", "int8", "max_memory"):  # lossless here (int8 too): DynamicCache's tokens
         assert rows[name]["tokens"] == dynamic_tokens, name
+    # max_memory is per rank: each rank fills the same 64 KiB with blocks of half the heads (twice the tokens).
+    assert [rank["pool_bytes"] for rank in rows["max_memory"]["per_rank"]] == [64 * 1024] * 2
     for name in ("streaming", "h2o"):  # eviction ran, and every rank kept what one process kept
         assert rows[name]["evicted_tokens"] > 0 and rows[name]["kept"] is not None, name
     plain = rows["plain"]["per_rank"]
