@@ -8,6 +8,8 @@ Cache spec syntax (one string per configuration, as given on the command line):
     paged                        PagedCache(block_size=16), K/V gathered for "sdpa"
     paged:block_size=32          any PagedCacheConfig field (block_size, num_blocks, max_memory, dtype, ...)
     paged:attn=paged             the "paged" attention, reading K/V in place from the blocks
+    paged:attn=paged,eviction=h2o,budget=64,decay=0.99
+                                 token eviction: a policy of `POLICIES`, with its own options
     quantized:nbits=4            transformers' QuantizedCache (quanto backend, residual_length=128)
 
 `attn=NAME` works for every kind and selects the model's attention implementation for that run. Other
@@ -22,11 +24,13 @@ import csv
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from hf_paged_cache import H2O, TOVA, KeepRatio, KeyNorm, RandomEviction, SnapKV, StreamingLLM
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TEXT = REPO / "data" / "pride_and_prejudice.txt"
@@ -37,6 +41,10 @@ DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }  # fmt: skip
+
+
+POLICIES = {"streaming": StreamingLLM, "h2o": H2O, "snapkv": SnapKV, "tova": TOVA, "keynorm": KeyNorm,
+            "keep_ratio": KeepRatio, "random": RandomEviction}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- cache specs
@@ -102,8 +110,16 @@ def _dynamic(model, options: dict):
 
 
 def _paged(model, options: dict):
-    from hf_paged_cache import PagedCache
+    """`eviction=NAME` names a policy of `POLICIES`; the options that are that policy's own fields
+    (budget, sinks, window, decay, ...) go to it, the rest to the cache."""
+    from hf_paged_cache import PagedCache, PagedCacheConfig
 
+    if isinstance(options.get("eviction"), str):
+        name = options["eviction"]
+        if name not in POLICIES:
+            raise ValueError(f"eviction={name!r}: known policies are {', '.join(POLICIES)}")
+        own = {entry.name for entry in fields(POLICIES[name])} - {entry.name for entry in fields(PagedCacheConfig)}
+        options["eviction"] = POLICIES[name](**{key: options.pop(key) for key in list(options) if key in own})
     return PagedCache(model.config, **options)
 
 
@@ -186,6 +202,13 @@ class Codec:
         return self.encode(text)
 
 
+BYTES = Codec(lambda text: list(text.encode("utf-8")), lambda ids: bytes(ids).decode("utf-8", "replace"))  # tiny-llama
+
+
+def tokenizer_codec(tokenizer) -> Codec:
+    return Codec(lambda text: tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.decode)
+
+
 def load_model(name: str, dtype: torch.dtype = torch.float32):
     """`(model, encode)`: `encode(text) -> list[int]`, and `encode.decode(ids) -> str` (a `Codec`).
 
@@ -209,13 +232,13 @@ def load_model(name: str, dtype: torch.dtype = torch.float32):
         model = LlamaForCausalLM(config).to(dtype).eval()
         model.generation_config.pad_token_id = 0
         model.generation_config.eos_token_id = None
-        return model, Codec(lambda text: list(text.encode("utf-8")), lambda ids: bytes(ids).decode("utf-8", "replace"))
+        return model, BYTES
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
-    return model, Codec(lambda text: tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.decode)
+    return model, tokenizer_codec(tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------- scoring

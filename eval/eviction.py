@@ -42,20 +42,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from hf_paged_cache import (  # noqa: E402
-    H2O,
-    TOVA,
-    KeepRatio,
-    KeyNorm,
-    PagedCache,
-    RandomEviction,
-    SnapKV,
-    StreamingLLM,
-    kv_bytes_per_token,
-)
+from common import POLICIES  # noqa: E402
+from hf_paged_cache import PagedCache, kv_bytes_per_token  # noqa: E402
 
-POLICIES = {"streaming": StreamingLLM, "h2o": H2O, "snapkv": SnapKV, "tova": TOVA, "keynorm": KeyNorm,
-            "keep_ratio": KeepRatio, "random": RandomEviction}  # fmt: skip
 FULL = "full"
 NEVER = 10**9  # evict_every: compress after the prompt, never while decoding
 BLOCK = 16  # tokens per block of every cache

@@ -13,6 +13,7 @@ from .attention import ATTENTION_NAME
 from .block_pool import BlockPool
 from .block_tables import BlockTables, QuantizedBlockTables, StepPlan
 from .config import PagedCacheConfig
+from .distributed import tensor_parallel_size
 from .errors import OutOfBlocksError
 from .eviction import Evictor
 from .layers import PagedLayer, PagedSlidingLayer
@@ -50,6 +51,7 @@ class PagedCache(Cache):
             raise TypeError(f"PagedCache needs the model's config (`model.config`), got {type(config).__name__}")
         self.options = options
         self.model_config = config.get_text_config(decoder=True)
+        self.tp_size = tensor_parallel_size(config)  # ranks sharing the KV heads (tensor parallelism)
         self.groups: dict[str, BlockTables] = {}
         layer_types, layer_kwargs = get_layer_types_and_kwargs(self.model_config)
         _check_quant_layers(options, layer_types)
@@ -72,7 +74,7 @@ class PagedCache(Cache):
         if options.eviction is not None:
             evicting = {i: layer for i, layer in enumerate(layers) if isinstance(layer, PagedLayer) and not layer.is_sliding}
             self.evictor = Evictor(options.eviction, evicting, options.block_size, options.evict_every,
-                                   options.evict_between_chunks)  # fmt: skip
+                                   options.evict_between_chunks, self.tp_size)  # fmt: skip
 
     def _group(self, name: str, window: int | None, quant: str | None = None) -> BlockTables:
         """The tables of layers of one kind (full, or sliding with one window) and one storage format."""
@@ -301,7 +303,7 @@ class PagedCache(Cache):
         counts = self.evictor.counts if self.evictor is not None else {}
         groups = {name: (group, self._members(group), counts.get(name, (0, 0))) for name, group in self.groups.items()}
         quantized = {index: layer for index, layer in enumerate(self.layers) if isinstance(layer, QuantizedLayer)}
-        return collect_metrics(self.options.block_size, groups, quantized)
+        return collect_metrics(self.options.block_size, groups, quantized, self.tp_size)
 
     def __repr__(self) -> str:
         return f"PagedCache(groups={list(self.groups)}, block_size={self.options.block_size}, layers={len(self.layers)})"

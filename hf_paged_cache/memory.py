@@ -39,6 +39,10 @@ class CacheMetrics:
     over layers); the freed blocks show as a drop in `blocks_used` / `used_bytes`. Token and block
     counts are sums over groups, and with eviction every full-attention layer is its own group, so
     `tokens_stored` then counts each layer's tokens (per-group figures are in `groups`).
+
+    Tensor parallelism: every figure is this rank's. A rank stores `kv_heads / tp_size` heads of every
+    token, and all `tp_size` ranks hold the same blocks and tables, so `total_kv_bytes` (the contents
+    summed over the ranks) is `kv_bytes * tp_size`.
     """
 
     block_size: int
@@ -59,28 +63,36 @@ class CacheMetrics:
     evictions: int = 0
     evicted_tokens: int = 0
     quant_error: dict[int, dict[str, float]] = field(default_factory=dict)
+    tp_size: int = 1
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes the cache's contents occupy: blocks in use plus their tables."""
+        """Bytes the cache's contents occupy on this rank: blocks in use plus their tables."""
         return self.used_bytes + self.table_bytes
 
+    @property
+    def total_kv_bytes(self) -> int:
+        """`kv_bytes` summed over the tensor-parallel ranks (equal to `kv_bytes` in one process)."""
+        return self.kv_bytes * self.tp_size
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "kv_bytes": self.kv_bytes}
+        return {**asdict(self), "kv_bytes": self.kv_bytes, "total_kv_bytes": self.total_kv_bytes}
 
 
 def collect_metrics(
     block_size: int,
     groups: Mapping[str, tuple[BlockTables, Sequence[PagedLayer], tuple[int, int]]],
     quantized_layers: Mapping[int, PagedLayer],
+    tp_size: int = 1,
 ) -> CacheMetrics:
     """A `CacheMetrics` snapshot from each group's tables, its layers and its (compactions, evicted
-    tokens), and the quantized layers by index (for their sampled reconstruction error)."""
+    tokens), the quantized layers by index (for their sampled reconstruction error), and the number of
+    tensor-parallel ranks holding the same tables."""
     per_group = {name: _group_metrics(*entry) for name, entry in groups.items()}
     total = {key: sum(group[key] for group in per_group.values()) for key in next(iter(per_group.values()), {})}
     total.pop("layers", None)
     quant_error = {index: layer.quant_error() for index, layer in quantized_layers.items() if layer.error_stats["key"][1]}
-    return CacheMetrics(block_size=block_size, groups=per_group, quant_error=quant_error, **total)
+    return CacheMetrics(block_size=block_size, groups=per_group, quant_error=quant_error, tp_size=tp_size, **total)
 
 
 def _group_metrics(group: BlockTables, layers: Sequence[PagedLayer], evictions: tuple[int, int]) -> dict[str, int]:
@@ -139,21 +151,31 @@ def estimate_kv_bytes(
     quant_layers: Mapping[int, str | None] | None = None,
     full_precision_layers: int = 0,
     residual_length: int = 128,
+    tp_size: int = 1,
 ) -> int:
     """Bytes of blocks a `PagedCache` holds for `batch_size` rows of `seq_len` stored tokens (no padding).
 
     Full layers hold every token, rounded up to whole blocks; sliding layers hold at most their window
     plus the block being filled and the one leaving the window. With the quantization options of
     `PagedCacheConfig`, a quantized layer holds its full blocks older than the last `residual_length`
-    tokens quantized (the format's exact bytes per block) and the rest in `dtype`.
+    tokens quantized (the format's exact bytes per block) and the rest in `dtype`. With `tp_size` > 1
+    (tensor parallelism) the bytes are one rank's: it stores `kv_heads / tp_size` heads.
     """
     options = PagedCacheConfig(
         block_size=block_size, quant=quant, quant_layers=quant_layers,
         full_precision_layers=full_precision_layers, residual_length=residual_length,
     )  # fmt: skip
     element = torch.empty((), dtype=dtype).element_size()
+    shapes = _attention_layer_shapes(config)
+    kv_heads = shapes[0][2] if shapes else 1  # every attention layer of a config has the same KV heads
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1 or kv_heads % tp_size:
+        raise ValueError(
+            f"`tp_size`={tp_size!r} must be a positive int dividing the model's {kv_heads} KV heads "
+            "(tensor parallelism gives each rank whole heads)"
+        )
     total = 0
-    for index, window, heads, head_dim in _attention_layer_shapes(config):
+    for index, window, heads, head_dim in shapes:
+        heads //= tp_size
         blocks = -(-seq_len // block_size)
         held = blocks if window is None else min(blocks, -(-(window + block_size - 1) // block_size) + 1)
         kv_format = options.layer_format(index)

@@ -46,6 +46,15 @@ def test_cache_spec_syntax():
         common.parse_cache_spec("paged:block_size")
 
 
+def test_cache_spec_names_an_eviction_policy():
+    model, _ = common.load_model(common.TINY_LLAMA)
+    spec = common.parse_cache_spec("paged:attn=paged,eviction=h2o,budget=24,decay=0.9,block_size=8")
+    cache = common.make_cache(spec, model)
+    assert cache.options.eviction == common.POLICIES["h2o"](budget=24, decay=0.9) and cache.options.block_size == 8
+    with pytest.raises(ValueError, match="eviction='h2': known policies are streaming, h2o"):
+        common.make_cache(common.parse_cache_spec("paged:eviction=h2"), model)
+
+
 def test_unknown_cache_option_fails_with_the_known_ones():
     model, _ = common.load_model(common.TINY_LLAMA)
     with pytest.raises(ValueError, match="paged:bogus=1.*block_size"):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..block_tables import BlockTables, StepPlan
+from ..distributed import reduce_scores
 from .compaction import check_compact, compact, unit_sizes
 from .policies import EvictionPolicy, ScoreInputs, choose_kept
 from .attention_stats import AttentionStats
@@ -24,15 +25,17 @@ if TYPE_CHECKING:
 
 
 class Evictor:
-    """Applies `policy` to the full-attention layers `layers` (`{layer index: layer}`, one group each)."""
+    """Applies `policy` to the full-attention layers `layers` (`{layer index: layer}`, one group each);
+    under tensor parallelism (`tp_size` ranks) scores are averaged over the ranks, so all keep the same."""
 
     def __init__(self, policy: EvictionPolicy, layers: dict[int, PagedLayer], block_size: int,
-                 evict_every: int | None, between_chunks: bool):  # fmt: skip
+                 evict_every: int | None, between_chunks: bool, tp_size: int = 1):  # fmt: skip
         self.policy = policy
         self.layers = layers
         self.block_size = block_size
         self.evict_every = evict_every
         self.between_chunks = between_chunks
+        self.tp_size = tp_size
         self.stats = {index: AttentionStats() for index in layers}
         self.counts: dict[str, list[int]] = {}  # group name -> [row compactions, tokens evicted]
         self.decode_steps = 0
@@ -108,8 +111,9 @@ class Evictor:
         if self.policy.statistic is not None:
             attention = self.stats[index].row(row, len(positions), layer.kv_shape[0])
         inputs = ScoreInputs(positions, group.length, attention, lambda: layer.stored_keys(row).cpu())
-        return choose_kept(self.policy.score(inputs).cpu(), positions, group.rows[row].pads, group.length, budget,
-                           self.policy, unit_sizes(group, row))  # fmt: skip
+        scores = reduce_scores(self.policy.score(inputs), self.tp_size)  # the same on every tensor-parallel rank
+        return choose_kept(scores.cpu(), positions, group.rows[row].pads, group.length, budget, self.policy,
+                           unit_sizes(group, row))  # fmt: skip
 
     # ------------------------------------------------------------------ following whole-cache edits
     def reorder(self, order: list[int]) -> None:
