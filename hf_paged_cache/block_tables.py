@@ -193,10 +193,12 @@ class BlockTables:
                 stored = self.stored_tokens(row) - drops[row] * self.block_size
                 yield stored, len(self.tables[row]) - drops[row], q_len
 
-    def apply_step(self, q_len: int, pads: list[int], copy_blocks) -> StepPlan:
+    def apply_step(self, q_len: int, pads: list[int], copy_blocks, seal_blocks=None) -> StepPlan:
         """Drop, copy-on-write and allocate for a step of `q_len` tokens; the caller checked the free blocks.
 
-        `copy_blocks(src, dst)` copies block contents in every layer of the group (for copy-on-write).
+        `copy_blocks(src, dst)` copies block contents in every layer of the group (for copy-on-write);
+        `seal_blocks` is used by quantized groups only. Both are passed per step rather than stored, so the
+        tables hold no reference to the layers (copies and pickles of a cache stay independent).
         """
         bs = self.block_size
         start = self.length
@@ -393,8 +395,9 @@ class BlockTables:
         self.run_from[row] = max((i for i in range(1, len(targets)) if targets[i] != targets[i - 1] + 1), default=0)
 
     def release(self) -> None:
-        """Return every block to the pool and forget all rows."""
-        self.pool.free(block for table in self.tables for block in table)
+        """Return every block to the pool and forget all rows (a pool not created yet holds none)."""
+        if self.pool is not None:
+            self.pool.free(block for table in self.tables for block in table)
         self._clear()
 
     def trim_to_window(self) -> None:

@@ -61,6 +61,22 @@ class CacheMetrics:
     def as_dict(self) -> dict:
         return {**asdict(self), "kv_bytes": self.kv_bytes}
 
+    def summary(self) -> str:
+        """One readable line (also `str(metrics)`): tokens, blocks, and the bytes in use next to the pool's."""
+        ratio = f"{self.pool_bytes / self.used_bytes:.2f}x in use" if self.used_bytes else "none in use"
+        line = (
+            f"{self.tokens_stored:,} tokens in {self.blocks_used:,} of {self.blocks_total:,} blocks of "
+            f"{self.block_size}: {self.used_bytes:,} B in use (ideal {self.ideal_bytes:,} B, tables "
+            f"{self.table_bytes:,} B), pool {self.pool_bytes:,} B ({ratio})"
+        )
+        if self.quantized_blocks_used:
+            line += f"; {self.quantized_tokens:,} tokens quantized into {self.quantized_bytes:,} B"
+        if self.evictions:
+            line += f"; {self.evicted_tokens:,} tokens evicted in {self.evictions:,} compactions"
+        return line
+
+    __str__ = summary
+
 
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype = torch.float16) -> int:
     """Keys + values of one token over all attention layers of `config`, in bytes."""

@@ -49,12 +49,10 @@ class QuantizedBlockTables(BlockTables):
         sliding_window: int | None,
         kv_format: KVFormat,
         residual_length: int,
-        seal: Callable[[list[int], list[int]], None],
     ):
         self.qpool = qpool
         self.kv_format = kv_format
         self.residual_length = residual_length
-        self.seal = seal  # seal(fp block ids, quantized block ids): quantize in every layer of the group
         super().__init__(name, pool, block_size, sliding_window)
 
     def _clear(self) -> None:
@@ -127,9 +125,12 @@ class QuantizedBlockTables(BlockTables):
         freed = sum(1 for block, refs in returned.items() if self.qpool.ref_count(block) == refs)
         return [*super().demands(q_len, pads), (self.qpool, len(sealed), freed, f"{self.name} (quantized)")]
 
-    def apply_step(self, q_len: int, pads: list[int], copy_blocks) -> StepPlan:
-        """Drop quantized blocks that left the window, seal blocks (quantizing them in every layer), then
-        plan the full-precision part as usual (which frees the sealed blocks)."""
+    def apply_step(
+        self, q_len: int, pads: list[int], copy_blocks, seal_blocks: Callable[[list[int], list[int]], None] | None
+    ) -> StepPlan:
+        """Drop quantized blocks that left the window, seal blocks (`seal_blocks(fp block ids, quantized block ids)`
+        quantizes them in every layer of the group), then plan the full-precision part as usual (which
+        frees the sealed blocks)."""
         if self.length > 0:
             for row, count in enumerate(self._quantized_drops()):
                 if count:
@@ -146,7 +147,7 @@ class QuantizedBlockTables(BlockTables):
                         (sealed[block],) = self.qpool.allocate(1, after=qtable[-1] if qtable else None)
                     self.qtables[row].append(sealed[block])
             if sealed:
-                self.seal(list(sealed), list(sealed.values()))
+                seal_blocks(list(sealed), list(sealed.values()))
         else:
             self.qtables = [[] for _ in pads]
         plan = super().apply_step(q_len, pads, copy_blocks)
