@@ -16,9 +16,9 @@ from .eviction import EvictionPolicy
 from .quantization import KVFormat, parse_kv_format
 
 BACKENDS = ("auto", "torch", "triton")
-# A block is the unit of paging: one longer than the longest contexts models handle (64k tokens) pages
-# nothing, and its storage alone (block_size x bytes per token, per row and layer, plus the null block)
-# is already gigabytes, so anything larger is a mistake rather than a choice.
+# The largest `block_size`. A block is the unit of paging: one of 65,536 tokens already holds a whole
+# typical context (nothing is left to page), and each row's block alone is 65,536 x bytes per token
+# (3 GB for SmolLM2-135M in fp32), so a larger value is a mistake (2**31 used to fail in the allocator).
 MAX_BLOCK_SIZE = 2**16
 
 _UNITS = {
