@@ -11,7 +11,8 @@ One process, so every ratio compares runs on the same machine under the same loa
 
 Targets (checked and printed): PagedCache ≥ 0.95× DynamicCache tokens/s at 512 tokens and ≥ 1.0× at
 6144; PagedCache KV bytes ≤ ideal (tokens × bytes per token) + one partial block per row per layer;
-ragged-batch KV bytes ≤ 0.7× DynamicCache's.
+PagedCache pool bytes (what the process holds) ≤ 1.25× its KV bytes in use; ragged-batch KV bytes ≤ 0.7×
+DynamicCache's.
 
     python eval/bench_decode.py                 # the full run (several minutes on 2 cores)
     python eval/bench_decode.py --quick         # a smoke run: tiny contexts; only the byte bounds are judged
@@ -34,6 +35,7 @@ from hf_paged_cache.demo import TokenClock  # noqa: E402
 
 SPEED_TARGETS = {512: 0.95, 6144: 1.0}  # context -> minimum tokens/s ratio vs DynamicCache
 RAGGED_BYTES_TARGET = 0.7
+POOL_TARGET = 1.25  # pool bytes / bytes in use of a growable PagedCache
 
 
 # ---------------------------------------------------------------------------------------------- batch 1
@@ -106,7 +108,7 @@ def _bytes(cache, stored: list[int], bytes_per_token: int) -> dict:
     memory = common.cache_bytes(cache)
     ideal = sum(stored) * bytes_per_token
     out = {"kv_bytes": memory["kv_bytes"], "pool_bytes": memory["pool_bytes"], "ideal_bytes": ideal,
-           "tokens_stored": sum(stored)}  # fmt: skip
+           "pool_ratio": memory["pool_bytes"] / memory["kv_bytes"], "tokens_stored": sum(stored)}  # fmt: skip
     block_size = getattr(getattr(cache, "options", None), "block_size", None)
     if block_size is not None:
         # a row's partial block wastes at most block_size - 1 slots in each layer
@@ -235,6 +237,7 @@ def _targets(specs, single, ragged, quick: bool) -> list[dict]:
         if row["config"] in paged:
             targets.append({"target": f"{row['config']} KV bytes at {row['context']} <= ideal + 1 partial block/row/layer",
                             "value": row["kv_bytes"], "bound": row["bound_bytes"], "met": row["within_bound"]})  # fmt: skip
+            targets.append(_pool_target(row, f"at {row['context']}"))
     for row in ragged:
         if row["config"] in paged and not quick:
             targets.append({"target": f"{row['config']} ragged KV bytes <= {RAGGED_BYTES_TARGET}x {specs[0].label}",
@@ -242,7 +245,13 @@ def _targets(specs, single, ragged, quick: bool) -> list[dict]:
         if row["config"] in paged:
             targets.append({"target": f"{row['config']} ragged KV bytes <= ideal + 1 partial block/row/layer",
                             "value": row["kv_bytes"], "bound": row["bound_bytes"], "met": row["within_bound"]})  # fmt: skip
+            targets.append(_pool_target(row, "ragged"))
     return targets
+
+
+def _pool_target(row: dict, where: str) -> dict:
+    return {"target": f"{row['config']} pool bytes {where} <= {POOL_TARGET}x KV bytes in use",
+            "value": round(row["pool_ratio"], 3), "met": row["pool_ratio"] <= POOL_TARGET}  # fmt: skip
 
 
 def _report(single, ragged, targets) -> None:
@@ -250,7 +259,8 @@ def _report(single, ragged, targets) -> None:
     common.print_table(single, [
         ("config", "cache", ""), ("context", "context", "d"), ("tokens_per_s", "tok/s", ".2f"),
         ("speed_ratio", "× first", ".3f"), ("kv_bytes", "KV bytes", ",d"), ("ideal_bytes", "ideal", ",d"),
-        ("pool_bytes", "pool bytes", ",d"), ("same_tokens_as_first", "same tokens", ""),
+        ("pool_bytes", "pool bytes", ",d"), ("pool_ratio", "pool × KV", ".3f"),
+        ("same_tokens_as_first", "same tokens", ""),
     ])  # fmt: skip
     if ragged:
         r = ragged[0]
@@ -259,7 +269,8 @@ def _report(single, ragged, targets) -> None:
         common.print_table(ragged, [
             ("config", "cache", ""), ("tokens_per_s", "tok/s", ".2f"), ("speed_ratio", "× first", ".3f"),
             ("kv_bytes", "KV bytes", ",d"), ("bytes_ratio", "bytes × first", ".3f"), ("ideal_bytes", "ideal", ",d"),
-            ("pool_bytes", "pool bytes", ",d"), ("same_tokens_as_first", "same tokens", ""),
+            ("pool_bytes", "pool bytes", ",d"), ("pool_ratio", "pool × KV", ".3f"),
+            ("same_tokens_as_first", "same tokens", ""),
         ])  # fmt: skip
     print("\ntargets:")
     for target in targets:

@@ -252,7 +252,7 @@ def end_to_end(batch, context, steps, num_layers):
     """
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from hf_paged_cache import PagedCache, register_paged_attention
+    from hf_paged_cache import PagedCache
 
     config = llama3_8b_config(num_layers)
     result = dict(
@@ -267,7 +267,6 @@ def end_to_end(batch, context, steps, num_layers):
     del dynamic
     free_bytes()
 
-    register_paged_attention()
     model.set_attn_implementation("paged")
     num_blocks = batch * math.ceil((context + steps + 4) / BLOCK_SIZE) + 16  # + warm-up steps, small slack
     cache = PagedCache(model.config, block_size=BLOCK_SIZE, num_blocks=num_blocks)

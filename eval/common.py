@@ -140,11 +140,9 @@ CACHE_KINDS: dict[str, Callable] = {"dynamic": _dynamic, "paged": _paged, "quant
 
 
 def use_attention(model, name: str) -> None:
-    """Switch `model` to attention implementation `name` (registering "paged" first when asked for)."""
-    if name == "paged":
-        from hf_paged_cache import register_paged_attention
+    """Switch `model` to attention implementation `name` ("paged" is registered by `import hf_paged_cache`)."""
+    import hf_paged_cache  # noqa: F401
 
-        register_paged_attention()
     if model.config._attn_implementation != name:
         model.set_attn_implementation(name)
 

@@ -1,4 +1,7 @@
-"""hf-paged-cache: a paged KV cache for HuggingFace transformers' `generate()`."""
+"""hf-paged-cache: a paged KV cache for HuggingFace transformers' `generate()`.
+
+Importing the package registers the `"paged"` attention with transformers (`register_paged_attention`).
+"""
 
 from .attention import ATTENTION_NAME, register_paged_attention
 from .block_pool import BlockPool
@@ -17,6 +20,9 @@ from .eviction import (
     pyramid_budgets,
 )
 from .memory import CacheMetrics, estimate_kv_bytes, kv_bytes_per_token
+
+# `attn_implementation="paged"` works as soon as the package is imported (registering is idempotent).
+register_paged_attention()
 
 __all__ = [
     "ATTENTION_NAME",

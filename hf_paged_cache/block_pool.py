@@ -26,8 +26,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int):
-        if num_blocks < 1:
-            raise ValueError(f"`num_blocks` must be positive, got {num_blocks}")
+        _check_count(num_blocks, "num_blocks")
         self.num_blocks = 0
         self.num_free = 0
         # Node 0 is the sentinel: _next[0] is the queue's head, _prev[0] its tail.
@@ -47,7 +46,8 @@ class BlockPool:
         return 0 < block <= self.num_blocks and self._ref[block] == 0
 
     def grow(self, extra_blocks: int) -> None:
-        """Append `extra_blocks` new free ids at the end of the id range (and of the free queue)."""
+        """Append `extra_blocks` (>= 0) new free ids at the end of the id range (and of the free queue)."""
+        _check_count(extra_blocks, "extra_blocks")
         first = self.num_blocks + 1
         self._next.extend([NULL_BLOCK] * extra_blocks)
         self._prev.extend([NULL_BLOCK] * extra_blocks)
@@ -107,3 +107,9 @@ class BlockPool:
         self._next[previous] = following
         self._prev[following] = previous
         self.num_free -= 1
+
+
+def _check_count(value: int, name: str) -> None:
+    """A pool grows and never shrinks: block counts are ints >= 0 (an empty pool is grown before use)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"`{name}` must be an int >= 0 (a pool never shrinks), got {value!r}")

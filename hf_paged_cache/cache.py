@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import torch
@@ -21,6 +22,8 @@ from .memory import SLIDING_TYPES, CacheMetrics, collect_metrics
 from .quantization import parse_kv_format
 from .quantized_layers import QuantizedLayer, QuantizedSlidingLayer
 
+GROWTH = 1.25  # a growable pool grows to this many times the blocks in use (storage included)
+
 
 class PagedCache(Cache):
     """A drop-in replacement for `DynamicCache` that stores K/V in fixed-size blocks.
@@ -34,6 +37,10 @@ class PagedCache(Cache):
     another; layers the paged store does not own (linear attention, KV-sharing consumers) use
     transformers' own layer classes. Options are those of `PagedCacheConfig`, given either as keyword
     arguments or as one `PagedCacheConfig`.
+
+    A cache belongs to one generation at a time: a second thread that calls `update()` while another
+    thread's forward step is under way gets a `RuntimeError` (give each thread its own cache, e.g. a
+    `copy.deepcopy` of a prefilled one; copies and pickles are independent of the original).
     """
 
     def __init__(self, config: PretrainedConfig, options: PagedCacheConfig | None = None, **kwargs: Any):
@@ -53,7 +60,9 @@ class PagedCache(Cache):
         self.model_config = config.get_text_config(decoder=True)
         self.tp_size = tensor_parallel_size(config)  # ranks sharing the KV heads (tensor parallelism)
         self.groups: dict[str, BlockTables] = {}
+        self._step_thread: int | None = None  # the thread that planned the latest forward step
         layer_types, layer_kwargs = get_layer_types_and_kwargs(self.model_config)
+        _check_layer_counts(options, len(layer_types))
         _check_quant_layers(options, layer_types)
         layers = []
         for index, (layer_type, kwargs_of_layer) in enumerate(zip(layer_types, layer_kwargs)):
@@ -92,7 +101,8 @@ class PagedCache(Cache):
         return self.groups[name]
 
     def _fixed_pool_size(self) -> int:
-        return self.options.num_blocks or self.options.initial_blocks
+        """Blocks a pool starts with; 0 when a growable pool is sized by the first step's demand."""
+        return self.options.num_blocks or self.options.initial_blocks or 0
 
     @property
     def paged_layers(self) -> list[PagedLayer]:
@@ -113,15 +123,14 @@ class PagedCache(Cache):
         layer = self.layers[layer_idx]
         if not isinstance(layer, PagedLayer):
             return layer.update(key_states, value_states, *args, **kwargs)
+        self._check_thread()
         attention_kwargs = kwargs.get("kwargs")
         # Whether this forward runs the "paged" attention, which reads K/V from the blocks itself.
         in_place = attention_kwargs is not None and self._attention_is_paged()
-        if layer.tables.compacted and not in_place:
-            raise RuntimeError(
-                "This PagedCache evicted tokens (`eviction`), and only the \"paged\" attention reads an evicted "
-                "cache (other implementations expect every position to be stored): call "
-                "`register_paged_attention()` and `model.set_attn_implementation(\"paged\")`."
-            )
+        if self.options.eviction is not None or layer.tables.compacted:
+            self._check_paged_reader(attention_kwargs)
+        if not layer.is_initialized:
+            self.options.check_backend(self.options.device or key_states.device)
         layer.check_states(key_states)
         plan = self._plan(layer, key_states, value_states, attention_kwargs)
         if not in_place:
@@ -130,6 +139,42 @@ class PagedCache(Cache):
         if self.evictor is not None and layer_idx in self.evictor.layers:
             after = functools.partial(self.evictor.after_attention, layer_idx)
         return layer.update(key_states, value_states, plan, attention_kwargs, after)
+
+    def _check_thread(self) -> None:
+        """Refuse (changing nothing) an update from a thread other than the one whose forward step is under
+        way: some layers have written that step and others not yet. Between steps another thread may take
+        the cache over (e.g. a worker thread that runs the next generation)."""
+        thread = threading.get_ident()
+        if self._step_thread in (None, thread):
+            return
+        written = sum(layer.seq_len == layer.tables.length for layer in self.paged_layers)
+        if written < len(self.paged_layers):
+            raise RuntimeError(
+                f"PagedCache is in the middle of a forward step of another thread ({written} of "
+                f"{len(self.paged_layers)} layers written) and thread {thread} called update(): a cache belongs to "
+                "one generation at a time. Give each thread its own cache (e.g. `copy.deepcopy(cache)`); if the "
+                "other thread's forward failed, call `cache.reset()` first."
+            )
+
+    def _check_paged_reader(self, attention_kwargs: dict | None) -> None:
+        """Eviction needs the `"paged"` attention: it reads the blocks by stored index (other implementations
+        read every logical position, so they would not see the gaps eviction leaves) and computes the
+        statistics policies score by. Raised at the first forward, before anything changes."""
+        if attention_kwargs is None:
+            cause = "this model's attention calls `cache.update()` without attention kwargs, so nothing reads blocks"
+            remedy = "build the cache without `eviction` for this model."
+        elif not self._attention_is_paged():
+            implementation = getattr(self.model_config, "_attn_implementation", None)
+            cause = f"the config this cache was built from selects the {implementation!r} attention"
+            remedy = (
+                'call `model.set_attn_implementation("paged")` or load with `attn_implementation="paged"` (registered '
+                "by `import hf_paged_cache`, and again by `register_paged_attention()`), and build the cache from that "
+                "model's config."
+            )
+        else:
+            return
+        reason = "evicted tokens" if any(group.compacted for group in self.groups.values()) else "an eviction policy"
+        raise RuntimeError(f'PagedCache has {reason}, which only the "paged" attention reads, but {cause}: {remedy}')
 
     def _attention_is_paged(self) -> bool:
         return getattr(self.model_config, "_attn_implementation", None) == ATTENTION_NAME
@@ -148,6 +193,7 @@ class PagedCache(Cache):
             return tables.plan
         self._check_step(layer, batch, q_len)
         self._ensure_pools(key_states, value_states)
+        self._step_thread = threading.get_ident()
         stepping = [group for group in self.groups.values() if group.length == tables.length]
         pads = [0] * batch
         if tables.length == 0:
@@ -196,8 +242,7 @@ class PagedCache(Cache):
                 if needed > available:
                     if not self.options.growable:
                         return [], OutOfBlocksError(name, needed, available, pool.num_blocks, group.block_size)
-                    in_use_after = pool.num_used - freed + needed  # grow to twice that, like a vector
-                    growth.append((pool, 2 * in_use_after - pool.num_blocks))
+                    growth.append((pool, _grown_size(pool.num_used - freed + needed) - pool.num_blocks))
         return growth, None
 
     def _ensure_pools(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -229,6 +274,7 @@ class PagedCache(Cache):
     # ------------------------------------------------------------------ whole-cache edits used by generate()
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i continues beam `beam_idx[i]`. Rows share blocks by reference; no K/V is copied."""
+        beam_idx = _row_indices(beam_idx, "beam_idx")
         self._reorder(beam_idx.tolist())
         for layer in self.layers:
             if not isinstance(layer, PagedLayer):
@@ -242,12 +288,19 @@ class PagedCache(Cache):
                 layer.batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        indices = _row_indices(indices, "indices")
         self._reorder(indices.tolist())
         for layer in self.layers:
             if not isinstance(layer, PagedLayer):
                 layer.batch_select_indices(indices)
 
     def _reorder(self, order: list[int]) -> None:
+        rows = next((len(group.rows) for group in self.groups.values() if group.length > 0), None)
+        if rows is not None and (not order or not all(0 <= row < rows for row in order)):
+            raise ValueError(
+                f"PagedCache holds {rows} rows: a reorder takes one or more row indices, each in [0, {rows}); "
+                f"got {order}"
+            )
         for group in self.groups.values():
             if group.length > 0:
                 group.reorder(order)
@@ -351,3 +404,34 @@ def _left_padding(attention_kwargs: dict | None, batch: int, q_len: int) -> tupl
     leading_zeros = (positions == 0).int().cumprod(-1).sum(-1)
     exact = q_len == 1 or bool((leading_zeros < q_len).all())
     return (leading_zeros - 1).clamp(min=0).tolist(), exact
+
+
+def _grown_size(in_use: int) -> int:
+    """Blocks a growable pool holds after growing to fit `in_use` blocks: room for 1.25x them, counting the
+    null block every layer's storage adds, so storage is at most 1.25x the blocks in use right after a
+    growth (doubling, as vectors do, held up to 2x). Geometric, so a long generation grows O(log n) times."""
+    return max(in_use, int(GROWTH * in_use) - 1)
+
+
+def _check_layer_counts(options: PagedCacheConfig, num_layers: int) -> None:
+    """Options that count layers must fit the model: checked when the cache learns its layer count."""
+    if options.full_precision_layers > num_layers:
+        raise ValueError(
+            f"`full_precision_layers`={options.full_precision_layers} but this model has {num_layers} layers: "
+            f"at most {num_layers} (which quantizes nothing), or use `quant_layers` to choose layers one by one"
+        )
+    budgets = options.eviction.layer_budgets if options.eviction is not None else None
+    if budgets is not None and len(budgets) != num_layers:
+        raise ValueError(
+            f"`layer_budgets` of the eviction policy has {len(budgets)} multipliers but this model has {num_layers} "
+            f"layers: give one per layer (e.g. `pyramid_budgets({num_layers})`)"
+        )
+
+
+def _row_indices(indices, name: str) -> torch.Tensor:
+    """Row indices (a 1-D integer tensor or a sequence) as an int64 tensor, for the reorder methods."""
+    indices = torch.as_tensor(indices)
+    integer = not (indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool)
+    if indices.dim() != 1 or (indices.numel() and not integer):
+        raise ValueError(f"`{name}` must be a 1-D tensor of row indices, got {indices.dtype} {tuple(indices.shape)}")
+    return indices.long()

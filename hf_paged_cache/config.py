@@ -16,6 +16,10 @@ from .eviction.policies import EvictionPolicy
 from .quantization import KVFormat, parse_kv_format
 
 BACKENDS = ("auto", "torch", "triton")
+# The largest `block_size`. A block is the unit of paging: one of 65,536 tokens already holds a whole
+# typical context (nothing is left to page), and each row's block alone is 65,536 x bytes per token
+# (3 GB for SmolLM2-135M in fp32), so a larger value is a mistake (2**31 used to fail in the allocator).
+MAX_BLOCK_SIZE = 2**16
 
 _UNITS = {
     "": 1,
@@ -62,17 +66,20 @@ class PagedCacheConfig:
         num_blocks: fixed pool size, in blocks per layer. Mutually exclusive with `max_memory`.
         max_memory: fixed pool size as bytes for all layers together (`int` or a string like "2GiB");
             converted to blocks when the first key/value states arrive and their shape is known.
-            With neither `num_blocks` nor `max_memory`, the pool starts small and, when it runs out, grows
-            to twice the blocks in use (as a vector grows); with either, running out raises
-            `OutOfBlocksError`.
+            With neither `num_blocks` nor `max_memory`, the pool is sized from the first step and, when it
+            runs out, grows to 1.25x the blocks in use (storage included: the pool never holds more than
+            1.25x what it uses right after growing); with either, running out raises `OutOfBlocksError`.
         dtype: storage dtype; `None` stores in the dtype of the key/value states the model produces.
         device: storage device; `None` keeps each layer's blocks on the device of its own key/value
-            states, so models split over devices with accelerate's `device_map` keep working.
-        initial_blocks: blocks a growable pool starts with (ignored for fixed pools).
+            states, so models split over devices with accelerate's `device_map` keep working. A device
+            this machine does not have fails here.
+        initial_blocks: blocks a growable pool starts with (ignored for fixed pools); `None` sizes it
+            from the first step's demand, so the pool never holds much more than it uses.
         backend: who reads and writes blocks under the `"paged"` attention: `"auto"` runs the Triton
             kernels on CUDA tensors and torch elsewhere; `"torch"` always torch; `"triton"` always the
             kernels (on CPU only under `TRITON_INTERPRET=1`, which is how the tests check them).
-            Quantized layers run the kernels too (dequantizing in registers).
+            Quantized layers run the kernels too (dequantizing in registers). "triton" without CUDA and
+            without the interpreter fails here.
         quant: KV quantization of every attention layer: None (full precision) or a format spec of
             `parse_kv_format`: "int8", "int4", "int2", "fp8" / "fp8_e4m3", "fp8_e5m2", "K4V2", "K8V4", ...
         quant_layers: `{layer index: spec or None}`, overriding `quant` and `full_precision_layers` for
@@ -98,7 +105,7 @@ class PagedCacheConfig:
     max_memory: int | str | None = None
     dtype: torch.dtype | None = None
     device: str | torch.device | None = None
-    initial_blocks: int = 64
+    initial_blocks: int | None = None
     backend: str = "auto"
     quant: str | None = None
     quant_layers: Mapping[int, str | None] | None = None
@@ -111,6 +118,11 @@ class PagedCacheConfig:
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"`block_size` must be a positive int (e.g. 16), got {self.block_size!r}")
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(
+                f"`block_size`={self.block_size} is larger than {MAX_BLOCK_SIZE} tokens, longer than any context a "
+                "block should page: use a small power of two such as 16 (vLLM's default) or 32"
+            )
         if self.num_blocks is not None and self.max_memory is not None:
             raise ValueError("Give either `num_blocks` or `max_memory` to size the pool, not both")
         if self.num_blocks is not None and (
@@ -126,11 +138,15 @@ class PagedCacheConfig:
                 object.__setattr__(self, "device", torch.device(self.device))
             except (RuntimeError, TypeError) as error:
                 raise ValueError(f"`device`={self.device!r} is not a torch device: {error}") from None
-        if isinstance(self.initial_blocks, bool) or not isinstance(self.initial_blocks, int) or self.initial_blocks < 1:
-            raise ValueError(f"`initial_blocks` must be a positive int, got {self.initial_blocks!r}")
+            _check_device_exists(self.device)
+        if self.initial_blocks is not None and (
+            isinstance(self.initial_blocks, bool) or not isinstance(self.initial_blocks, int) or self.initial_blocks < 1
+        ):
+            raise ValueError(f"`initial_blocks` must be a positive int or None, got {self.initial_blocks!r}")
 
         if self.backend not in BACKENDS:
             raise ValueError(f"`backend` must be one of {BACKENDS}, got {self.backend!r}")
+        self.check_backend(self.device)
         self._validate_quantization()
         if self.eviction is not None and not isinstance(self.eviction, EvictionPolicy):
             raise ValueError(
@@ -191,7 +207,38 @@ class PagedCacheConfig:
         """Whether blocks on `device` are read and written by the Triton kernels."""
         return self.backend == "triton" or (self.backend == "auto" and device.type == "cuda")
 
+    def check_backend(self, device: torch.device | None) -> None:
+        """Raise if `backend="triton"` cannot run on `device` (None: wherever the K/V will be): off CUDA,
+        Triton runs only under its interpreter (`TRITON_INTERPRET=1`)."""
+        if self.backend != "triton":
+            return
+        on_cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
+        if on_cuda:
+            return
+        import triton
+
+        if not triton.knobs.runtime.interpret:
+            where = f"on {device}" if device is not None else "without CUDA"
+            raise ValueError(
+                f"`backend`='triton' {where} needs Triton's CPU interpreter: set the environment variable "
+                "TRITON_INTERPRET=1 before the first forward (as the tests do), or use backend='auto' "
+                "(kernels on CUDA, torch elsewhere) or 'torch'"
+            )
+
     @property
     def growable(self) -> bool:
         """Whether the pool grows on demand (no `num_blocks` / `max_memory` given)."""
         return self.num_blocks is None and self.max_memory is None
+
+
+def _check_device_exists(device: torch.device) -> None:
+    """Raise if this machine has no `device` (e.g. "cuda:7" with one GPU, or any "cuda" without CUDA)."""
+    if device.type == "cpu":
+        return
+    accelerator = torch.accelerator.current_accelerator()
+    count = torch.accelerator.device_count() if accelerator is not None and accelerator.type == device.type else 0
+    if (device.index or 0) >= count:
+        raise ValueError(
+            f"`device`={str(device)!r} does not exist on this machine ({count} {device.type} device(s)): give an "
+            "existing device, or None to keep each layer's blocks on the device of its own K/V"
+        )

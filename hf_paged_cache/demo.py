@@ -14,7 +14,7 @@ from transformers import DynamicCache
 from transformers.utils import logging as hf_logging
 from transformers.generation.streamers import BaseStreamer
 
-from . import PagedCache, register_paged_attention
+from . import PagedCache
 from .smollm2 import load_smollm2
 
 DEFAULT_PROMPT = "Explain in a few sentences why a language model keeps a key/value cache while it generates text."
@@ -91,7 +91,6 @@ def main(argv: list[str] | None = None) -> None:
     dynamic_ids, dynamic_speed = _generate(model, inputs, dynamic, args.max_new_tokens)
 
     if args.attn == "paged":
-        register_paged_attention()
         model.set_attn_implementation("paged")
     paged = PagedCache(model.config, block_size=args.block_size)
     paged_ids, paged_speed = _generate(model, inputs, paged, args.max_new_tokens)

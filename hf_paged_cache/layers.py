@@ -16,6 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .block_tables import BlockTables, StepPlan
 from .kernels.layout import allocate_kv_blocks
+from .paged_states import paged_only
 from .torch_attention import causal_mask
 
 if TYPE_CHECKING:
@@ -172,7 +173,7 @@ class PagedLayer(CacheLayerMixin):
         self.seq_len = plan.new_len
         if attention_kwargs is not None:
             attention_kwargs[PAGED_KV_KWARG] = PagedKV(self, plan, after_attention)
-            return key_states, value_states
+            return paged_only(key_states), paged_only(value_states)  # any other attention fails clearly
         keys, values = self.gather(plan)
         if keys.dtype != key_states.dtype:  # a storage dtype other than the model's (e.g. fp16 for an fp32 model)
             keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)

@@ -78,59 +78,21 @@ class CacheMetrics:
     def as_dict(self) -> dict:
         return {**asdict(self), "kv_bytes": self.kv_bytes, "total_kv_bytes": self.total_kv_bytes}
 
+    def summary(self) -> str:
+        """One readable line (also `str(metrics)`): tokens, blocks, and the bytes in use next to the pool's."""
+        ratio = f"{self.pool_bytes / self.used_bytes:.2f}x in use" if self.used_bytes else "none in use"
+        line = (
+            f"{self.tokens_stored:,} tokens in {self.blocks_used:,} of {self.blocks_total:,} blocks of "
+            f"{self.block_size}: {self.used_bytes:,} B in use (ideal {self.ideal_bytes:,} B, tables "
+            f"{self.table_bytes:,} B), pool {self.pool_bytes:,} B ({ratio})"
+        )
+        if self.quantized_blocks_used:
+            line += f"; {self.quantized_tokens:,} tokens quantized into {self.quantized_bytes:,} B"
+        if self.evictions:
+            line += f"; {self.evicted_tokens:,} tokens evicted in {self.evictions:,} compactions"
+        return line
 
-def collect_metrics(
-    block_size: int,
-    groups: Mapping[str, tuple[BlockTables, Sequence[PagedLayer], tuple[int, int]]],
-    quantized_layers: Mapping[int, PagedLayer],
-    tp_size: int = 1,
-) -> CacheMetrics:
-    """A `CacheMetrics` snapshot from each group's tables, its layers and its (compactions, evicted
-    tokens), the quantized layers by index (for their sampled reconstruction error), and the number of
-    tensor-parallel ranks holding the same tables."""
-    per_group = {name: _group_metrics(*entry) for name, entry in groups.items()}
-    total = {key: sum(group[key] for group in per_group.values()) for key in next(iter(per_group.values()), {})}
-    total.pop("layers", None)
-    quant_error = {index: layer.quant_error() for index, layer in quantized_layers.items() if layer.error_stats["key"][1]}
-    return CacheMetrics(block_size=block_size, groups=per_group, quant_error=quant_error, tp_size=tp_size, **total)
-
-
-def _group_metrics(group: BlockTables, layers: Sequence[PagedLayer], evictions: tuple[int, int]) -> dict[str, int]:
-    pool, rows = group.pool, range(len(group.rows))
-    block_bytes = sum(layer.block_bytes for layer in layers)
-    tokens = sum(group.stored_tokens(row) for row in rows)
-    used = pool.num_used * block_bytes if pool else 0
-    ideal = tokens * block_bytes // group.block_size
-    table_entries = sum(len(table) for table in group.tables)
-    quantized = {"quantized_blocks_total": 0, "quantized_blocks_used": 0, "quantized_tokens": 0, "quantized_bytes": 0}
-    if isinstance(group, QuantizedBlockTables):
-        qblock_bytes = sum(layer.quantized_block_bytes for layer in layers)
-        qtokens = sum(group.quantized_tokens(row) for row in rows)
-        quantized = {
-            "quantized_blocks_total": group.qpool.num_blocks,
-            "quantized_blocks_used": group.qpool.num_used,
-            "quantized_tokens": qtokens,
-            "quantized_bytes": group.qpool.num_used * qblock_bytes,
-        }
-        tokens += qtokens
-        used += quantized["quantized_bytes"]
-        ideal += qtokens * qblock_bytes // group.block_size
-        table_entries += sum(len(table) for table in group.qtables)
-    return {
-        "layers": len(layers),
-        "blocks_total": pool.num_blocks if pool else 0,
-        "blocks_used": pool.num_used if pool else 0,
-        "blocks_free": pool.num_free if pool else 0,
-        "tokens_stored": tokens,
-        "pool_bytes": sum(layer.storage_bytes for layer in layers),
-        "used_bytes": used,
-        "ideal_bytes": ideal,
-        "waste_bytes": max(used - ideal, 0),
-        "table_bytes": 4 * table_entries,
-        **quantized,
-        "evictions": evictions[0],
-        "evicted_tokens": evictions[1],
-    }
+    __str__ = summary
 
 
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype = torch.float16) -> int:
@@ -201,3 +163,57 @@ def _attention_layer_shapes(config: PretrainedConfig) -> list[tuple[int, int | N
         elif layer_type in SLIDING_TYPES:
             shapes.append((index, kwargs["sliding_window"], heads, head_dim))
     return shapes
+
+
+def collect_metrics(
+    block_size: int,
+    groups: Mapping[str, tuple[BlockTables, Sequence[PagedLayer], tuple[int, int]]],
+    quantized_layers: Mapping[int, PagedLayer],
+    tp_size: int = 1,
+) -> CacheMetrics:
+    """A `CacheMetrics` snapshot from each group's tables, its layers and its (compactions, evicted
+    tokens), the quantized layers by index (for their sampled reconstruction error), and the number of
+    tensor-parallel ranks holding the same tables."""
+    per_group = {name: _group_metrics(*entry) for name, entry in groups.items()}
+    total = {key: sum(group[key] for group in per_group.values()) for key in next(iter(per_group.values()), {})}
+    total.pop("layers", None)
+    quant_error = {index: layer.quant_error() for index, layer in quantized_layers.items() if layer.error_stats["key"][1]}
+    return CacheMetrics(block_size=block_size, groups=per_group, quant_error=quant_error, tp_size=tp_size, **total)
+
+
+def _group_metrics(group: BlockTables, layers: Sequence[PagedLayer], evictions: tuple[int, int]) -> dict[str, int]:
+    pool, rows = group.pool, range(len(group.rows))
+    block_bytes = sum(layer.block_bytes for layer in layers)
+    tokens = sum(group.stored_tokens(row) for row in rows)
+    used = pool.num_used * block_bytes if pool else 0
+    ideal = tokens * block_bytes // group.block_size
+    table_entries = sum(len(table) for table in group.tables)
+    quantized = {"quantized_blocks_total": 0, "quantized_blocks_used": 0, "quantized_tokens": 0, "quantized_bytes": 0}
+    if isinstance(group, QuantizedBlockTables):
+        qblock_bytes = sum(layer.quantized_block_bytes for layer in layers)
+        qtokens = sum(group.quantized_tokens(row) for row in rows)
+        quantized = {
+            "quantized_blocks_total": group.qpool.num_blocks,
+            "quantized_blocks_used": group.qpool.num_used,
+            "quantized_tokens": qtokens,
+            "quantized_bytes": group.qpool.num_used * qblock_bytes,
+        }
+        tokens += qtokens
+        used += quantized["quantized_bytes"]
+        ideal += qtokens * qblock_bytes // group.block_size
+        table_entries += sum(len(table) for table in group.qtables)
+    return {
+        "layers": len(layers),
+        "blocks_total": pool.num_blocks if pool else 0,
+        "blocks_used": pool.num_used if pool else 0,
+        "blocks_free": pool.num_free if pool else 0,
+        "tokens_stored": tokens,
+        "pool_bytes": sum(layer.storage_bytes for layer in layers),
+        "used_bytes": used,
+        "ideal_bytes": ideal,
+        "waste_bytes": max(used - ideal, 0),
+        "table_bytes": 4 * table_entries,
+        **quantized,
+        "evictions": evictions[0],
+        "evicted_tokens": evictions[1],
+    }

@@ -125,14 +125,10 @@ def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = 
     """Load SmolLM2-135M-Instruct (real trained weights, Llama architecture, GQA 9/3 heads) offline.
 
     Returns `(model, tokenizer)` with the model in eval mode on the CPU. `attn_implementation` may be
-    `"paged"` once `hf_paged_cache.register_paged_attention()` was called (done here for you).
+    `"paged"` (registered when `hf_paged_cache` is imported).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if attn_implementation == "paged":
-        from .attention import register_paged_attention
-
-        register_paged_attention()
     folder = model_dir()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)

@@ -13,12 +13,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from hf_paged_cache import register_paged_attention  # noqa: E402
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _paged_attention_registered():
-    register_paged_attention()
+import hf_paged_cache  # noqa: E402, F401  (registers the "paged" attention)
 
 
 @pytest.fixture(autouse=True)

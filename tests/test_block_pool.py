@@ -68,7 +68,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
                 self.pool.fork([block])
 
     @precondition(lambda self: self.pool.num_blocks < 32)
-    @rule(extra=st.integers(1, 4))
+    @rule(extra=st.integers(0, 4))
     def grow(self, extra):
         before = self.pool.num_blocks
         self.pool.grow(extra)
@@ -133,3 +133,29 @@ def test_allocate_more_than_free_changes_nothing():
     with pytest.raises(ValueError, match="only 1 are free"):
         pool.allocate(2)
     assert pool.num_free == 1
+
+
+def _pool_state(pool: BlockPool) -> tuple:
+    return pool.num_blocks, pool.num_free, list(pool._next), list(pool._prev), list(pool._ref)
+
+
+@pytest.mark.parametrize("bad", [-2, -1, 1.5, True, "3"])
+def test_grow_rejects_a_count_that_is_not_an_int_ge_0_and_changes_nothing(bad):
+    pool = BlockPool(4)
+    pool.allocate(1)
+    before = _pool_state(pool)
+    with pytest.raises(ValueError, match=r"`extra_blocks` must be an int >= 0 \(a pool never shrinks\)"):
+        pool.grow(bad)
+    assert _pool_state(pool) == before
+    pool.grow(0)  # growing by nothing is allowed and does nothing
+    assert _pool_state(pool) == before
+
+
+def test_an_empty_pool_hands_out_nothing_until_it_grows():
+    pool = BlockPool(0)
+    with pytest.raises(ValueError, match="only 0 are free"):
+        pool.allocate(1)
+    pool.grow(2)
+    assert pool.allocate(2) == [1, 2] and pool.num_free == 0
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockPool(-1)

@@ -1,11 +1,18 @@
 """PagedCache behaviour beyond exactness: pool sizing, errors that leave the cache unchanged, metrics,
 sliding windows returning blocks, sharing on reorder."""
 
+import importlib
+import threading
+
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from cache_state import cache_state
+from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from hf_paged_cache import OutOfBlocksError, PagedCache, estimate_kv_bytes, kv_bytes_per_token
+import hf_paged_cache
+from hf_paged_cache import TOVA, OutOfBlocksError, PagedCache, estimate_kv_bytes, kv_bytes_per_token
+from hf_paged_cache.attention import paged_attention_forward
 
 
 def tiny_llama(layers=2, kv_heads=2):
@@ -31,31 +38,25 @@ def forward(model, cache, ids):
         return model(input_ids=ids, cache=cache, use_cache=True).logits
 
 
-def snapshot(cache: PagedCache):
-    metrics = cache.metrics().as_dict()
-    groups = {name: (g.length, [list(t) for t in g.tables], list(g.base)) for name, g in cache.groups.items()}
-    return metrics, groups, [layer.get_seq_length() for layer in cache.layers]
-
-
 def test_out_of_blocks_raises_names_counts_and_leaves_cache_unchanged():
     model = tiny_llama()
     cache = PagedCache(model.config, block_size=4, num_blocks=5)
     ids = torch.randint(1, 128, (1, 14))
     forward(model, cache, ids[:, :10])  # 3 blocks
-    before = snapshot(cache)
+    before = cache_state(cache)
     with pytest.raises(OutOfBlocksError) as error:
         forward(model, cache, torch.randint(1, 128, (1, 12)))  # needs 3 more (10+12=22 -> 6 blocks), 2 free
     assert isinstance(error.value, RuntimeError)
     message = str(error.value)
     assert "needs 3 blocks" in message and "only 2 of 5" in message and "num_blocks" in message
-    assert snapshot(cache) == before
+    assert cache_state(cache) == before
     # The cache still works and still matches DynamicCache.
     reference = DynamicCache(config=model.config)
     forward(model, reference, ids[:, :10])
     torch.testing.assert_close(forward(model, cache, ids[:, 10:]), forward(model, reference, ids[:, 10:]))
 
 
-def test_growable_pool_doubles_and_keeps_contents():
+def test_growable_pool_grows_and_keeps_contents():
     model = tiny_llama()
     cache = PagedCache(model.config, block_size=4, initial_blocks=2)
     reference = DynamicCache(config=model.config)
@@ -144,10 +145,10 @@ def test_crop_beyond_a_dropped_window_raises_and_changes_nothing():
     cache = PagedCache(model.config, block_size=4)
     forward(model, cache, torch.randint(1, 128, (1, 30)))
     forward(model, cache, torch.randint(1, 128, (1, 1)))
-    before = snapshot(cache)
+    before = cache_state(cache)
     with pytest.raises(RuntimeError, match="activate_past_recording"):
         cache.crop(-10)
-    assert snapshot(cache) == before
+    assert cache_state(cache) == before
     with pytest.raises(ValueError, match="negative"):
         cache.crop(3)
 
@@ -213,3 +214,152 @@ def test_half_precision_storage_for_a_float32_model(attn):
     assert cache.layers[0].key_blocks.dtype == torch.float16
     assert cache.metrics().ideal_bytes == 2 * 12 * kv_bytes_per_token(model.config, torch.float16)
     torch.testing.assert_close(actual, expected, atol=2e-2, rtol=2e-2)
+
+
+def test_default_pool_is_sized_by_the_first_step_and_holds_at_most_1_25x_what_it_uses():
+    model = tiny_llama()
+    cache = PagedCache(model.config, block_size=4)
+    forward(model, cache, torch.randint(1, 128, (1, 64)))  # 16 blocks in use
+    metrics = cache.metrics()
+    assert (metrics.blocks_used, metrics.blocks_total) == (16, 19)  # + the null block: 20 blocks of storage
+    assert metrics.pool_bytes == 1.25 * metrics.used_bytes
+    sizes = {metrics.blocks_total}
+    for _ in range(48):
+        forward(model, cache, torch.randint(1, 128, (1, 1)))
+        metrics = cache.metrics()
+        assert metrics.pool_bytes <= 1.25 * metrics.used_bytes
+        sizes.add(metrics.blocks_total)
+    assert sorted(sizes) == [19, 24, 30]  # grown to 1.25x the blocks in use when the pool ran out
+    preallocated = PagedCache(model.config, block_size=4, initial_blocks=64)
+    forward(model, preallocated, torch.randint(1, 128, (1, 8)))
+    assert preallocated.metrics().blocks_total == 64  # an explicit `initial_blocks` is kept
+
+
+def test_metrics_summary_shows_pool_bytes_next_to_bytes_in_use():
+    model = tiny_llama()
+    cache = PagedCache(model.config, block_size=4)
+    forward(model, cache, torch.randint(1, 128, (2, 9)))
+    metrics = cache.metrics()
+    assert str(metrics) == metrics.summary()
+    assert metrics.summary() == (
+        f"18 tokens in 6 of 6 blocks of 4: {metrics.used_bytes:,} B in use (ideal {metrics.ideal_bytes:,} B, tables "
+        f"24 B), pool {metrics.pool_bytes:,} B (1.17x in use)"
+    )
+
+
+def test_reset_before_a_max_memory_pool_exists_and_after_it_was_too_small():
+    model = tiny_llama()
+    cache = PagedCache(model.config, max_memory="1MB")
+    fresh = cache_state(cache)
+    cache.reset()
+    assert cache_state(cache) == fresh
+    small = PagedCache(model.config, max_memory=100)
+    fresh = cache_state(small)
+    with pytest.raises(ValueError, match="`max_memory`=100 bytes cannot hold two blocks"):
+        forward(model, small, torch.randint(1, 128, (1, 5)))
+    assert cache_state(small) == fresh
+    small.reset()  # the advice after the error
+    assert cache_state(small) == fresh
+
+
+@pytest.mark.parametrize(
+    ("indices", "message"),
+    [
+        (torch.tensor([5]), r"holds 1 rows: a reorder takes one or more row indices, each in \[0, 1\); got \[5\]"),
+        (torch.tensor([-1]), r"each in \[0, 1\); got \[-1\]"),
+        (torch.tensor([], dtype=torch.long), r"one or more row indices.*got \[\]"),
+        ([], r"one or more row indices.*got \[\]"),
+        (torch.tensor([0.0]), r"`beam_idx` must be a 1-D tensor of row indices, got torch.float32 \(1,\)"),
+        (torch.tensor([[0]]), r"`beam_idx` must be a 1-D tensor of row indices, got torch.int64 \(1, 1\)"),
+    ],
+)
+def test_reorder_with_bad_indices_is_a_clear_error_and_changes_nothing(indices, message):
+    model = tiny_llama()
+    cache = PagedCache(model.config, block_size=4)
+    forward(model, cache, torch.randint(1, 128, (1, 6)))
+    before = cache_state(cache)
+    with pytest.raises(ValueError, match=message):
+        cache.reorder_cache(indices)
+    assert cache_state(cache) == before
+
+
+def test_options_that_count_layers_must_fit_the_model():
+    model = tiny_llama(layers=2)
+    with pytest.raises(ValueError, match=r"`full_precision_layers`=3 but this model has 2 layers: at most 2"):
+        PagedCache(model.config, quant="int8", full_precision_layers=3)
+    assert not PagedCache(model.config, quant="int8", full_precision_layers=2).layers[1].is_quantized
+    for budgets in ([1.0], [1.0, 1.0, 1.0]):
+        with pytest.raises(ValueError, match=rf"`layer_budgets` .* has {len(budgets)} multipliers but this model has 2 "
+                           r"layers: give one per layer \(e.g. `pyramid_budgets\(2\)`\)"):  # fmt: skip
+            PagedCache(model.config, eviction=TOVA(budget=64, layer_budgets=budgets))
+
+
+def test_triton_backend_on_cpu_tensors_fails_at_the_first_forward_before_changing_anything(monkeypatch):
+    """With CUDA present, `backend="triton"` passes construction; K/V on the CPU then need the interpreter."""
+    model = tiny_llama()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: True)
+        cache = PagedCache(model.config, backend="triton")
+    before = cache_state(cache)
+    with pytest.raises(ValueError, match=r"`backend`='triton' on cpu needs Triton's CPU interpreter"):
+        forward(model, cache, torch.randint(1, 128, (1, 5)))
+    assert cache_state(cache) == before
+
+
+def test_importing_the_package_registers_the_paged_attention(monkeypatch):
+    monkeypatch.delitem(AttentionInterface._global_mapping, "paged")
+    monkeypatch.delitem(AttentionMaskInterface._global_mapping, "paged")
+    importlib.reload(hf_paged_cache)
+    assert AttentionInterface._global_mapping["paged"] is paged_attention_forward
+    assert AttentionMaskInterface._global_mapping["paged"] is sdpa_mask
+    model = tiny_llama()
+    model.set_attn_implementation("paged")  # no register call needed
+    ids = torch.randint(1, 128, (1, 6))
+    torch.testing.assert_close(forward(model, PagedCache(model.config), ids), forward(tiny_llama(), None, ids))
+
+
+def test_a_model_running_another_attention_than_the_cache_expects_gets_the_library_error():
+    """The cache reads "paged" from the config it was built from; a second model object running "sdpa"
+    must not attend over the step's new tokens alone (or fail inside SDPA)."""
+    paged_model, sdpa_model = tiny_llama(), tiny_llama()
+    paged_model.set_attn_implementation("paged")
+    ids = torch.randint(1, 128, (1, 9))
+    cache = PagedCache(paged_model.config, block_size=4)
+    forward(paged_model, cache, ids[:, :8])
+    with pytest.raises(RuntimeError, match=r"handed this layer's K/V to the \"paged\" attention .* runs another attention "
+                       r"implementation: is it a different model object .* call `cache.reset\(\)`"):  # fmt: skip
+        forward(sdpa_model, cache, ids[:, 8:])
+    cache.reset()
+    torch.testing.assert_close(forward(paged_model, cache, ids), forward(sdpa_model, None, ids))
+
+
+def test_a_second_thread_during_a_forward_step_fails_clearly_and_changes_nothing():
+    model = tiny_llama()
+    ids = torch.randint(1, 128, (1, 12))
+    reference = DynamicCache(config=model.config)
+    forward(model, reference, ids[:, :8])
+    expected = forward(model, reference, ids[:, 8:])
+    cache = PagedCache(model.config, block_size=4)
+    forward(model, cache, ids[:, :8])
+    paused, resume, result = threading.Event(), threading.Event(), {}
+
+    def pause(module, args):  # the first layer has written the step, the second not yet
+        paused.set()
+        resume.wait(30)
+
+    hook = model.model.layers[1].register_forward_pre_hook(pause)
+    worker = threading.Thread(target=lambda: result.update(logits=forward(model, cache, ids[:, 8:])))
+    worker.start()
+    assert paused.wait(30)
+    hook.remove()
+    before = cache_state(cache)
+    with pytest.raises(RuntimeError, match=r"in the middle of a forward step of another thread \(1 of 2 layers written\)"
+                       r".*one generation at a time"):  # fmt: skip
+        forward(model, cache, ids[:, 8:9])
+    assert cache_state(cache) == before
+    resume.set()
+    worker.join(30)
+    torch.testing.assert_close(result["logits"], expected)
+    forward(model, cache, ids[:, :1])  # between steps, another thread may take the cache over
+    assert cache.get_seq_length() == 13

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hf_paged_cache import PagedCacheConfig, parse_bytes
+from hf_paged_cache.config import MAX_BLOCK_SIZE
 
 
 @pytest.mark.parametrize(
@@ -32,6 +33,8 @@ def test_parse_bytes_rejects(bad):
         ({"dtype": "float16"}, "dtype"),
         ({"device": "not-a-device"}, "device"),
         ({"initial_blocks": 0}, "initial_blocks"),
+        ({"block_size": 2**31}, "block_size"),
+        ({"device": f"cuda:{torch.cuda.device_count()}"}, "device"),
     ],
 )
 def test_invalid_options_name_the_parameter(kwargs, parameter):
@@ -46,3 +49,23 @@ def test_defaults_and_normalisation():
     assert config.device == torch.device("cpu")
     assert not config.growable
     assert PagedCacheConfig().growable
+
+
+def test_a_device_this_machine_lacks_fails_at_construction():
+    missing = f"cuda:{torch.cuda.device_count() + 6}"
+    with pytest.raises(ValueError, match=rf"`device`='{missing}' does not exist on this machine .* or None"):
+        PagedCacheConfig(device=missing)
+
+
+def test_block_size_is_bounded():
+    assert PagedCacheConfig(block_size=MAX_BLOCK_SIZE).block_size == 2**16
+    with pytest.raises(ValueError, match=r"`block_size`=65537 is larger than 65536 tokens"):
+        PagedCacheConfig(block_size=MAX_BLOCK_SIZE + 1)
+
+
+def test_triton_backend_off_cuda_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"`backend`='triton' on cpu needs Triton's CPU interpreter: set .*TRITON_INTERPRET=1"):
+        PagedCacheConfig(backend="triton", device="cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert PagedCacheConfig(backend="triton", device="cpu").backend == "triton"

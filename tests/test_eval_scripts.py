@@ -48,9 +48,9 @@ def test_cache_spec_syntax():
 
 def test_cache_spec_names_an_eviction_policy():
     model, _ = common.load_model(common.TINY_LLAMA)
-    spec = common.parse_cache_spec("paged:attn=paged,eviction=h2o,budget=24,decay=0.9,block_size=8")
+    spec = common.parse_cache_spec("paged:attn=paged,eviction=h2o,budget=48,decay=0.9,block_size=8")
     cache = common.make_cache(spec, model)
-    assert cache.options.eviction == common.POLICIES["h2o"](budget=24, decay=0.9) and cache.options.block_size == 8
+    assert cache.options.eviction == common.POLICIES["h2o"](budget=48, decay=0.9) and cache.options.block_size == 8
     with pytest.raises(ValueError, match="eviction='h2': known policies are streaming, h2o"):
         common.make_cache(common.parse_cache_spec("paged:eviction=h2"), model)
 

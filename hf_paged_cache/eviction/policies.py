@@ -63,9 +63,11 @@ class EvictionPolicy:
             tokens (padding excluded) at the time of eviction.
         sinks: the first `sinks` tokens of each row are never evicted (attention sinks).
         window: the most recent `window` tokens are never evicted.
-        layer_budgets: optional per-layer multipliers of `budget` (index = layer index; e.g.
-            `pyramid_budgets(num_layers)`); a layer's budget is rounded down, and never below
-            `sinks + window`.
+        layer_budgets: optional per-layer multipliers of `budget`, one per layer of the model (index =
+            layer index; e.g. `pyramid_budgets(num_layers)`); a layer's budget is rounded down.
+
+    A budget in tokens below `sinks + window` (at any layer) is refused here; a ratio's budget of a short
+    row is raised to `sinks + window`, since those tokens are never evicted.
     """
 
     budget: int | float = 1024
@@ -91,6 +93,14 @@ class EvictionPolicy:
             if not multipliers or any(not isinstance(m, (int, float)) or m <= 0 for m in multipliers):
                 raise ValueError(f"{name}: `layer_budgets` must be positive multipliers, one per layer")
             self.layer_budgets = multipliers
+        if isinstance(budget, int):  # a ratio's budget depends on the row (and is floored at sinks + window)
+            smallest = min(math.floor(budget * m) for m in self.layer_budgets or [1])
+            if smallest < self.sinks + self.window:
+                where = "" if self.layer_budgets is None else " at the layer of the smallest `layer_budgets` multiplier"
+                raise ValueError(
+                    f"{name}: the budget{where} is {smallest} tokens, fewer than the {self.sinks} `sinks` + "
+                    f"{self.window} `window` tokens that are never evicted: raise `budget` or lower `sinks` / `window`"
+                )
 
     def budget_for(self, tokens: int, layer_idx: int) -> int:
         """Tokens to keep in a row of `tokens` real tokens at layer `layer_idx`."""

@@ -1,0 +1,41 @@
+"""The new K/V that `update()` hands to the `"paged"` attention, guarded against any other reader.
+
+Under the `"paged"` attention `update()` returns only the step's new states: the attention reads the
+history from the blocks through the `PagedKV` handle. The cache picks that path from the config it was
+built from, so a different model object (or a config switched after the cache was built) would run e.g.
+SDPA over the new tokens alone: wrong outputs, or a shape error from deep inside torch. The states
+therefore come wrapped: the `"paged"` attention never touches them, and any other attention fails with
+the library's error at its first operation on them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Metadata that attention functions read before computing (shapes, dtypes): harmless, so allowed.
+_METADATA = {
+    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+    torch.Tensor.ndim.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.__repr__,
+}  # fmt: skip
+
+MISREAD = (
+    'PagedCache handed this layer\'s K/V to the "paged" attention (the config the cache was built from selects '
+    "it), but the model calling it runs another attention implementation: is it a different model object than the "
+    'one whose config built the cache? Build the cache from this model\'s config (`PagedCache(model.config)`) or '
+    'select "paged" on this model (`model.set_attn_implementation("paged")`). This forward step was interrupted: '
+    "call `cache.reset()` before using the cache again."
+)
+
+
+class PagedOnlyStates(torch.Tensor):
+    """A tensor of new K/V states that only the `"paged"` attention may receive (it reads the blocks)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            return super().__torch_function__(func, types, args, kwargs)
+        raise RuntimeError(MISREAD)
+
+
+def paged_only(states: torch.Tensor) -> PagedOnlyStates:
+    return states.as_subclass(PagedOnlyStates)

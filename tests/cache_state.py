@@ -1,0 +1,57 @@
+"""`cache_state(cache)`: everything a `PagedCache` holds, as plain comparable values.
+
+A failed call must leave the cache exactly as it was, and a copy must leave its original untouched:
+tests compare `cache_state` before and after. Tensors become (shape, dtype, raw bytes), so uninitialised
+storage (which may hold NaN) still compares equal to itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_paged_cache import PagedCache
+from hf_paged_cache.layers import PagedLayer
+
+
+def cache_state(cache: PagedCache) -> dict:
+    groups = {}
+    for name, group in cache.groups.items():
+        groups[name] = {
+            "length": group.length,
+            "rows": [
+                (row.pads, row.base, list(row.blocks.ids), row.blocks.run_from,
+                 None if row.quantized is None else list(row.quantized.ids),
+                 None if row.kept_positions is None else row.kept_positions.tolist())
+                for row in group.rows
+            ],  # fmt: skip
+            "pools": [_pool(group.pool), _pool(getattr(group, "qpool", None))],
+        }
+    layers = []
+    for layer in cache.layers:
+        if isinstance(layer, PagedLayer):
+            fields = [*getattr(layer, "qkey", {}).values(), *getattr(layer, "qvalue", {}).values()]
+            tensors = [layer.key_blocks, layer.value_blocks, *fields]
+            layers.append((layer.seq_len, [_tensor(tensor) for tensor in tensors]))
+        else:
+            layers.append(layer.get_seq_length())
+    evictor = cache.evictor
+    return {
+        "metrics": cache.metrics().as_dict(),
+        "groups": groups,
+        "layers": layers,
+        "eviction": None if evictor is None else (
+            {name: list(counts) for name, counts in evictor.counts.items()},
+            {index: _tensor(stats.scores) for index, stats in evictor.stats.items()},
+            evictor.decode_steps, evictor.last_q_len,
+        ),  # fmt: skip
+    }
+
+
+def _pool(pool) -> tuple | None:
+    return None if pool is None else (pool.num_blocks, pool.num_free, list(pool._ref), list(pool._next))
+
+
+def _tensor(tensor: torch.Tensor | None):
+    if tensor is None:
+        return None
+    return tuple(tensor.shape), str(tensor.dtype), tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
