@@ -410,7 +410,8 @@ def main(argv: list[str] | None = None) -> dict:
     ids = torch.tensor(encode(text)[args.offset : args.offset + needed])
     if len(ids) < needed:
         parser.error(f"the text has only {len(ids)} tokens after --offset; these tasks need {needed}")
-    forward(model, new_cache(model, make_policy("snapkv", 8, args)), torch.arange(16) % 200)  # warm-up
+    warm_up = make_policy("snapkv", args.sinks + args.window, args)  # the smallest budget a policy accepts
+    forward(model, new_cache(model, warm_up), torch.arange(2 * warm_up.budget) % 200)
     settings = {key: value for key, value in vars(args).items() if key not in ("policies", "tasks")}
     payloads = {}
     for task in tasks:
