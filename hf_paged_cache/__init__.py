@@ -16,13 +16,16 @@ from .eviction import (
     StreamingLLM,
     pyramid_budgets,
 )
+from .inspection import GroupLayout, block_layout, cache_bytes, kept_positions
 from .memory import CacheMetrics, estimate_kv_bytes, kv_bytes_per_token
+from .scoring import perplexity
 
 __all__ = [
     "ATTENTION_NAME",
     "BlockPool",
     "CacheMetrics",
     "EvictionPolicy",
+    "GroupLayout",
     "H2O",
     "KeepRatio",
     "KeyNorm",
@@ -33,9 +36,13 @@ __all__ = [
     "SnapKV",
     "StreamingLLM",
     "TOVA",
+    "block_layout",
+    "cache_bytes",
     "estimate_kv_bytes",
+    "kept_positions",
     "kv_bytes_per_token",
     "parse_bytes",
+    "perplexity",
     "pyramid_budgets",
     "register_paged_attention",
 ]
