@@ -33,8 +33,9 @@ def next_token_nll(
 
 
 def perplexity(model, ids: torch.Tensor, cache, prefill: int, tokens: int | None = None) -> float:
-    """Prefill `ids[:prefill]` in one forward, then score the next `tokens` tokens (default: the rest of
-    `ids`) one forward each through `cache`; their perplexity. `cache` must be fresh (empty)."""
+    """Perplexity of `ids[prefill + 1 : prefill + 1 + tokens]` (default: to the end), each token predicted
+    through `cache`: `ids[:prefill]` go in one forward, then every later token in its own forward, as in
+    decoding. `cache` must be fresh (empty)."""
     ids = torch.as_tensor(ids).flatten().to(model.device)
     tokens = len(ids) - 1 - prefill if tokens is None else tokens
     if prefill < 1 or tokens < 1:

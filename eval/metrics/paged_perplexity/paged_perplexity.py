@@ -40,8 +40,8 @@ Args:
     cache_options (dict, optional): `PagedCache` options, e.g. `{"quant": "int4", "block_size": 32}`.
     attn_implementation (str, optional): attention for the run (the model's own is restored afterwards).
         Default: "paged" for a PagedCache (it reads blocks in place; eviction needs it), else unchanged.
-    prefill (int): tokens fed in one forward before scoring starts (default 1: every later token is scored
-        through the cache).
+    prefill (int): tokens fed in one forward before scoring starts; tokens from index prefill + 1 on are
+        scored, each predicted after a one-token forward through the cache (default 1).
     max_length (int, optional): score at most the first `max_length` tokens of each text.
 Returns:
     perplexities (list of float), mean_perplexity (float), and kv_bytes_per_token (list of float: the bytes
