@@ -52,8 +52,11 @@ def eviction(payloads: dict[str, dict], path: str | os.PathLike) -> Path:
                 points = sorted((row["budget"], row["perplexity"]) for row in rows if row["policy"] == policy)
                 ax.plot(*zip(*points), marker="o", label=policy)
             ax.axhline(full, color="k", ls="--", lw=1, label="full cache")
+            budgets = sorted({row["budget"] for row in rows[1:]})
             ax.set(xscale="log", xlabel="budget (tokens kept per layer)", ylabel="perplexity",
                    title="(a) context compression")  # fmt: skip
+            ax.set_xticks(budgets, [str(budget) for budget in budgets])
+            ax.set_xticks([], minor=True)
         elif task == "passkey":
             labels = [f"{row['policy']} {row['framing']}".strip(" -") for row in rows]
             ax.barh(labels, [row["accuracy"] for row in rows])
