@@ -22,6 +22,8 @@ def test_perplexity_through_the_cache_equals_one_full_forward():
     expected = math.exp(nll.mean().item())
     assert perplexity(model, ids, PagedCache(config, block_size=4), prefill=10) == pytest.approx(expected, rel=1e-4)
     assert perplexity(model, ids, DynamicCache(config=config), prefill=10) == pytest.approx(expected, rel=1e-4)
+    chunked = perplexity(model, ids, PagedCache(config, block_size=4), prefill=10, step=7)  # 7 + 7 + 5 tokens
+    assert chunked == pytest.approx(expected, rel=1e-4)
     steps = []
     nll_sum = next_token_nll(model, ids, DynamicCache(config=config), 0, 5, after_step=steps.append)
     assert nll_sum == pytest.approx(-log_probs[torch.arange(5), ids[1:6]].sum().item(), rel=1e-4)
@@ -37,5 +39,7 @@ def test_perplexity_rejects_misuse():
     perplexity(model, ids, cache, prefill=4)
     with pytest.raises(ValueError, match="fresh cache"):
         perplexity(model, ids, cache, prefill=4)
+    with pytest.raises(ValueError, match="step=0"):
+        next_token_nll(model, ids, DynamicCache(config=config), 0, 5, step=0)
     with pytest.raises(ValueError, match="needs at least 11 ids"):
         next_token_nll(model, ids, DynamicCache(config=config), 5, 5)
