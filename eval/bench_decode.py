@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import plots  # noqa: E402
 
 from hf_paged_cache.demo import TokenClock  # noqa: E402
 
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: contexts 64 160, 8 steps, 2 repeats, ragged 4 prompts of 16..64 (+8)")
     parser.add_argument("--out", default="eval/results/bench_decode.json")
+    parser.add_argument("--plot", metavar="FILE", help="also draw tokens/s against context and the ragged bytes")
     common.add_text_arguments(parser)
     args = parser.parse_args(argv)  # fmt: skip
     if args.quick:
@@ -223,6 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
                "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
                "environment": common.environment(), "single": single, "ragged": ragged, "targets": targets}  # fmt: skip
     print(f"\nwrote {common.write_json(args.out, payload)}")
+    if args.plot:
+        print(f"wrote {plots.decode(single, ragged, args.plot)}")
     return payload
 
 

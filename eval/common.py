@@ -31,6 +31,8 @@ from typing import Callable
 import torch
 
 from hf_paged_cache import H2O, TOVA, KeepRatio, KeyNorm, RandomEviction, SnapKV, StreamingLLM
+from hf_paged_cache.inspection import cache_bytes  # noqa: F401  (re-exported for the scripts)
+from hf_paged_cache.scoring import next_token_nll  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TEXT = REPO / "data" / "pride_and_prejudice.txt"
@@ -156,35 +158,6 @@ def make_cache(spec: CacheSpec, model):
         raise ValueError(f"cache spec {spec.text!r}: {error}") from None
 
 
-# ---------------------------------------------------------------------------------------------- bytes
-def tensor_bytes(tensor) -> int:
-    """Bytes of a tensor, including tensor subclasses made of inner tensors (quanto's packed codes and scales)."""
-    if hasattr(tensor, "__tensor_flatten__") and type(tensor) is not torch.Tensor:
-        names, _ = tensor.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(tensor, name)) for name in names)
-    return tensor.numel() * tensor.element_size()
-
-
-def cache_bytes(cache) -> dict:
-    """`{"kv_bytes", "pool_bytes"}`: what the cache's contents occupy and what it has allocated.
-
-    A PagedCache reports its own `metrics()` (used blocks; the pool may be larger). Any other cache is
-    measured by adding up the tensors its layers hold (DynamicCache: the padded keys/values;
-    QuantizedCache: codes, scales and the full-precision residual window).
-    """
-    from hf_paged_cache import PagedCache
-
-    if isinstance(cache, PagedCache):
-        metrics = cache.metrics()
-        return {"kv_bytes": metrics.used_bytes, "pool_bytes": metrics.pool_bytes, "table_bytes": metrics.table_bytes}
-    total = 0
-    for layer in cache.layers:
-        for value in vars(layer).values():
-            if isinstance(value, torch.Tensor):
-                total += tensor_bytes(value)
-    return {"kv_bytes": total, "pool_bytes": total, "table_bytes": 0}
-
-
 # ---------------------------------------------------------------------------------------------- models
 TINY_LLAMA = "tiny-llama"
 
@@ -237,27 +210,6 @@ def load_model(name: str, dtype: torch.dtype = torch.float32):
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
     return model, tokenizer_codec(tokenizer)
-
-
-# ---------------------------------------------------------------------------------------------- scoring
-def next_token_nll(
-    model, ids: torch.Tensor, cache, start: int, tokens: int, progress: bool = False, label: str = "",
-    after_step: Callable[[int], None] | None = None,
-) -> float:
-    """Feed `ids[start + i]` for i < `tokens`, one forward each through `cache`, and return the summed
-    negative log-likelihood of each next token `ids[start + i + 1]`. `after_step(fed)` runs after each
-    forward, `fed` = tokens fed into the cache so far (`start + i + 1`)."""
-    from tqdm.auto import tqdm
-    import torch.nn.functional as F
-
-    nll = 0.0
-    with torch.inference_mode():
-        for position in tqdm(range(start, start + tokens), desc=label, disable=not progress, leave=False, mininterval=1.0):
-            logits = model(input_ids=ids[None, position : position + 1], cache=cache, use_cache=True).logits
-            nll -= F.log_softmax(logits[0, -1].float(), dim=-1)[ids[position + 1]].item()
-            if after_step is not None:
-                after_step(position + 1)
-    return nll
 
 
 # ---------------------------------------------------------------------------------------------- text

@@ -41,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import plots  # noqa: E402
 
 from common import POLICIES  # noqa: E402
 from hf_paged_cache import PagedCache, kv_bytes_per_token  # noqa: E402
@@ -368,6 +369,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     parser.add_argument("--out-dir", default="eval/results", help="where eviction_<task>.json/.csv go")
     parser.add_argument("--progress", action="store_true", help="progress bars while scoring")
+    parser.add_argument("--plot", metavar="FILE", help="also draw every task's results to FILE (.png, .svg, .pdf)")
     sizes = parser.add_argument_group("sizes (defaults: full run / --quick)")
     for name, (full, quick) in SIZES.items():
         if name == "window":
@@ -418,6 +420,8 @@ def main(argv: list[str] | None = None) -> dict:
         csv_path = common.write_csv(Path(args.out_dir) / f"eviction_{task}.csv", csv_rows)
         print(f"wrote {json_path} and {csv_path}")
         payloads[task] = payload
+    if args.plot:
+        print(f"wrote {plots.eviction(payloads, args.plot)}")
     return payloads
 
 

@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import plots  # noqa: E402
 
 
 def score(model, ids: torch.Tensor, cache, prefill: int, tokens: int, progress: bool, label: str) -> dict:
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     parser.add_argument("--out", default="eval/results/ppl", help="prefix of the .json and .csv result files")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--plot", metavar="FILE", help="also draw perplexity against KV bytes/token (.png, .svg)")
     common.add_text_arguments(parser)
     args = parser.parse_args(argv)  # fmt: skip
 
@@ -101,6 +103,9 @@ def main(argv: list[str] | None = None) -> dict:
     json_path = common.write_json(f"{args.out}.json", payload)
     csv_path = common.write_csv(f"{args.out}.csv", rows)
     print(f"\nwrote {json_path} and {csv_path}")
+    if args.plot:
+        title = f"{args.model}: prefill {args.prefill}, {args.tokens} tokens scored through the cache"
+        print(f"wrote {plots.perplexity(rows, title, args.plot)}")
     return payload
 
 

@@ -19,7 +19,9 @@ from .eviction import (
     StreamingLLM,
     pyramid_budgets,
 )
+from .inspection import GroupLayout, block_layout, cache_bytes, kept_positions
 from .memory import CacheMetrics, estimate_kv_bytes, kv_bytes_per_token
+from .scoring import perplexity
 
 # `attn_implementation="paged"` works as soon as the package is imported (registering is idempotent).
 register_paged_attention()
@@ -29,6 +31,7 @@ __all__ = [
     "BlockPool",
     "CacheMetrics",
     "EvictionPolicy",
+    "GroupLayout",
     "H2O",
     "KeepRatio",
     "KeyNorm",
@@ -39,9 +42,13 @@ __all__ = [
     "SnapKV",
     "StreamingLLM",
     "TOVA",
+    "block_layout",
+    "cache_bytes",
     "estimate_kv_bytes",
+    "kept_positions",
     "kv_bytes_per_token",
     "parse_bytes",
+    "perplexity",
     "pyramid_budgets",
     "register_paged_attention",
 ]

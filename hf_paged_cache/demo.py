@@ -14,7 +14,7 @@ from transformers import DynamicCache
 from transformers.utils import logging as hf_logging
 from transformers.generation.streamers import BaseStreamer
 
-from . import PagedCache
+from . import PagedCache, cache_bytes
 from .smollm2 import load_smollm2
 
 DEFAULT_PROMPT = "Explain in a few sentences why a language model keeps a key/value cache while it generates text."
@@ -40,16 +40,6 @@ class TokenClock(BaseStreamer):
         if len(self.times) < 2:
             return float("nan")
         return batch_size * (len(self.times) - 1) / (self.times[-1] - self.times[0])
-
-
-def dynamic_cache_bytes(cache: DynamicCache) -> int:
-    """Bytes of the keys and values a DynamicCache holds, over all layers."""
-    return sum(
-        t.numel() * t.element_size()
-        for layer in cache.layers
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-        if isinstance(t, torch.Tensor)
-    )
 
 
 def _generate(model, inputs, cache, max_new_tokens: int):
@@ -103,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"identical continuations: {'yes' if same else 'NO'} ({len(paged_ids)} tokens)\n")
 
     metrics = paged.metrics()
-    dynamic_bytes = dynamic_cache_bytes(dynamic)
+    dynamic_bytes = cache_bytes(dynamic)["kv_bytes"]
     print(f"{'cache':<42} {'KV bytes held':>14} {'decode tok/s':>13}")
     print(f"{'DynamicCache':<42} {dynamic_bytes:>14,} {dynamic_speed:>13.1f}")
     print(f"{paged_name:<42} {metrics.kv_bytes:>14,} {paged_speed:>13.1f}")

@@ -33,6 +33,10 @@ def _run(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedPro
     return result
 
 
+def _assert_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000, f"{path} is not a drawn PNG"
+
+
 # ---------------------------------------------------------------------------------------------- cache specs
 def test_cache_spec_syntax():
     spec = common.parse_cache_spec("paged:block_size=32,attn=paged,dtype=bf16,max_memory=2GiB")
@@ -66,7 +70,7 @@ def test_perplexity_script_tiny(tmp_path):
     caches = ["dynamic", "paged", "paged:block_size=32", "paged:attn=paged"] + (["quantized:nbits=4"] if HAVE_QUANTO else [])
     out = tmp_path / "ppl"
     result = _run("perplexity.py", "--model", "tiny-llama", "--prefill", "40", "--tokens", "24", "--no-progress",
-                  "--out", str(out), "--caches", *caches)  # fmt: skip
+                  "--out", str(out), "--plot", str(tmp_path / "ppl.png"), "--caches", *caches)  # fmt: skip
     payload = json.loads(out.with_suffix(".json").read_text())
     rows = {row["config"]: row for row in payload["results"]}
     assert list(rows) == caches
@@ -86,6 +90,7 @@ def test_perplexity_script_tiny(tmp_path):
     with out.with_suffix(".csv").open() as handle:
         assert [row["config"] for row in csv.DictReader(handle)] == caches
     assert "Δ% vs first" in result.stdout
+    _assert_png(tmp_path / "ppl.png")
 
 
 @pytest.mark.skipif(HAVE_QUANTO, reason="optimum-quanto is installed")
@@ -106,7 +111,8 @@ def test_text_sources(tmp_path):
 # ---------------------------------------------------------------------------------------------- bench_decode
 def test_bench_decode_quick_tiny(tmp_path):
     out = tmp_path / "bench.json"
-    result = _run("bench_decode.py", "--model", "tiny-llama", "--quick", "--out", str(out))
+    result = _run("bench_decode.py", "--model", "tiny-llama", "--quick", "--out", str(out),
+                  "--plot", str(tmp_path / "d.svg"))  # fmt: skip
     payload = json.loads(out.read_text())
     configs = ["dynamic", "paged", "paged:attn=paged"]
     assert payload["quick"] is True
@@ -119,12 +125,13 @@ def test_bench_decode_quick_tiny(tmp_path):
     assert all(row["same_tokens_as_first"] for row in payload["ragged"])
     assert payload["targets"] and all(target["met"] for target in payload["targets"])  # byte bounds only in --quick
     assert "targets:" in result.stdout
+    assert (tmp_path / "d.svg").read_text().lstrip().startswith("<?xml")  # the format follows the extension
 
 
 # ---------------------------------------------------------------------------------------------- eviction
 def test_eviction_quick_tiny(tmp_path):
     result = _run("eviction.py", "--quick", "--tasks", "a", "decode", "peak", "--policies", "streaming", "h2o",
-                  "--out-dir", str(tmp_path))  # fmt: skip
+                  "--out-dir", str(tmp_path), "--plot", str(tmp_path / "eviction.png"))  # fmt: skip
 
     def load(task: str) -> dict:
         return json.loads((tmp_path / f"eviction_{task}.json").read_text())
@@ -156,6 +163,7 @@ def test_eviction_quick_tiny(tmp_path):
     with (tmp_path / "eviction_decode.csv").open() as handle:
         assert [row["policy"] for row in csv.DictReader(handle)] == ["full", "streaming", "h2o"]
     assert "[compress:" in result.stdout and "targets:" in result.stdout
+    _assert_png(tmp_path / "eviction.png")
 
 
 def test_eviction_passkey_quick_tiny(tmp_path):
