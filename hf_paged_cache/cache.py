@@ -79,6 +79,9 @@ class PagedCache(Cache):
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs_of_layer))
         super().__init__(layers=layers)
+        # Each group's layers, found once: every step hands them its copy-on-write and sealing work.
+        self._members = {name: [layer for layer in self.paged_layers if layer.tables is group]
+                         for name, group in self.groups.items()}  # fmt: skip
         self.evictor = None
         if options.eviction is not None:
             evicting = {i: layer for i, layer in enumerate(layers) if isinstance(layer, PagedLayer) and not layer.is_sliding}
@@ -107,9 +110,6 @@ class PagedCache(Cache):
     @property
     def paged_layers(self) -> list[PagedLayer]:
         return [layer for layer in self.layers if isinstance(layer, PagedLayer)]
-
-    def _members(self, group: BlockTables) -> list[PagedLayer]:
-        return [layer for layer in self.paged_layers if layer.tables is group]
 
     # ------------------------------------------------------------------ the write path
     def update(
@@ -211,7 +211,7 @@ class PagedCache(Cache):
         for pool, extra in growth:
             pool.grow(extra)
         for group in stepping:
-            members = self._members(group)
+            members = self._members[group.name]
             group.apply_step(q_len, pads, functools.partial(_copy_blocks, members), functools.partial(_seal, members))
         if self.evictor is not None:
             self.evictor.step_planned(q_len)
@@ -354,7 +354,7 @@ class PagedCache(Cache):
     def metrics(self) -> CacheMetrics:
         """Blocks, tokens and bytes held right now, per group and in total."""
         counts = self.evictor.counts if self.evictor is not None else {}
-        groups = {name: (group, self._members(group), counts.get(name, (0, 0))) for name, group in self.groups.items()}
+        groups = {name: (group, self._members[name], counts.get(name, (0, 0))) for name, group in self.groups.items()}
         quantized = {index: layer for index, layer in enumerate(self.layers) if isinstance(layer, QuantizedLayer)}
         return collect_metrics(self.options.block_size, groups, quantized, self.tp_size)
 
