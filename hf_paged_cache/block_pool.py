@@ -12,7 +12,7 @@ Invariants (checked by the hypothesis state machine in `tests/test_block_pool.py
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 NULL_BLOCK = 0
 
@@ -33,6 +33,7 @@ class BlockPool:
         self._next = [NULL_BLOCK]
         self._prev = [NULL_BLOCK]
         self._ref = [1]  # the null block is permanently "in use"
+        self._epoch = [0]  # per block, how many times it was allocated: tells a reused id from the block it was
         self.grow(num_blocks)
 
     @property
@@ -42,8 +43,19 @@ class BlockPool:
     def ref_count(self, block: int) -> int:
         return self._ref[block]
 
+    def epoch(self, block: int) -> int:
+        """How many times `block` was allocated: a block id with the same epoch still holds the same contents'
+        lifetime (it was not freed and handed out again in between)."""
+        return self._epoch[block]
+
     def is_free(self, block: int) -> bool:
         return 0 < block <= self.num_blocks and self._ref[block] == 0
+
+    def sharing(self) -> tuple[int, int]:
+        """(blocks held by more than one table, references beyond the first summed over them): the second figure
+        is the blocks that sharing saves."""
+        shared = [count for count in self._ref[1:] if count > 1]
+        return len(shared), sum(shared) - len(shared)
 
     def grow(self, extra_blocks: int) -> None:
         """Append `extra_blocks` (>= 0) new free ids at the end of the id range (and of the free queue)."""
@@ -52,6 +64,7 @@ class BlockPool:
         self._next.extend([NULL_BLOCK] * extra_blocks)
         self._prev.extend([NULL_BLOCK] * extra_blocks)
         self._ref.extend([0] * extra_blocks)
+        self._epoch.extend([0] * extra_blocks)
         self.num_blocks += extra_blocks
         for block in range(first, self.num_blocks + 1):
             self._append(block)
@@ -67,6 +80,7 @@ class BlockPool:
             block = candidate if self.is_free(candidate) else self._next[NULL_BLOCK]
             self._remove(block)
             self._ref[block] = 1
+            self._epoch[block] += 1
             blocks.append(block)
             previous = block
         return blocks
@@ -93,6 +107,17 @@ class BlockPool:
             self._ref[block] -= 1
             if self._ref[block] == 0:
                 self._append(block)
+
+    def set_references(self, references: Mapping[int, int]) -> None:
+        """Make every block's reference count `references.get(block, 0)` (a copy of one cache of a family keeps
+        only that cache's references; the blocks of the others become free)."""
+        for block in range(1, self.num_blocks + 1):
+            count = references.get(block, 0)
+            if count and not self._ref[block]:
+                self._remove(block)
+            elif not count and self._ref[block]:
+                self._append(block)
+            self._ref[block] = count
 
     def _append(self, block: int) -> None:
         tail = self._prev[NULL_BLOCK]

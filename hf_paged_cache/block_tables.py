@@ -9,6 +9,8 @@ by every row, as in `DynamicCache`.
 
 from __future__ import annotations
 
+import copy
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -48,6 +50,9 @@ class StepPlan:
     # Per row, the sealed (quantized) block ids that precede the full-precision blocks (empty lists
     # in a full-precision group).
     quantized_tables: list[list[int]] = field(default_factory=list)
+    # Rows that store nothing of their own this step: row -> the earlier row whose blocks it shares and whose
+    # new K/V it repeats exactly (identical rows, e.g. `num_return_sequences`); each layer checks before writing.
+    mirrors: dict[int, int] = field(default_factory=dict)
     _memo: dict = field(default_factory=dict, repr=False)
 
     def cached(self, key, build: Callable[[], object]):
@@ -165,16 +170,39 @@ class BlockTables:
             return 0
         return max(length - self.sliding_window + 1, 0)
 
-    def demands(self, q_len: int, pads: list[int]) -> list[tuple[BlockPool, int, int, str]]:
-        """Per pool of the group: (pool, blocks the step allocates, blocks it returns, name for errors)."""
+    def demands(self, q_len: int, pads: list[int], mirrors: dict[int, int]) -> list[tuple[BlockPool, int, int, str]]:
+        """Per pool of the group: (pool, blocks the step allocates, blocks it returns, name for errors).
+        Mirror rows allocate nothing: they take their source's blocks."""
         drops = self._step_drops(q_len)
         freed = blocks_freed((row.blocks, drop) for row, drop in zip(self.rows, drops)) if self.rows else 0
         needed = 0
         for row, (stored, held, new) in enumerate(self._row_growth(q_len, pads, drops)):
+            if row in mirrors:
+                continue
             needed += max(ceil_div(stored + new, self.block_size) - held, 0)
-            if new and stored % self.block_size and self.pool.ref_count(self.rows[row].blocks.ids[-1]) > 1:
+            if new and stored % self.block_size and self._shared_beyond_mirrors(row, mirrors):
                 needed += 1  # copy-on-write of a shared, partly filled last block
         return [(self.pool, needed, freed, self.name)]
+
+    def _shared_beyond_mirrors(self, row: int, mirrors: dict[int, int]) -> bool:
+        """Whether the row's last block is held by more tables than the row and its mirrors (which follow it)."""
+        holders = 1 + sum(1 for source in mirrors.values() if source == row)
+        return self.pool.ref_count(self.rows[row].blocks.ids[-1]) > holders
+
+    def mirror_candidates(self, pads: list[int]) -> list[int]:
+        """Per row, the first row whose state is identical (itself when none): same padding, same blocks. Only
+        such rows can share this step's new blocks, when their new K/V are identical too."""
+        first: dict[tuple, int] = {}
+        candidates = []
+        for index, row in enumerate(self.rows or [None] * len(pads)):
+            if row is None:
+                key = (pads[index],)
+            elif row.kept_positions is None and row.blocks.ids and self.pool.ref_count(row.blocks.ids[-1]) > 1:
+                key = (row.pads, row.base, tuple(row.blocks.ids), tuple(row.quantized.ids) if row.quantized else ())
+            else:
+                key = ("own", index)
+            candidates.append(first.setdefault(key, index))
+        return candidates
 
     def _window_drops(self, keep_past: bool | None = None) -> list[tuple[int, int]]:
         """Per row, (quantized, full-precision) leading blocks wholly before the next step's window
@@ -208,10 +236,14 @@ class BlockTables:
             stored = self.stored_tokens(index) - drops[index] * self.block_size
             yield stored, len(row.blocks) - drops[index], q_len
 
-    def apply_step(self, q_len: int, pads: list[int], copy_blocks: BlockCopier, seal_blocks: BlockCopier) -> StepPlan:
+    def apply_step(self, q_len: int, pads: list[int], copy_blocks: BlockCopier, seal_blocks: BlockCopier,
+                   mirrors: dict[int, int] | None = None) -> StepPlan:  # fmt: skip
         """Drop, seal, copy-on-write and allocate for a step of `q_len` tokens (the caller checked the free
         blocks), and return its plan. `copy_blocks(src, dst)` copies block contents in every layer of the
-        group (copy-on-write); `seal_blocks(src, dst)` quantizes them (quantized groups)."""
+        group (copy-on-write); `seal_blocks(src, dst)` quantizes them (quantized groups). `mirrors` (row ->
+        earlier row with the same state and, as far as the caller saw, the same new K/V) take their source's
+        blocks instead of their own."""
+        mirrors = mirrors or {}
         start = self.length
         if start == 0:
             self.rows = [self._new_row(pad) for pad in pads]
@@ -220,14 +252,30 @@ class BlockTables:
                 if quantized:
                     row.quantized.drop_front(quantized)
             self._seal(q_len, seal_blocks)
-        write_slots, write_tokens = self._allocate(q_len, pads, copy_blocks)
+        for row in mirrors:  # let go first, so the source sees who else holds its last block
+            self.rows[row].release()
+        self._allocate(q_len, pads, copy_blocks, mirrors)
+        for row, source in mirrors.items():
+            self.rows[row] = self.rows[source].fork()
         self.length = start + q_len
+        self.plan = self._make_plan(q_len, [q_len - pad if start == 0 else q_len for pad in pads], mirrors)
+        return self.plan
+
+    def _make_plan(self, q_len: int, new_tokens: list[int], mirrors: dict[int, int]) -> StepPlan:
+        """The plan of the step just applied (tables already hold its tokens): each row's new tokens are its
+        last `new_tokens[row]` stored ones; mirror rows write nothing."""
+        write_slots, write_tokens = [], []
+        for index, new in enumerate(new_tokens):
+            if new and index not in mirrors:
+                first_token = index * q_len + (q_len - new)
+                write_slots.append(self.slots(index, self.stored_tokens(index) - new, new))
+                write_tokens.append(torch.arange(first_token, first_token + new))
         slots = torch.cat(write_slots) if write_slots else torch.empty(0, dtype=torch.long)
         tokens = torch.cat(write_tokens) if write_tokens else torch.empty(0, dtype=torch.long)
-        kv_offset = self.read_offset(start)
+        kv_offset = self.read_offset(self.length - q_len)
         read_start = [max(kv_offset - row.base, 0) for row in self.rows]
         read_stop = [self.stored_tokens(index) for index in range(len(self.rows))]
-        self.plan = StepPlan(
+        return StepPlan(
             q_len=q_len,
             new_len=self.length,
             kv_offset=kv_offset,
@@ -235,13 +283,28 @@ class BlockTables:
             write_tokens=None if tokens.numel() == q_len * len(self.rows) else tokens,
             read_start=read_start,
             read_stop=read_stop,
-            new_tokens=[q_len - pads[index] if start == 0 else q_len for index in range(len(self.rows))],
+            new_tokens=list(new_tokens),
             run_start=[self._run_start(index, a, b) for index, (a, b) in enumerate(zip(read_start, read_stop))],
             padding_exact=self.padding_exact,
             tables=self,
             base=self.base,
             quantized_tables=[list(table) for table in self.qtables],
+            mirrors=dict(mirrors),
         )
+
+    def unmirror(self, row: int, copy_blocks: BlockCopier) -> StepPlan:
+        """Row `row` turned out to differ from its mirror source in some layer: it gets its own copies of the
+        blocks this step writes (contents copied in every layer of the group: older tokens, and the new ones
+        the layers that already wrote found identical) and the plan is made again with the row writing."""
+        plan = self.plan
+        blocks, first = self.rows[row].blocks, (self.stored_tokens(row) - plan.new_tokens[row]) // self.block_size
+        sources = blocks.ids[first:]
+        fresh = self.pool.allocate(len(sources), after=blocks.ids[first - 1] if first else None)
+        self.pool.free(sources)
+        blocks.replace(blocks.ids[:first] + fresh)
+        copy_blocks(sources, fresh)
+        mirrors = {index: source for index, source in plan.mirrors.items() if index != row}
+        self.plan = self._make_plan(plan.q_len, plan.new_tokens, mirrors)
         return self.plan
 
     def _new_row(self, pad: int) -> Row:
@@ -250,31 +313,30 @@ class BlockTables:
     def _seal(self, q_len: int, seal_blocks: BlockCopier) -> None:
         """Quantize the blocks a step seals (quantized groups)."""
 
-    def _allocate(self, q_len: int, pads: list[int], copy_blocks: BlockCopier):
-        """Drop leading blocks, copy-on-write shared last blocks and allocate new ones; per row, the slots
-        of the stored new tokens and their index among the step's B*q tokens."""
+    def _allocate(self, q_len: int, pads: list[int], copy_blocks: BlockCopier, mirrors: dict[int, int]) -> None:
+        """Drop leading blocks, copy-on-write shared last blocks and allocate new ones (mirror rows, released
+        by the caller, are skipped: they take their source's blocks afterwards)."""
         bs = self.block_size
         drops = self._step_drops(q_len)
-        cow_src, cow_dst, write_slots, write_tokens = [], [], [], []
-        for index, ((stored, _held, new), drop) in enumerate(zip(self._row_growth(q_len, pads, drops), drops)):
+        growth = list(self._row_growth(q_len, pads, drops))
+        for index, drop in enumerate(drops):  # every row drops first: blocks rows share are freed by the last one
+            if drop and index not in mirrors:
+                self.rows[index].blocks.drop_front(drop)
+                self.rows[index].base += drop * bs
+        cow_src, cow_dst = [], []
+        for index, (stored, _held, new) in enumerate(growth):
+            if index in mirrors:
+                continue
             row = self.rows[index]
-            if drop:
-                row.blocks.drop_front(drop)
-                row.base += drop * bs
-            if new and stored % bs and self.pool.ref_count(row.blocks.ids[-1]) > 1:
+            if new and stored % bs and self._shared_beyond_mirrors(index, mirrors):
                 old, fresh = row.blocks.replace_last()
                 cow_src.append(old)
                 cow_dst.append(fresh)
             extra = ceil_div(stored + new, bs) - len(row.blocks)
             if extra > 0:
                 row.blocks.extend(extra)
-            if new:
-                first_token = index * q_len + (q_len - new)
-                write_slots.append(self.slots(index, stored, new))
-                write_tokens.append(torch.arange(first_token, first_token + new))
         if cow_src:
             copy_blocks(cow_src, cow_dst)
-        return write_slots, write_tokens
 
     def slots(self, row: int, first: int, count: int) -> torch.Tensor:
         """Slots of the row's full-precision stored tokens [first, first + count)."""
@@ -329,6 +391,14 @@ class BlockTables:
         return torch.where(valid, slots, NULL_BLOCK * self.block_size)
 
     # ------------------------------------------------------------------ whole-batch edits
+    def fork(self) -> BlockTables:
+        """The same rows for a fork of the cache, in the same pool(s): every block gains a reference and
+        no K/V is copied; whichever side writes into a shared partial block first copies that block."""
+        twin = copy.copy(self)
+        twin.rows = [row.fork() for row in self.rows]
+        twin.plan = None
+        return twin
+
     def reorder(self, order: list[int]) -> None:
         """Row i becomes a copy of row order[i] (beam search): shares blocks by reference count."""
         rows = [self.rows[source].fork() for source in order]
@@ -336,6 +406,40 @@ class BlockTables:
             row.release()
         self.rows = rows
         self.plan = None
+
+    def unshare_demand(self, order: list[int]) -> list[tuple[BlockPool, int]]:
+        """(pool, fresh blocks) that `unshare` takes after `reorder(order)`: one per reference beyond the first
+        (computed before the reorder, so a shortage can be reported with nothing changed)."""
+        def holders(rows: list[Row]) -> Counter:
+            return Counter((id(blocks.pool), block) for row in rows for blocks in (row.blocks, row.quantized)
+                           if blocks is not None for block in blocks.ids)  # fmt: skip
+
+        pools = {id(pool): pool for pool in (self.pool, getattr(self, "qpool", None)) if pool is not None}
+        before, after = holders(self.rows), holders([self.rows[source] for source in order])
+        demand = Counter()
+        for (pool, block), count in after.items():
+            demand[pool] += max(pools[pool].ref_count(block) - before[(pool, block)] + count - 1, 0)
+        return [(pools[pool], count) for pool, count in demand.items() if count]
+
+    def unshare(self, copy_blocks: BlockCopier, copy_quantized: BlockCopier) -> None:
+        """Give every row its own copy of each block another table also holds (`sharing=False`); the caller
+        checked `unshare_demand` against the free blocks."""
+        for blocks in self._block_lists():
+            shared = [index for index, block in enumerate(blocks.ids) if blocks.pool.ref_count(block) > 1]
+            if not shared:
+                continue
+            sources = [blocks.ids[index] for index in shared]
+            fresh = blocks.pool.allocate(len(shared))
+            (copy_blocks if blocks.pool is self.pool else copy_quantized)(sources, fresh)
+            blocks.pool.free(sources)
+            ids = list(blocks.ids)
+            for index, block in zip(shared, fresh):
+                ids[index] = block
+            blocks.replace(ids)
+        self.plan = None
+
+    def _block_lists(self) -> list[BlockList]:
+        return [blocks for row in self.rows for blocks in (row.blocks, row.quantized) if blocks is not None]
 
     def check_crop(self, new_len: int) -> None:
         """Raise (changing nothing) if cropping to `new_len` would need tokens that were already dropped."""
@@ -412,6 +516,9 @@ class QuantizedBlockTables(BlockTables):
         self.qpool = qpool
         self.kv_format = kv_format
         self.residual_length = residual_length
+        # Shared full-precision block -> (its epoch, its sealed copy, that copy's epoch), shared by the forks of
+        # the cache: the first table to seal a shared block seals it, the others take a reference to the copy.
+        self.sealed_copies: dict[int, tuple[int, int, int]] = {}
 
     def _new_row(self, pad: int) -> Row:
         return Row(pads=pad, base=pad, blocks=BlockList(self.pool), quantized=BlockList(self.qpool))
@@ -431,22 +538,41 @@ class QuantizedBlockTables(BlockTables):
         seals = self._seal_counts(q_len, window)
         return [row.blocks.ids[drop : drop + seal] for row, drop, seal in zip(self.rows, window, seals)]
 
-    def demands(self, q_len: int, pads: list[int]) -> list[tuple[BlockPool, int, int, str]]:
+    def demands(self, q_len: int, pads: list[int], mirrors: dict[int, int]) -> list[tuple[BlockPool, int, int, str]]:
         sealed = {block for blocks in self._sealed_blocks(q_len) for block in blocks}
         quantized_drops = [(row.quantized, drop) for row, (drop, _fp) in zip(self.rows, self._window_drops())]
         freed = blocks_freed(quantized_drops) if self.rows else 0
-        return [*super().demands(q_len, pads), (self.qpool, len(sealed), freed, f"{self.name} (quantized)")]
+        return [*super().demands(q_len, pads, mirrors), (self.qpool, len(sealed), freed, f"{self.name} (quantized)")]
 
     def _seal(self, q_len: int, seal_blocks: BlockCopier) -> None:
         sealed: dict[int, int] = {}  # fp block -> its quantized block (rows sharing a block share its copy)
         for row, blocks in zip(self.rows, self._sealed_blocks(q_len)):
             for block in blocks:
+                copy = self._sealed_copy(block)
+                if copy is not None:
+                    row.quantized.append_shared(copy, fresh=False)
+                    continue
                 fresh = block not in sealed
                 if fresh:
-                    (sealed[block],) = self.qpool.allocate(1, after=row.quantized.ids[-1] if len(row.quantized) else None)
+                    last = row.quantized.ids[-1] if len(row.quantized) else None
+                    (sealed[block],) = self.qpool.allocate(1, after=last)
                 row.quantized.append_shared(sealed[block], fresh)
+        for block, copy in sealed.items():
+            if self.pool.ref_count(block) > sum(block in ids for ids in self.tables):  # a fork holds it too
+                self.sealed_copies[block] = (self.pool.epoch(block), copy, self.qpool.epoch(copy))
         if sealed:
             seal_blocks(list(sealed), list(sealed.values()))
+
+    def _sealed_copy(self, block: int) -> int | None:
+        """The sealed copy a fork already made of `block`, if both are still the blocks they were."""
+        entry = self.sealed_copies.get(block)
+        if entry is None:
+            return None
+        epoch, copy, copy_epoch = entry
+        if self.pool.epoch(block) == epoch and self.qpool.ref_count(copy) and self.qpool.epoch(copy) == copy_epoch:
+            return copy
+        del self.sealed_copies[block]  # the block or its copy was freed and reused since
+        return None
 
     def check_crop(self, new_len: int) -> None:
         """Cropping inside a row's quantized prefix is exact only at a block boundary (whole quantized

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import threading
+import weakref
+from collections import Counter
 from typing import Any
 
 import torch
@@ -17,7 +20,7 @@ from .config import PagedCacheConfig
 from .distributed import tensor_parallel_size
 from .errors import OutOfBlocksError
 from .eviction import Evictor
-from .layers import PagedLayer, PagedSlidingLayer
+from .layers import PagedLayer, PagedSlidingLayer, SharedKVLayer
 from .memory import SLIDING_TYPES, CacheMetrics, collect_metrics
 from .quantization import parse_kv_format
 from .quantized_layers import QuantizedLayer, QuantizedSlidingLayer
@@ -38,9 +41,11 @@ class PagedCache(Cache):
     transformers' own layer classes. Options are those of `PagedCacheConfig`, given either as keyword
     arguments or as one `PagedCacheConfig`.
 
-    A cache belongs to one generation at a time: a second thread that calls `update()` while another
-    thread's forward step is under way gets a `RuntimeError` (give each thread its own cache, e.g. a
-    `copy.deepcopy` of a prefilled one; copies and pickles are independent of the original).
+    `fork()` (and `copy.deepcopy`) gives a second cache that shares every block by reference count, in the
+    same pools: "one context, many questions" costs the questions only. A cache and its forks belong to one
+    generation at a time and one thread: a thread that calls `update()` while another thread's forward step
+    of the same family is under way gets a `RuntimeError`. Give each thread an independent cache (a pickle
+    round trip, or `save` / `load`).
     """
 
     def __init__(self, config: PretrainedConfig, options: PagedCacheConfig | None = None, **kwargs: Any):
@@ -60,14 +65,18 @@ class PagedCache(Cache):
         self.model_config = config.get_text_config(decoder=True)
         self.tp_size = tensor_parallel_size(config)  # ranks sharing the KV heads (tensor parallelism)
         self.groups: dict[str, BlockTables] = {}
-        self._step_thread: int | None = None  # the thread that planned the latest forward step
+        self._forks = _Forks(self)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(self.model_config)
         _check_layer_counts(options, len(layer_types))
         _check_quant_layers(options, layer_types)
         layers = []
         for index, (layer_type, kwargs_of_layer) in enumerate(zip(layer_types, layer_kwargs)):
             quant = options.layer_quant(index)
-            if layer_type == "full_attention":
+            source = options.shares_from(index)
+            if source is not None:
+                _check_share_with(index, source, layer_types, layer_kwargs, layers)
+                layers.append(SharedKVLayer(layers[source]))
+            elif layer_type == "full_attention":
                 # With eviction each full-attention layer keeps its own tables: layers keep different tokens.
                 tables = self._group(f"full_attention@{index}" if options.eviction else "full_attention", None, quant)
                 layers.append((QuantizedLayer if quant else PagedLayer)(tables, options))
@@ -86,7 +95,7 @@ class PagedCache(Cache):
         if options.eviction is not None:
             evicting = {i: layer for i, layer in enumerate(layers) if isinstance(layer, PagedLayer) and not layer.is_sliding}
             self.evictor = Evictor(options.eviction, evicting, options.block_size, options.evict_every,
-                                   options.evict_between_chunks, self.tp_size)  # fmt: skip
+                                   options.evict_between_chunks, self.tp_size, options.growable)  # fmt: skip
 
     def _group(self, name: str, window: int | None, quant: str | None = None) -> BlockTables:
         """The tables of layers of one kind (full, or sliding with one window) and one storage format."""
@@ -121,18 +130,22 @@ class PagedCache(Cache):
                 "it: build the cache from the config of the model that uses it (`PagedCache(model.config)`)."
             )
         layer = self.layers[layer_idx]
-        if not isinstance(layer, PagedLayer):
-            return layer.update(key_states, value_states, *args, **kwargs)
-        self._check_thread()
         attention_kwargs = kwargs.get("kwargs")
         # Whether this forward runs the "paged" attention, which reads K/V from the blocks itself.
         in_place = attention_kwargs is not None and self._attention_is_paged()
+        if isinstance(layer, SharedKVLayer):
+            return layer.update(key_states, value_states, attention_kwargs if in_place else None)
+        if not isinstance(layer, PagedLayer):
+            return layer.update(key_states, value_states, *args, **kwargs)
+        self._check_thread()
         if self.options.eviction is not None or layer.tables.compacted:
             self._check_paged_reader(attention_kwargs)
         if not layer.is_initialized:
             self.options.check_backend(self.options.device or key_states.device)
         layer.check_states(key_states)
         plan = self._plan(layer, key_states, value_states, attention_kwargs)
+        if plan.mirrors:
+            plan = self._check_mirrors(layer, key_states, value_states, plan)
         if not in_place:
             return layer.update(key_states, value_states, plan)
         after = None
@@ -144,17 +157,23 @@ class PagedCache(Cache):
         """Refuse (changing nothing) an update from a thread other than the one whose forward step is under
         way: some layers have written that step and others not yet. Between steps another thread may take
         the cache over (e.g. a worker thread that runs the next generation)."""
-        thread = threading.get_ident()
-        if self._step_thread in (None, thread):
+        thread, (owner, stepping) = threading.get_ident(), self._forks.step
+        stepping = stepping() if stepping is not None else None
+        if owner in (None, thread) or stepping is None:
             return
-        written = sum(layer.seq_len == layer.tables.length for layer in self.paged_layers)
-        if written < len(self.paged_layers):
+        written, layers = stepping.layers_written(), len(stepping.paged_layers)
+        if written < layers:
             raise RuntimeError(
-                f"PagedCache is in the middle of a forward step of another thread ({written} of "
-                f"{len(self.paged_layers)} layers written) and thread {thread} called update(): a cache belongs to "
-                "one generation at a time. Give each thread its own cache (e.g. `copy.deepcopy(cache)`); if the "
-                "other thread's forward failed, call `cache.reset()` first."
+                f"A PagedCache of this family (it and its forks share pools) is in the middle of a forward step of "
+                f"another thread ({written} of {layers} layers written) and thread {thread} called update(): a cache "
+                "and its forks belong to one generation at a time, in one thread. Give each thread an independent "
+                "cache (a pickle round trip, or `save` / `load`); if the other thread's forward failed, call `reset()` "
+                "on its cache first."
             )
+
+    def layers_written(self) -> int:
+        """Paged layers that have written the latest step (all of them between steps)."""
+        return sum(layer.seq_len == layer.tables.length for layer in self.paged_layers)
 
     def _check_paged_reader(self, attention_kwargs: dict | None) -> None:
         """Eviction needs the `"paged"` attention: it reads the blocks by stored index (other implementations
@@ -193,7 +212,7 @@ class PagedCache(Cache):
             return tables.plan
         self._check_step(layer, batch, q_len)
         self._ensure_pools(key_states, value_states)
-        self._step_thread = threading.get_ident()
+        self._forks.step = (threading.get_ident(), weakref.ref(self))
         stepping = [group for group in self.groups.values() if group.length == tables.length]
         pads = [0] * batch
         if tables.length == 0:
@@ -202,17 +221,20 @@ class PagedCache(Cache):
                 group.padding_exact = exact
         if self.evictor is not None:
             self.evictor.before_step(stepping, q_len)
-        growth, shortage = self._growth(stepping, q_len, pads)
+        mirrors = self._mirrors(stepping, pads, key_states, value_states)
+        growth, shortage = self._growth(stepping, q_len, pads, mirrors)
         if shortage is not None and self.evictor is not None:  # pool pressure: evict to budget, plan again
             self.evictor.relieve(stepping)
-            growth, shortage = self._growth(stepping, q_len, pads)
+            mirrors = self._mirrors(stepping, pads, key_states, value_states)
+            growth, shortage = self._growth(stepping, q_len, pads, mirrors)
         if shortage is not None:
             raise shortage
         for pool, extra in growth:
             pool.grow(extra)
         for group in stepping:
             members = self._members[group.name]
-            group.apply_step(q_len, pads, functools.partial(_copy_blocks, members), functools.partial(_seal, members))
+            group.apply_step(q_len, pads, functools.partial(_copy_blocks, members), functools.partial(_seal, members),
+                             mirrors[group.name])  # fmt: skip
         if self.evictor is not None:
             self.evictor.step_planned(q_len)
         return tables.plan
@@ -233,11 +255,44 @@ class PagedCache(Cache):
         if q_len == 0:
             raise ValueError("PagedCache.update received no new tokens (query length 0)")
 
-    def _growth(self, stepping: list[BlockTables], q_len: int, pads: list[int]):
+    def _mirrors(self, stepping: list[BlockTables], pads: list[int], key_states: torch.Tensor,
+                 value_states: torch.Tensor) -> dict[str, dict[int, int]]:  # fmt: skip
+        """Per group, the rows that will share their source row's blocks this step instead of storing their own:
+        rows whose state is identical to an earlier row's and whose new K/V (in the layer that plans) are too.
+        Every other layer checks its own K/V before writing (`_check_mirrors`), so sharing stays exact."""
+        mirrors = {group.name: {} for group in stepping}
+        if not self.options.sharing or key_states.shape[0] < 2:
+            return mirrors
+        candidates = {group.name: group.mirror_candidates(pads) for group in stepping}
+        if all(row == first for rows in candidates.values() for row, first in enumerate(rows)):
+            return mirrors
+        same = _equal_rows(key_states, value_states)
+        for name, rows in candidates.items():
+            mirrors[name] = {row: first for row, first in enumerate(rows) if first != row and same[row] == same[first]}
+        return mirrors
+
+    def _check_mirrors(self, layer: PagedLayer, key_states: torch.Tensor, value_states: torch.Tensor,
+                       plan: StepPlan) -> StepPlan:  # fmt: skip
+        """Before a layer writes: a mirror row whose K/V differ from its source's in this layer gets its own blocks
+        (the exact check behind identical-row sharing; with identical inputs it does not happen in practice)."""
+        for row, source in list(plan.mirrors.items()):
+            if torch.equal(key_states[row], key_states[source]) and torch.equal(value_states[row], value_states[source]):
+                continue
+            tables, bs = layer.tables, layer.tables.block_size
+            needed = len(tables.rows[row].blocks) - (tables.stored_tokens(row) - plan.new_tokens[row]) // bs
+            if needed > tables.pool.num_free:
+                if not self.options.growable:
+                    raise OutOfBlocksError(tables.name, needed, tables.pool.num_free, tables.pool.num_blocks,
+                                           tables.block_size)  # fmt: skip
+                tables.pool.grow(_grown_size(tables.pool.num_used + needed) - tables.pool.num_blocks)
+            plan = tables.unmirror(row, functools.partial(_copy_blocks, self._members[tables.name]))
+        return plan
+
+    def _growth(self, stepping: list[BlockTables], q_len: int, pads: list[int], mirrors: dict[str, dict[int, int]]):
         """([(pool, blocks to add)], None) for the step, or ([], the error to raise) when a fixed pool is short."""
         growth = []
         for group in stepping:
-            for pool, needed, freed, name in group.demands(q_len, pads):
+            for pool, needed, freed, name in group.demands(q_len, pads, mirrors[group.name]):
                 available = pool.num_free + freed
                 if needed > available:
                     if not self.options.growable:
@@ -262,6 +317,87 @@ class PagedCache(Cache):
             )
         for group in self.groups.values():
             group.pool = BlockPool(num_blocks)
+
+    # ------------------------------------------------------------------ forks and copies
+    def fork(self) -> PagedCache:
+        """A second cache with the same contents that shares every block by reference count, in the same pools:
+        time and memory grow with the number of blocks, no K/V is copied, and whichever cache first writes into a
+        shared partly filled block copies that block only. Quantized codes, eviction survivors and statistics
+        are kept. With `sharing=False` the fork is an independent copy instead (blocks copied)."""
+        self._check_between_steps("fork")
+        if not self.options.sharing:
+            return self._independent_copy({})
+        twin = self.__class__.__new__(self.__class__)  # not copy.copy: that would run __setstate__'s pool rebuild
+        twin.__dict__.update(self.__dict__)
+        twin.groups = {name: group.fork() for name, group in self.groups.items()}
+        twin.layers = []
+        for layer in self.layers:
+            if isinstance(layer, PagedLayer):
+                twin.layers.append(layer.fork(twin.groups[layer.tables.name]))
+            elif isinstance(layer, SharedKVLayer):
+                twin.layers.append(SharedKVLayer(twin.layers[self.layers.index(layer.source)]))
+            else:
+                twin.layers.append(copy.deepcopy(layer))
+        twin._members = {name: [twin.layers[i] for i in self._layer_indices(members)]
+                         for name, members in self._members.items()}  # fmt: skip
+        if self.evictor is not None:
+            twin.evictor = self.evictor.fork({index: twin.layers[index] for index in self.evictor.layers})
+        self._forks.caches.add(twin)
+        return twin
+
+    def __del__(self) -> None:
+        """A fork that goes away returns its references, so the blocks only it held are free for the others."""
+        try:
+            for group in self.groups.values():
+                group.release()
+        except Exception:  # interpreter shutdown may have torn down what release needs; nothing is left to free
+            pass
+
+    def __deepcopy__(self, memo: dict) -> PagedCache:
+        """`copy.deepcopy(cache)` is `fork()`: transformers' "re-use a prompt cache" recipe works unchanged and
+        costs no copy of the prompt (an independent copy with `sharing=False`)."""
+        if self.options.sharing:
+            return self.fork()
+        self._check_between_steps("copy")
+        return self._independent_copy(memo)
+
+    def _independent_copy(self, memo: dict) -> PagedCache:
+        twin = self.__class__.__new__(self.__class__)
+        memo[id(self)] = twin
+        twin.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return twin
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_forks"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """An unpickled (or independently copied) cache has its own pools: blocks that only its former forks
+        referenced are free in them."""
+        self.__dict__.update(state)
+        self._forks = _Forks(self)
+        references: dict[int, Counter] = {}
+        for group in self.groups.values():
+            for row in group.rows:
+                for pool, blocks in ((group.pool, row.blocks), (getattr(group, "qpool", None), row.quantized)):
+                    if blocks is not None:
+                        references.setdefault(id(pool), Counter()).update(blocks.ids)
+        for group in self.groups.values():
+            for pool in (group.pool, getattr(group, "qpool", None)):
+                if pool is not None:
+                    pool.set_references(references.get(id(pool), Counter()))
+
+    def _check_between_steps(self, what: str) -> None:
+        if self.layers_written() < len(self.paged_layers):
+            raise RuntimeError(
+                f"Cannot {what} a PagedCache in the middle of a forward step ({self.layers_written()} of "
+                f"{len(self.paged_layers)} layers written): {what} it between steps, or `reset()` it after a failed "
+                "forward"
+            )
+
+    def _layer_indices(self, layers: list[PagedLayer]) -> list[int]:
+        return [next(i for i, layer in enumerate(self.layers) if layer is member) for member in layers]
 
     # ------------------------------------------------------------------ eviction
     def evict_now(self) -> int:
@@ -301,11 +437,30 @@ class PagedCache(Cache):
                 f"PagedCache holds {rows} rows: a reorder takes one or more row indices, each in [0, {rows}); "
                 f"got {order}"
             )
-        for group in self.groups.values():
-            if group.length > 0:
-                group.reorder(order)
+        stepped = [group for group in self.groups.values() if group.length > 0]
+        demand = [] if self.options.sharing else [
+            (group, *need) for group in stepped for need in group.unshare_demand(order)
+        ]
+        for group, pool, count in demand:  # sharing=False: the copies must fit before anything changes
+            if count > pool.num_free and not self.options.growable:
+                raise OutOfBlocksError(group.name, count, pool.num_free, pool.num_blocks, group.block_size)
+        for group in stepped:
+            group.reorder(order)
+        for group, pool, count in demand:
+            if count > pool.num_free:
+                pool.grow(_grown_size(pool.num_used + count) - pool.num_blocks)
+        if demand:
+            self._unshare(stepped)
         if self.evictor is not None:
             self.evictor.reorder(order)
+
+    def _unshare(self, groups: list[BlockTables]) -> None:
+        """`sharing=False`: rows that a reorder left sharing blocks get their own copies, as `DynamicCache`'s
+        reorder copies its tensors."""
+        for group in groups:
+            members = self._members[group.name]
+            quantized = [layer for layer in members if isinstance(layer, QuantizedLayer)]
+            group.unshare(functools.partial(_copy_blocks, members), functools.partial(_copy_quantized, quantized))
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (assisted and prompt-lookup decoding roll back this way)."""
@@ -356,16 +511,41 @@ class PagedCache(Cache):
         counts = self.evictor.counts if self.evictor is not None else {}
         groups = {name: (group, self._members[name], counts.get(name, (0, 0))) for name, group in self.groups.items()}
         quantized = {index: layer for index, layer in enumerate(self.layers) if isinstance(layer, QuantizedLayer)}
-        return collect_metrics(self.options.block_size, groups, quantized, self.tp_size)
+        return collect_metrics(self.options.block_size, groups, quantized, self.tp_size, len(self._forks.caches))
 
     def __repr__(self) -> str:
         return f"PagedCache(groups={list(self.groups)}, block_size={self.options.block_size}, layers={len(self.layers)})"
+
+
+class _Forks:
+    """What a cache and its forks share besides pools and storage: which of them are alive (metrics), and which
+    thread's forward step of which of them is under way (the pools serve one step at a time)."""
+
+    def __init__(self, cache: PagedCache):
+        self.caches: weakref.WeakSet[PagedCache] = weakref.WeakSet([cache])
+        self.step: tuple[int | None, weakref.ref | None] = (None, None)
+
+
+def _check_share_with(index: int, source: int, layer_types: list[str], layer_kwargs: list[dict], built: list) -> None:
+    """`share_with` needs an earlier attention layer of the same kind (and window) that stores its own K/V."""
+    if layer_types[index] != layer_types[source] or layer_kwargs[index] != layer_kwargs[source] or not isinstance(
+        built[source], PagedLayer
+    ):
+        raise ValueError(
+            f"`share_with` maps layer {index} ({layer_types[index]!r}) to layer {source} ({layer_types[source]!r}): "
+            "the source must be an attention layer of the same kind and window that the cache stores in blocks"
+        )
 
 
 def _copy_blocks(layers: list[PagedLayer], sources: list[int], targets: list[int]) -> None:
     """Copy-on-write: block contents from `sources` to `targets` in every layer of a group."""
     for layer in layers:
         layer.copy_blocks(sources, targets)
+
+
+def _copy_quantized(layers: list[QuantizedLayer], sources: list[int], targets: list[int]) -> None:
+    for layer in layers:
+        layer.copy_quantized_blocks(sources, targets)
 
 
 def _seal(layers: list[PagedLayer], sources: list[int], targets: list[int]) -> None:
@@ -406,6 +586,22 @@ def _left_padding(attention_kwargs: dict | None, batch: int, q_len: int) -> tupl
     return (leading_zeros - 1).clamp(min=0).tolist(), exact
 
 
+def _equal_rows(key_states: torch.Tensor, value_states: torch.Tensor) -> list[int]:
+    """Per row of a step's K/V, the first row whose K and V are exactly equal to it (itself when none). Rows are
+    bucketed by a checksum first, so distinct rows cost one reduction, not pairwise comparisons."""
+    sums = (key_states.flatten(1).double().sum(-1) + value_states.flatten(1).double().sum(-1)).tolist()
+    firsts: dict[float, list[int]] = {}
+    same = []
+    for row, checksum in enumerate(sums):
+        bucket = firsts.setdefault(checksum, [])
+        match = next((first for first in bucket if torch.equal(key_states[row], key_states[first])
+                      and torch.equal(value_states[row], value_states[first])), None)  # fmt: skip
+        if match is None:
+            bucket.append(row)
+        same.append(row if match is None else match)
+    return same
+
+
 def _grown_size(in_use: int) -> int:
     """Blocks a growable pool holds after growing to fit `in_use` blocks: room for 1.25x them, counting the
     null block every layer's storage adds, so storage is at most 1.25x the blocks in use right after a
@@ -419,6 +615,11 @@ def _check_layer_counts(options: PagedCacheConfig, num_layers: int) -> None:
         raise ValueError(
             f"`full_precision_layers`={options.full_precision_layers} but this model has {num_layers} layers: "
             f"at most {num_layers} (which quantizes nothing), or use `quant_layers` to choose layers one by one"
+        )
+    outside = [layer for pair in (options.share_with or {}).items() for layer in pair if layer >= num_layers]
+    if outside:
+        raise ValueError(
+            f"`share_with` names layer {outside[0]}, but this model has {num_layers} layers (0 to {num_layers - 1})"
         )
     budgets = options.eviction.layer_budgets if options.eviction is not None else None
     if budgets is not None and len(budgets) != num_layers:

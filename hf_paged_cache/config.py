@@ -98,6 +98,12 @@ class PagedCacheConfig:
             are also compacted right after a prefill, and whenever the pool would otherwise run out.
         evict_between_chunks: also evict between the chunks of a chunked prefill (keeps peak memory
             near the budget); False evicts only once the prompt is complete.
+        share_with: `{layer: source layer}`: the layer reads its source's K/V and stores none (cross-layer
+            sharing; the source comes earlier and is an attention layer of the same kind and shapes).
+            A model not trained for it changes its outputs: measure the quality first.
+        sharing: False turns every sharing feature off, for troubleshooting ("repeated or odd text"):
+            identical rows store their blocks separately, beams and forks copy blocks instead of sharing
+            them, and `share_with` is ignored (every layer stores its own K/V).
     """
 
     block_size: int = 16
@@ -114,6 +120,8 @@ class PagedCacheConfig:
     eviction: EvictionPolicy | None = None
     evict_every: int | None = None
     evict_between_chunks: bool = True
+    share_with: Mapping[int, int] | None = None
+    sharing: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
@@ -159,6 +167,31 @@ class PagedCacheConfig:
             raise ValueError(f"`evict_every` must be a positive int (decode steps) or None, got {self.evict_every!r}")
         if not isinstance(self.evict_between_chunks, bool):
             raise ValueError(f"`evict_between_chunks` must be a bool, got {self.evict_between_chunks!r}")
+        if not isinstance(self.sharing, bool):
+            raise ValueError(f"`sharing` must be a bool, got {self.sharing!r}")
+        self._validate_share_with()
+
+    def _validate_share_with(self) -> None:
+        if self.share_with is None:
+            return
+        if not isinstance(self.share_with, Mapping):
+            raise ValueError(f"`share_with` must map a layer index to an earlier source layer, got {self.share_with!r}")
+        for layer, source in self.share_with.items():
+            if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in (layer, source)) or source >= layer:
+                raise ValueError(
+                    f"`share_with` maps layer {layer!r} to {source!r}: give int layer indices with the source earlier "
+                    "than the layer that reads it (e.g. {5: 4})"
+                )
+            if source in self.share_with:
+                raise ValueError(
+                    f"`share_with` makes layer {source} both a reader (of layer {self.share_with[source]}) and the "
+                    f"source of layer {layer}: point layer {layer} at layer {self.share_with[source]} directly"
+                )
+        object.__setattr__(self, "share_with", dict(self.share_with))
+
+    def shares_from(self, layer_idx: int) -> int | None:
+        """The layer whose K/V `layer_idx` reads (None: it stores its own, also whenever sharing is off)."""
+        return (self.share_with or {}).get(layer_idx) if self.sharing else None
 
     def _validate_quantization(self) -> None:
         def check_spec(spec, name: str) -> None:

@@ -8,6 +8,7 @@ tables (any attention implementation) or leaves them in place for the `"paged"` 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -59,6 +60,20 @@ class PagedKV:
             self.after_attention(self.plan, query, mask, scale, softcap)
 
 
+class LayerStorage:
+    """A layer's storage tensors, by name. The forks of a cache share its pools, so their layers share one
+    `LayerStorage`: storage that grows with a pool grows for every fork at once."""
+
+    def __init__(self):
+        self.tensors: dict[str, object] = {}
+
+
+def storage_field(name: str, default=None) -> property:
+    """A layer attribute that lives in its (possibly shared) `LayerStorage`."""
+    return property(lambda layer: layer.storage.tensors.get(name, default),
+                    lambda layer, value: layer.storage.tensors.__setitem__(name, value))  # fmt: skip
+
+
 class PagedLayer(CacheLayerMixin):
     """A full-attention layer stored in blocks."""
 
@@ -66,8 +81,11 @@ class PagedLayer(CacheLayerMixin):
     is_croppable = True
     is_compileable = False
     is_quantized = False
+    key_blocks = storage_field("key_blocks")
+    value_blocks = storage_field("value_blocks")
 
     def __init__(self, tables: BlockTables, options: PagedCacheConfig, chunked: bool = False):
+        self.storage = LayerStorage()
         super().__init__()
         self.tables = tables
         self.options = options
@@ -75,8 +93,6 @@ class PagedLayer(CacheLayerMixin):
         # mask (the torch path) knows: the kernels mask by window.
         self.chunked = chunked
         self.seq_len = 0  # tokens this layer has written (its group's length once the step reached it)
-        self.key_blocks: torch.Tensor | None = None
-        self.value_blocks: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(group={self.tables.name!r}, tokens={self.seq_len})"
@@ -91,9 +107,19 @@ class PagedLayer(CacheLayerMixin):
         self.dtype = self.options.dtype or key_states.dtype
         self.kv_shape = (key_states.shape[1], key_states.shape[-1])
         self.value_dim = value_states.shape[-1]
-        self.key_blocks = self._allocate(self.kv_shape[1])
-        self.value_blocks = self._allocate(self.value_dim)
+        if self.key_blocks is None:  # else a fork of this cache allocated the shared storage already
+            self.key_blocks = self._allocate(self.kv_shape[1])
+            self.value_blocks = self._allocate(self.value_dim)
         self.is_initialized = True
+
+    def fork(self, tables: BlockTables) -> PagedLayer:
+        """This layer for a fork of its cache whose group is `tables`: the same storage when the fork shares
+        the group's pool (a pool not created yet is not shared, nor is the storage)."""
+        twin = copy.copy(self)
+        twin.tables = tables
+        if tables.pool is None:
+            twin.storage = LayerStorage()
+        return twin
 
     def _allocate(self, head_dim: int, blocks: int | None = None) -> torch.Tensor:
         blocks = self.tables.pool.num_blocks + 1 if blocks is None else blocks
@@ -171,6 +197,18 @@ class PagedLayer(CacheLayerMixin):
         self._fit_pool()
         self._write(plan, key_states, value_states)
         self.seq_len = plan.new_len
+        return self.hand_over(plan, key_states, value_states, attention_kwargs, after_attention)
+
+    def hand_over(
+        self,
+        plan: StepPlan,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        attention_kwargs: dict | None = None,
+        after_attention: AfterAttention | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `update()` returns once the step is written: a `PagedKV` in the attention kwargs (and the new
+        states, usable by nothing else), or the K/V of the whole read range, gathered."""
         if attention_kwargs is not None:
             attention_kwargs[PAGED_KV_KWARG] = PagedKV(self, plan, after_attention)
             return paged_only(key_states), paged_only(value_states)  # any other attention fails clearly
@@ -295,6 +333,7 @@ class PagedLayer(CacheLayerMixin):
 
     def move_tokens(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
         """Copy K/V from slots `sources` to slots `targets` (eviction's compaction): all reads first."""
+        self._fit_pool()  # compaction may have grown the pool for fresh copy-on-write blocks
         src, dst = sources.to(self.device), targets.to(self.device)
         for blocks in (self.key_blocks, self.value_blocks):
             flat = blocks.view(-1, *blocks.shape[2:])
@@ -320,6 +359,62 @@ class PagedSlidingLayer(PagedLayer):
 
     def get_max_length(self) -> int:
         return self.sliding_window
+
+
+class SharedKVLayer(CacheLayerMixin):
+    """A layer that stores nothing and reads an earlier paged layer's K/V (`share_with`): its own new K/V are
+    dropped, so attention sees the source layer's history and this step's source states."""
+
+    is_compileable = False
+    is_quantized = False
+
+    def __init__(self, source: PagedLayer):
+        super().__init__()
+        self.source = source
+        self.is_initialized = True
+
+    def __repr__(self) -> str:
+        return f"SharedKVLayer(source={self.source!r})"
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.source.is_sliding
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to allocate: the source layer stores the K/V."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
+               attention_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        self.source.check_states(key_states)
+        if self.source.seq_len != self.source.tables.length or self.source.tables.plan is None:
+            raise RuntimeError("A `share_with` layer ran before its source layer wrote this step: the source must be "
+                               "an earlier layer of the same forward")  # fmt: skip
+        return self.source.hand_over(self.source.tables.plan, key_states, value_states, attention_kwargs)
+
+    def get_seq_length(self) -> int:
+        return self.source.get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.source.get_mask_sizes(query_length)
+
+    def get_max_length(self) -> int:
+        return self.source.get_max_length()
+
+    # The source's tables follow every whole-cache edit; this layer holds nothing to edit.
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        pass
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        pass
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        pass
+
+    def crop(self, max_length: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
 
 
 def _gather_blocks(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

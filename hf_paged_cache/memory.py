@@ -40,6 +40,10 @@ class CacheMetrics:
     counts are sums over groups, and with eviction every full-attention layer is its own group, so
     `tokens_stored` then counts each layer's tokens (per-group figures are in `groups`).
 
+    Sharing: a cache and its forks share pools, so pool figures (blocks, bytes) are the whole family's;
+    `shared_blocks` counts blocks held by more than one table (forks, beams, identical rows), `shared_bytes_saved`
+    the bytes those extra references would otherwise occupy, and `forks` the caches alive sharing the pools.
+
     Tensor parallelism: every figure is this rank's. A rank stores `kv_heads / tp_size` heads of every
     token, and all `tp_size` ranks hold the same blocks and tables, so `total_kv_bytes` (the contents
     summed over the ranks) is `kv_bytes * tp_size`.
@@ -62,6 +66,9 @@ class CacheMetrics:
     quantized_bytes: int = 0
     evictions: int = 0
     evicted_tokens: int = 0
+    shared_blocks: int = 0
+    shared_bytes_saved: int = 0
+    forks: int = 1
     quant_error: dict[int, dict[str, float]] = field(default_factory=dict)
     tp_size: int = 1
 
@@ -90,6 +97,10 @@ class CacheMetrics:
             line += f"; {self.quantized_tokens:,} tokens quantized into {self.quantized_bytes:,} B"
         if self.evictions:
             line += f"; {self.evicted_tokens:,} tokens evicted in {self.evictions:,} compactions"
+        if self.shared_blocks:
+            line += f"; {self.shared_blocks:,} blocks shared, saving {self.shared_bytes_saved:,} B"
+        if self.forks > 1:
+            line += f"; {self.forks} forks share the pool"
         return line
 
     __str__ = summary
@@ -170,15 +181,17 @@ def collect_metrics(
     groups: Mapping[str, tuple[BlockTables, Sequence[PagedLayer], tuple[int, int]]],
     quantized_layers: Mapping[int, PagedLayer],
     tp_size: int = 1,
+    forks: int = 1,
 ) -> CacheMetrics:
     """A `CacheMetrics` snapshot from each group's tables, its layers and its (compactions, evicted
-    tokens), the quantized layers by index (for their sampled reconstruction error), and the number of
-    tensor-parallel ranks holding the same tables."""
+    tokens), the quantized layers by index (for their sampled reconstruction error), the number of
+    tensor-parallel ranks holding the same tables, and the number of forks sharing the pools."""
     per_group = {name: _group_metrics(*entry) for name, entry in groups.items()}
     total = {key: sum(group[key] for group in per_group.values()) for key in next(iter(per_group.values()), {})}
     total.pop("layers", None)
     quant_error = {index: layer.quant_error() for index, layer in quantized_layers.items() if layer.error_stats["key"][1]}
-    return CacheMetrics(block_size=block_size, groups=per_group, quant_error=quant_error, tp_size=tp_size, **total)
+    return CacheMetrics(block_size=block_size, groups=per_group, quant_error=quant_error, tp_size=tp_size,
+                        forks=forks, **total)  # fmt: skip
 
 
 def _group_metrics(group: BlockTables, layers: Sequence[PagedLayer], evictions: tuple[int, int]) -> dict[str, int]:
@@ -189,6 +202,8 @@ def _group_metrics(group: BlockTables, layers: Sequence[PagedLayer], evictions: 
     ideal = tokens * block_bytes // group.block_size
     table_entries = sum(len(table) for table in group.tables)
     quantized = {"quantized_blocks_total": 0, "quantized_blocks_used": 0, "quantized_tokens": 0, "quantized_bytes": 0}
+    shared, saved = pool.sharing() if pool else (0, 0)
+    saved *= block_bytes
     if isinstance(group, QuantizedBlockTables):
         qblock_bytes = sum(layer.quantized_block_bytes for layer in layers)
         qtokens = sum(group.quantized_tokens(row) for row in rows)
@@ -199,6 +214,9 @@ def _group_metrics(group: BlockTables, layers: Sequence[PagedLayer], evictions: 
             "quantized_bytes": group.qpool.num_used * qblock_bytes,
         }
         tokens += qtokens
+        qshared, qsaved = group.qpool.sharing()
+        shared += qshared
+        saved += qsaved * qblock_bytes
         used += quantized["quantized_bytes"]
         ideal += qtokens * qblock_bytes // group.block_size
         table_entries += sum(len(table) for table in group.qtables)
@@ -214,6 +232,8 @@ def _group_metrics(group: BlockTables, layers: Sequence[PagedLayer], evictions: 
         "waste_bytes": max(used - ideal, 0),
         "table_bytes": 4 * table_entries,
         **quantized,
+        "shared_blocks": shared,
+        "shared_bytes_saved": saved,
         "evictions": evictions[0],
         "evicted_tokens": evictions[1],
     }

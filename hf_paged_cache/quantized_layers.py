@@ -14,10 +14,12 @@ Under the Triton backend the kernels read the quantized prefix themselves (dequa
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .block_tables import QuantizedBlockTables, StepPlan
-from .layers import PagedLayer, PagedSlidingLayer
+from .layers import PagedLayer, PagedSlidingLayer, storage_field
 from .quantization import KVFormat
 from .torch_attention import OnlineSoftmax, attend, causal_mask, visible_columns
 
@@ -33,18 +35,24 @@ class QuantizedLayer(PagedLayer):
 
     is_quantized = True
     tables: QuantizedBlockTables
+    qkey: dict[str, torch.Tensor] = storage_field("qkey", {})
+    qvalue: dict[str, torch.Tensor] = storage_field("qvalue", {})
 
     def __init__(self, tables: QuantizedBlockTables, options, chunked: bool = False):
         super().__init__(tables, options, chunked)
         self.kv_format: KVFormat = tables.kv_format
-        self.qkey: dict[str, torch.Tensor] = {}
-        self.qvalue: dict[str, torch.Tensor] = {}
         # Sampled reconstruction error: per "key" / "value", [sum of sample means, samples, max].
         self.error_stats = {"key": [0.0, 0, 0.0], "value": [0.0, 0, 0.0]}
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        self.qkey, self.qvalue = self._allocate_quantized(self.tables.qpool.num_blocks + 1)
+        if not self.qkey:
+            self.qkey, self.qvalue = self._allocate_quantized(self.tables.qpool.num_blocks + 1)
+
+    def fork(self, tables: QuantizedBlockTables) -> QuantizedLayer:
+        twin = super().fork(tables)
+        twin.error_stats = copy.deepcopy(self.error_stats)
+        return twin
 
     def _allocate_quantized(self, blocks: int) -> tuple[dict, dict]:
         bs, heads = self.tables.block_size, self.kv_shape[0]
@@ -77,6 +85,15 @@ class QuantizedLayer(PagedLayer):
         return self.kv_format.key.bytes_per_block(bs, heads, self.kv_shape[1]) + self.kv_format.value.bytes_per_block(
             bs, heads, self.value_dim
         )
+
+    def copy_quantized_blocks(self, sources: list[int], targets: list[int]) -> None:
+        """Copy sealed blocks (codes, scales, zero points) from `sources` to `targets`."""
+        if self.is_initialized:
+            self._fit_pool()
+            src, dst = torch.tensor(sources, device=self.device), torch.tensor(targets, device=self.device)
+            for fields in (self.qkey, self.qvalue):
+                for tensor in fields.values():
+                    tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     # ------------------------------------------------------------------ sealing
     @torch.no_grad()

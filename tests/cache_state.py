@@ -47,6 +47,26 @@ def cache_state(cache: PagedCache) -> dict:
     }
 
 
+def row_state(cache: PagedCache) -> dict:
+    """What a cache holds as seen through its own tables: rows, and the contents of the blocks they reference
+    in every paged layer. A fork shares pools with its original, so the pools themselves differ after either
+    writes; this must not."""
+    groups = cache_state(cache)["groups"]
+    state = {name: (group["length"], group["rows"]) for name, group in groups.items()}
+    contents = []
+    for layer in cache.layers:
+        if not isinstance(layer, PagedLayer) or not layer.is_initialized:
+            continue
+        rows = layer.tables.rows
+        ids = torch.tensor(sorted({block for row in rows for block in row.blocks.ids}), dtype=torch.long)
+        qids = torch.tensor(sorted({block for row in rows for block in (row.quantized.ids if row.quantized else [])}),
+                            dtype=torch.long)  # fmt: skip
+        fields = [*getattr(layer, "qkey", {}).values(), *getattr(layer, "qvalue", {}).values()]
+        tensors = [layer.key_blocks[ids], layer.value_blocks[ids], *(field[qids] for field in fields)]
+        contents.append((layer.seq_len, [_tensor(tensor) for tensor in tensors]))
+    return {"groups": state, "layers": contents, "eviction": cache_state(cache)["eviction"]}
+
+
 def _pool(pool) -> tuple | None:
     return None if pool is None else (pool.num_blocks, pool.num_free, list(pool._ref), list(pool._next))
 
@@ -54,4 +74,5 @@ def _pool(pool) -> tuple | None:
 def _tensor(tensor: torch.Tensor | None):
     if tensor is None:
         return None
-    return tuple(tensor.shape), str(tensor.dtype), tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    data = tensor.detach().cpu().contiguous()
+    return tuple(tensor.shape), str(tensor.dtype), data.view(torch.uint8).numpy().tobytes() if data.numel() else b""

@@ -24,15 +24,18 @@ def unit_sizes(group: BlockTables, row: int) -> list[int]:
     return [group.block_size] * (group.quantized_tokens(row) // group.block_size) + [1] * group.stored_tokens(row)
 
 
-def check_compact(group: BlockTables, keeps: dict[int, torch.Tensor]) -> None:
-    """Raise (changing nothing) if compacting rows `keeps` needs more fresh blocks than are free: a row's
-    shared (copy-on-write) blocks cannot be written, so its survivors go to fresh ones."""
+def check_compact(group: BlockTables, keeps: dict[int, torch.Tensor], growable: bool) -> None:
+    """Make sure compacting rows `keeps` finds the fresh blocks it needs: a row's shared (copy-on-write)
+    blocks cannot be written, so its survivors go to fresh ones. A growable pool grows by the shortfall;
+    a fixed one raises, changing nothing."""
     fresh = 0
     for row, keep in keeps.items():
         needed = ceil_div(int(keep[group.quantized_tokens(row) :].sum()), group.block_size)
         fresh += sum(1 for block in group.rows[row].blocks.ids[:needed] if group.pool.ref_count(block) > 1)
     if fresh > group.pool.num_free:
-        raise OutOfBlocksError(group.name, fresh, group.pool.num_free, group.pool.num_blocks, group.block_size)
+        if not growable:
+            raise OutOfBlocksError(group.name, fresh, group.pool.num_free, group.pool.num_blocks, group.block_size)
+        group.pool.grow(fresh - group.pool.num_free)
 
 
 def compact(group: BlockTables, row: int, keep: torch.Tensor, move_tokens: TokenMover) -> int:

@@ -10,6 +10,7 @@ and per-layer budgets work; sliding-window layers keep their window and evict no
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,8 +30,9 @@ class Evictor:
     under tensor parallelism (`tp_size` ranks) scores are averaged over the ranks, so all keep the same."""
 
     def __init__(self, policy: EvictionPolicy, layers: dict[int, PagedLayer], block_size: int,
-                 evict_every: int | None, between_chunks: bool, tp_size: int = 1):  # fmt: skip
+                 evict_every: int | None, between_chunks: bool, tp_size: int = 1, growable: bool = False):  # fmt: skip
         self.policy = policy
+        self.growable = growable  # whether compaction may grow a pool for the fresh blocks copy-on-write needs
         self.layers = layers
         self.block_size = block_size
         self.evict_every = evict_every
@@ -90,7 +92,7 @@ class Evictor:
                 if group.stored_count(row) > budget + slack:
                     keeps[row] = self._choose_kept(index, row, budget)
             if keeps:
-                check_compact(group, keeps)
+                check_compact(group, keeps, self.growable)
                 decisions.append((group, index, keeps))
         evicted = 0
         for group, index, keeps in decisions:
@@ -126,6 +128,14 @@ class Evictor:
         for index, stats in self.stats.items():
             group = self.layers[index].tables
             stats.forget_after([group.stored_count(row) for row in range(len(group.rows))])
+
+    def fork(self, layers: dict[int, PagedLayer]) -> Evictor:
+        """This evictor for a fork of the cache whose layers are `layers`: statistics and counters copied."""
+        twin = copy.copy(self)
+        twin.layers = layers
+        twin.stats = copy.deepcopy(self.stats)
+        twin.counts = copy.deepcopy(self.counts)
+        return twin
 
     def reset(self) -> None:
         self.stats = {index: AttentionStats() for index in self.layers}
