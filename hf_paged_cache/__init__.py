@@ -4,6 +4,7 @@ Importing the package registers the `"paged"` attention with transformers (`regi
 """
 
 from .attention import ATTENTION_NAME, register_paged_attention
+from .batch_generator import BatchConfig, BatchGenerator, BatchMetrics, GenerationOutput, generate_batch
 from .block_pool import BlockPool
 from .cache import PagedCache
 from .config import PagedCacheConfig, parse_bytes
@@ -28,9 +29,13 @@ register_paged_attention()
 
 __all__ = [
     "ATTENTION_NAME",
+    "BatchConfig",
+    "BatchGenerator",
+    "BatchMetrics",
     "BlockPool",
     "CacheMetrics",
     "EvictionPolicy",
+    "GenerationOutput",
     "GroupLayout",
     "H2O",
     "KeepRatio",
@@ -45,6 +50,7 @@ __all__ = [
     "block_layout",
     "cache_bytes",
     "estimate_kv_bytes",
+    "generate_batch",
     "kept_positions",
     "kv_bytes_per_token",
     "parse_bytes",

@@ -14,7 +14,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .layers import PAGED_KV_KWARG, PagedKV
+from .layers import PAGED_KV_KWARG, PackedPagedKV, PagedKV
 from .torch_attention import attend
 
 ATTENTION_NAME = "paged"
@@ -47,19 +47,31 @@ def paged_attention_forward(
     the history is read from the blocks; otherwise (a model that calls `update()` without kwargs, or no
     `PagedCache`) `key`/`value` are complete and are used as given.
     """
-    paged_kv: PagedKV | None = kwargs.get(PAGED_KV_KWARG)
+    paged_kv: PagedKV | PackedPagedKV | None = kwargs.get(PAGED_KV_KWARG)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.get("softcap")
     if paged_kv is None:
         return attend(query, key, value, attention_mask, scale, softcap).transpose(1, 2).contiguous(), None
-    if paged_kv.uses_kernels and (attention_mask is None or paged_kv.plan.padding_exact):
+    if isinstance(paged_kv, PackedPagedKV):  # each sequence of a packed batch attends over its own blocks
+        outs = [
+            _attend_blocks(query[:, :, start:stop], part, part.own_mask(stop - start, query.device), scale, softcap)
+            for start, stop, part in paged_kv.parts
+        ]
+        return torch.cat(outs, dim=1).contiguous(), None
+    return _attend_blocks(query, paged_kv, attention_mask, scale, softcap).contiguous(), None
+
+
+def _attend_blocks(query: torch.Tensor, paged_kv: PagedKV, mask: torch.Tensor | None, scale: float,
+                   softcap: float | None) -> torch.Tensor:  # fmt: skip
+    """Attention of `query` `[batch, heads, q, head_dim]` over the blocks `paged_kv` names: `[batch, q, heads, d]`."""
+    if paged_kv.uses_kernels and (mask is None or paged_kv.plan.padding_exact):
         out = _kernel_attention(query, paged_kv, scale, softcap)
     elif paged_kv.layer.is_quantized:  # the torch path decodes the quantized history chunk by chunk
-        out = paged_kv.layer.attend(query, paged_kv.plan, attention_mask, scale, softcap).transpose(1, 2)
+        out = paged_kv.layer.attend(query, paged_kv.plan, mask, scale, softcap).transpose(1, 2)
     else:
-        out = attend(query, *paged_kv.read(attention_mask, query.shape[2]), scale, softcap).transpose(1, 2)
-    paged_kv.finish(query, attention_mask, scale, softcap)  # eviction statistics and triggers, if any
-    return out.contiguous(), None
+        out = attend(query, *paged_kv.read(mask, query.shape[2]), scale, softcap).transpose(1, 2)
+    paged_kv.finish(query, mask, scale, softcap)  # eviction statistics and triggers, if any
+    return out
 
 
 def _kernel_attention(query: torch.Tensor, paged_kv: PagedKV, scale: float, softcap: float | None) -> torch.Tensor:

@@ -94,6 +94,15 @@ class BlockPool:
         for block in blocks:
             self._ref[block] += 1
 
+    def take(self, block: int) -> None:
+        """One more reference to `block`, which may be free: a prefix-cached block that no table holds any more
+        leaves the free queue with its contents (and epoch) intact."""
+        if not 0 < block <= self.num_blocks:
+            raise ValueError(f"cannot take block {block}: the pool has blocks 1 to {self.num_blocks}")
+        if self._ref[block] == 0:
+            self._remove(block)
+        self._ref[block] += 1
+
     def free(self, blocks: Iterable[int]) -> None:
         """Drop one reference from each block; blocks whose count reaches 0 return to the queue's tail."""
         blocks = list(blocks)

@@ -390,6 +390,14 @@ class BlockTables:
         slots = blocks * self.block_size + stored % self.block_size
         return torch.where(valid, slots, NULL_BLOCK * self.block_size)
 
+    def adopt(self, base: int, blocks: list[int], length: int) -> None:
+        """Become one row of `length` tokens whose blocks (already referenced for it) hold positions from `base`
+        on: a prefix found in the prefix cache."""
+        row = self._new_row(0)
+        row.base = base
+        row.blocks.replace(list(blocks))
+        self.rows, self.length, self.plan = [row], length, None
+
     # ------------------------------------------------------------------ whole-batch edits
     def fork(self) -> BlockTables:
         """The same rows for a fork of the cache, in the same pool(s): every block gains a reference and

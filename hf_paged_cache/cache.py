@@ -318,6 +318,16 @@ class PagedCache(Cache):
         for group in self.groups.values():
             group.pool = BlockPool(num_blocks)
 
+    def step_demand(self, q_len: int) -> dict[BlockPool, int]:
+        """Free blocks per pool that this cache's next step of `q_len` tokens per row takes (what it allocates
+        less what it returns): a scheduler admits a step only when the pools hold them."""
+        demand: dict[BlockPool, int] = {}
+        rows = next((len(group.rows) for group in self.groups.values() if group.length > 0), 1)
+        for group in self.groups.values():
+            for pool, needed, freed, _name in group.demands(q_len, [0] * rows, {}):
+                demand[pool] = demand.get(pool, 0) + max(needed - freed, 0)
+        return demand
+
     # ------------------------------------------------------------------ forks and copies
     def fork(self) -> PagedCache:
         """A second cache with the same contents that shares every block by reference count, in the same pools:
@@ -494,11 +504,15 @@ class PagedCache(Cache):
             group.release()
         if self.evictor is not None:
             self.evictor.reset()
+        self.sync_lengths()
         for layer in self.layers:
-            if isinstance(layer, PagedLayer):
-                layer.sync_length()
-            else:
+            if not isinstance(layer, PagedLayer):
                 layer.reset()
+
+    def sync_lengths(self) -> None:
+        """Layers take their group's length after the groups' rows were set from outside (a prefix cache hit)."""
+        for layer in self.paged_layers:
+            layer.sync_length()
 
     def activate_past_recording(self) -> None:
         for group in self.groups.values():

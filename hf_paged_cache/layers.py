@@ -59,6 +59,21 @@ class PagedKV:
         if self.after_attention is not None:
             self.after_attention(self.plan, query, mask, scale, softcap)
 
+    def own_mask(self, q_len: int, device: torch.device) -> torch.Tensor | None:
+        """The mask of a sequence that has no model-made mask (a packed batch): causal over the read range,
+        within the sliding window if any; None for one query, which sees the whole read range."""
+        if q_len == 1:
+            return None
+        return causal_mask(q_len, self.plan.new_len - self.plan.kv_offset, device, self.sliding_window)
+
+
+class PackedPagedKV:
+    """The handle a packed forward (the batch generator's) leaves instead of one `PagedKV`: for each sequence,
+    its slice `[start, stop)` of the packed tokens and its own `PagedKV`."""
+
+    def __init__(self, parts: list[tuple[int, int, PagedKV]]):
+        self.parts = parts
+
 
 class LayerStorage:
     """A layer's storage tensors, by name. The forks of a cache share its pools, so their layers share one

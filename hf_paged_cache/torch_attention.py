@@ -14,9 +14,13 @@ import torch
 import torch.nn.functional as F
 
 
-def causal_mask(q_len: int, n: int, device: torch.device) -> torch.Tensor:
-    """Boolean `[1, 1, q_len, n]`: the queries are the last `q_len` of the `n` keys."""
-    return torch.ones(q_len, n, dtype=torch.bool, device=device).tril(n - q_len)[None, None]
+def causal_mask(q_len: int, n: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """Boolean `[1, 1, q_len, n]`: the queries are the last `q_len` of the `n` keys, each seeing at most the
+    `window` most recent of them (itself included) when a sliding window is given."""
+    visible = torch.ones(q_len, n, dtype=torch.bool, device=device).tril(n - q_len)
+    if window is not None:
+        visible = visible.triu(n - q_len - window + 1)
+    return visible[None, None]
 
 
 def grouped_logits(queries: torch.Tensor, keys: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:

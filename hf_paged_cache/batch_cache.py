@@ -1,0 +1,68 @@
+"""`PackedCache`: one forward of many sequences packed into a single row, each with its own `PagedCache`.
+
+The batch generator runs an unmodified HF model on `input_ids` of shape `[1, tokens]` that concatenate
+prompt chunks and decode tokens of many requests (no padding stored or computed), with each token's own
+position in `position_ids`. The model calls `update()` once per layer with the packed K/V; this cache
+hands each request's slice to that request's `PagedCache` (forks of one template, so they share pools)
+and leaves a `PackedPagedKV` for the `"paged"` attention, which attends each request over its own blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .cache import PagedCache
+from .layers import PAGED_KV_KWARG, PackedPagedKV
+from .paged_states import paged_only
+
+
+class _PackedLayer(CacheLayerMixin):
+    """What transformers' mask code asks of a layer. Masks are made per request by the attention itself, so
+    the model-made mask only needs to be small: it covers the packed tokens alone."""
+
+    is_compileable = False
+
+    def __init__(self, is_sliding: bool):
+        super().__init__()
+        self.is_sliding = is_sliding
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to allocate: the requests' caches store the K/V."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise RuntimeError("A packed forward's layers are updated through PackedCache.update")
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class PackedCache(Cache):
+    """The caches of one packed forward: `caches[i]` receives tokens `[spans[i][0], spans[i][1])`."""
+
+    def __init__(self, caches: list[PagedCache], spans: list[tuple[int, int]], sliding: list[bool]):
+        super().__init__(layers=[_PackedLayer(is_sliding) for is_sliding in sliding])
+        self.caches = caches
+        self.spans = spans
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        attention_kwargs = kwargs.get("kwargs")
+        if attention_kwargs is None:
+            raise RuntimeError(
+                "This model's attention calls `cache.update()` without attention kwargs, so packed sequences cannot "
+                "be told apart: the batch generator needs a model that passes them (Llama, Mistral, Qwen, Gemma, ...)"
+            )
+        positions = attention_kwargs.get("position_ids")
+        parts = []
+        for cache, (start, stop) in zip(self.caches, self.spans):
+            own = {} if positions is None else {"position_ids": positions[..., start:stop]}
+            cache.update(key_states[:, :, start:stop], value_states[:, :, start:stop], layer_idx, kwargs=own)
+            parts.append((start, stop, own[PAGED_KV_KWARG]))
+        attention_kwargs[PAGED_KV_KWARG] = PackedPagedKV(parts)
+        return paged_only(key_states), paged_only(value_states)

@@ -1,0 +1,120 @@
+"""Prefix caching: full blocks found again by the tokens they hold, so a request computes only its uncached tail.
+
+Each full block is keyed by a chained hash of every token up to its end (the block's own tokens and,
+through its parent's key, all before them), so a key names both the contents and the position. An entry
+remembers the block id and the pool's allocation epoch of that block (`BlockPool.epoch`): blocks stay in
+the pool's free queue when no request holds them, and an entry is valid exactly as long as its block was
+not handed out again. The free queue hands out the blocks freed longest ago first, so unreferenced cached
+blocks are dropped least-recently-used, and only when the pool needs them — nothing is evicted eagerly.
+
+Groups: full-attention groups need every block of the prefix; a sliding-window group needs only the blocks
+its window still reads at the hit length. Quantized and evicting groups are not cached (their blocks'
+contents depend on when they were sealed or compacted), so `PrefixCache.supports` says no for them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass
+
+from .block_tables import BlockTables, QuantizedBlockTables
+from .cache import PagedCache
+
+
+def block_keys(tokens: list[int], block_size: int, count: int, known: list[bytes] | None = None) -> list[bytes]:
+    """Chained keys of the first `count` full blocks of `tokens`, continuing the `known` keys of its first blocks."""
+    keys = list(known or [])
+    for index in range(len(keys), count):
+        chunk = array("q", tokens[index * block_size : (index + 1) * block_size]).tobytes()
+        keys.append(hashlib.blake2b((keys[-1] if keys else b"") + chunk, digest_size=16).digest())
+    return keys[:count]
+
+
+@dataclass
+class PrefixStats:
+    lookups: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class PrefixCache:
+    """Maps chained block keys to the blocks that hold them, per layer group of one family of caches."""
+
+    def __init__(self, template: PagedCache):
+        self.block_size = template.options.block_size
+        self.entries: dict[bytes, dict[str, tuple[int, int]]] = {}  # key -> {group: (block, epoch)}
+        self.stats = PrefixStats()
+
+    @staticmethod
+    def supports(cache: PagedCache) -> bool:
+        """Whether every group of `cache` can be cached (full precision, no eviction)."""
+        return cache.evictor is None and not any(isinstance(g, QuantizedBlockTables) for g in cache.groups.values())
+
+    # ------------------------------------------------------------------ lookup
+    def attach(self, cache: PagedCache, prompt: list[int]) -> int:
+        """Give the fresh `cache` the longest cached prefix of `prompt` (whole blocks, at least one prompt token
+        left to compute); returns its length in tokens (0: nothing cached)."""
+        bs = self.block_size
+        keys = block_keys(prompt, bs, (len(prompt) - 1) // bs)
+        self.stats.lookups += 1
+        self.stats.prompt_tokens += len(prompt)
+        for count in range(len(keys), 0, -1):
+            found = {name: self._blocks(group, keys, count) for name, group in cache.groups.items()}
+            if all(blocks is not None for blocks in found.values()):
+                for name, (base, blocks) in found.items():
+                    for block in blocks:
+                        cache.groups[name].pool.take(block)
+                    cache.groups[name].adopt(base, blocks, count * bs)
+                cache.sync_lengths()
+                self.stats.hit_tokens += count * bs
+                return count * bs
+        return 0
+
+    def _blocks(self, group: BlockTables, keys: list[bytes], count: int) -> tuple[int, list[int]] | None:
+        """(base position, block ids) a row of `group` needs at length `count * block_size`, or None."""
+        first = group.read_offset(count * self.block_size) // self.block_size if group.sliding_window else 0
+        blocks = []
+        for key in keys[first:count]:
+            block, epoch = self.entries.get(key, {}).get(group.name, (None, None))
+            if block is None or group.pool.epoch(block) != epoch:
+                return None
+            blocks.append(block)
+        return first * self.block_size, blocks
+
+    # ------------------------------------------------------------------ registration
+    def register(self, cache: PagedCache, tokens: list[int], keys: list[bytes]) -> list[bytes]:
+        """Record the full blocks `cache` (one row) holds of `tokens` (the tokens fed to it so far); `keys` are
+        the keys computed at the previous call. Returns the keys of every full block, for the next call."""
+        bs = self.block_size
+        full = len(tokens) // bs
+        if len(keys) == full:
+            return keys
+        done, keys = len(keys), block_keys(tokens, bs, full, keys)
+        if len(self.entries) > 4 * sum(group.pool.num_blocks for group in cache.groups.values()):
+            self._prune(cache)
+        for name, group in cache.groups.items():
+            row = group.rows[0]
+            first = row.base // bs  # a sliding group's row starts at its first block still in the window
+            for index in range(max(done, first), full):
+                block = row.blocks.ids[index - first]
+                entry = self.entries.setdefault(keys[index], {})
+                known = entry.get(name)
+                if known is None or group.pool.epoch(known[0]) != known[1]:
+                    entry[name] = (block, group.pool.epoch(block))
+        return keys
+
+    def _prune(self, cache: PagedCache) -> None:
+        """Forget entries whose blocks were handed out again (kept bounded by the pools' size)."""
+        pools = {name: group.pool for name, group in cache.groups.items()}
+        for key in list(self.entries):
+            entry = {name: (block, epoch) for name, (block, epoch) in self.entries[key].items()
+                     if pools[name].epoch(block) == epoch}  # fmt: skip
+            if entry:
+                self.entries[key] = entry
+            else:
+                del self.entries[key]

@@ -1,0 +1,147 @@
+"""The continuous batch generator: packed forwards of many requests equal each request run alone."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from tiny_models import MODELS_BY_NAME, VOCAB
+from transformers import DynamicCache
+
+from hf_paged_cache import PagedCache, StreamingLLM
+from hf_paged_cache.batch_generator import BatchConfig, BatchGenerator, generate_batch
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+NEW = 6
+
+
+@functools.lru_cache(maxsize=None)
+def _model(name: str):
+    model, _config = MODELS_BY_NAME[name].build()
+    return model
+
+
+def _prompts(lengths, seed: int = 0, prefix: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, VOCAB, (prefix,), generator=generator).tolist()
+    return [shared + torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _alone(model, prompt: list[int], cache, attention: str) -> list[int]:
+    model.set_attn_implementation(attention)
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=NEW, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa", "qwen3", "mistral_sliding", "qwen2_sliding", "gemma2"])
+def test_greedy_outputs_equal_each_prompt_alone_with_dynamic_cache(name):
+    model = _model(name)
+    prompts = _prompts((5, 17, 9, 30, 3, 12), seed=1)
+    # A small token budget splits prompts into chunks that share forwards with other requests' decode tokens.
+    outputs = generate_batch(model, prompts, max_new_tokens=NEW, block_size=4, max_batch_tokens=16, max_num_seqs=3)
+    assert [o.request_id for o in outputs] == list(range(len(prompts)))
+    for prompt, output in zip(prompts, outputs):
+        assert output.finish_reason == "length" and output.error is None
+        assert output.generated_tokens == _alone(model, prompt, DynamicCache(), MODELS_BY_NAME[name].gather_impl)
+
+
+@pytest.mark.parametrize("options", [
+    {"quant": "int8", "residual_length": 4},
+    {"eviction": StreamingLLM(budget=12, sinks=2, window=6)},
+], ids=["int8", "streaming_llm"])  # fmt: skip
+def test_cache_options_apply_per_request(options):
+    model = _model("llama_gqa")
+    prompts = _prompts((25, 17, 40), seed=2)
+    # A budget that takes every prompt whole: eviction between the chunks of a prompt would (rightly) keep
+    # other tokens than one prefill does.
+    outputs = generate_batch(model, prompts, max_new_tokens=NEW, block_size=4, max_batch_tokens=128, **options)
+    for prompt, output in zip(prompts, outputs):
+        expected = _alone(model, prompt, PagedCache(model.config, block_size=4, **options), "paged")
+        assert output.generated_tokens == expected
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "mistral_sliding"])
+def test_prefix_hits_compute_only_the_tail_and_change_nothing(name):
+    model = _model(name)
+    prompts = _prompts((5, 7, 2, 9), seed=3, prefix=21)
+    generator = BatchGenerator(model, max_new_tokens=NEW, block_size=4, max_num_seqs=1, num_blocks=60)
+    for prompt in prompts:
+        generator.add_request(prompt)
+    outputs = generator.run()
+    assert [o.prefix_hit_tokens for o in outputs] == [0, 20, 20, 20]  # whole blocks, one at a time
+    assert generator.metrics().prefix_hit_rate > 0.5
+    cold = generate_batch(model, prompts, max_new_tokens=NEW, block_size=4, max_num_seqs=1, prefix_caching=False)
+    assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in cold]
+    assert all(o.prefix_hit_tokens == 0 for o in cold)
+
+
+def test_a_prefix_hit_gives_the_logits_of_a_cold_run():
+    model = _model("llama_gqa")
+    (first, second) = _prompts((3, 6), seed=4, prefix=16)
+    generator = BatchGenerator(model, max_new_tokens=1, block_size=4, num_blocks=40)
+    generator.add_request(first)
+    generator.run()
+    cache = generator.template.fork()
+    assert generator.prefix_cache.attach(cache, second) == 16
+    with torch.no_grad():
+        hit = model(input_ids=torch.tensor([second[16:]]), cache=cache).logits
+        cold = model(input_ids=torch.tensor([second]), cache=PagedCache(model.config, block_size=4)).logits[:, 16:]
+    torch.testing.assert_close(hit, cold, rtol=1e-5, atol=1e-5)
+
+
+def test_cancelling_a_request_frees_its_blocks_and_streaming_returns_the_others():
+    model = _model("llama_gqa")
+    generator = BatchGenerator(model, max_new_tokens=50, block_size=4, num_blocks=80, prefix_caching=False)
+    first, second = (generator.add_request(prompt) for prompt in _prompts((20, 11), seed=5))
+    generator.step()
+    generator.step()
+    used = generator.template.metrics().blocks_used
+    assert generator.cancel_request(first)
+    assert generator.template.metrics().blocks_used < used
+    cancelled = generator.get_result()
+    assert cancelled.request_id == first and cancelled.finish_reason == "cancelled"
+    done = generator.get_result()
+    assert done.request_id == second and len(done.generated_tokens) == 50
+    assert generator.get_result() is None and not generator.cancel_request(second)
+    assert generator.template.metrics().blocks_used == 0
+
+
+def test_a_request_that_can_never_fit_gets_a_clear_error_and_the_others_finish():
+    model = _model("llama_gqa")
+    prompts = _prompts((6, 60, 5), seed=6)
+    outputs = generate_batch(model, prompts, max_new_tokens=3, block_size=4, num_blocks=8)
+    assert outputs[1].finish_reason == "error"
+    assert "num_blocks" in outputs[1].error and "max_batch_tokens" in outputs[1].error
+    assert [len(outputs[i].generated_tokens) for i in (0, 2)] == [3, 3]
+
+
+def test_admission_waits_for_free_blocks_and_metrics_track_it():
+    model = _model("llama_gqa")
+    prompts = _prompts((14, 14, 14, 14), seed=7)
+    generator = BatchGenerator(model, max_new_tokens=8, block_size=4, num_blocks=16, prefix_caching=False)
+    for prompt in prompts:
+        generator.add_request(prompt)
+    outputs = generator.run()
+    assert all(len(o.generated_tokens) == 8 for o in outputs)
+    assert max(m.running for m in generator.history) < 4  # not all four fit in 16 blocks at once
+    assert all(0.0 <= m.usage_ratio <= 1.0 and 0.0 < m.batch_efficiency <= 1.0 for m in generator.history)
+    assert generator.history[-1].finished == 4
+
+
+def test_seeded_sampling_is_reproducible():
+    model = _model("llama_gqa")
+    prompts = _prompts((7, 9), seed=8)
+    runs = [generate_batch(model, prompts, max_new_tokens=NEW, do_sample=True, top_k=0, block_size=4) for _ in range(2)]
+    assert [o.generated_tokens for o in runs[0]] == [o.generated_tokens for o in runs[1]]
+
+
+def test_bad_knobs_and_unsupported_models_fail_clearly():
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        BatchConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        BatchGenerator(_model("llama_gqa")).add_request([])
+    model = _model("gpt_neox")  # calls update() without attention kwargs
+    with pytest.raises(RuntimeError, match="without attention kwargs"):
+        generate_batch(model, _prompts((4,)), max_new_tokens=2)
