@@ -89,6 +89,7 @@ class BatchMetrics:
     token_budget: int
     blocks_used: int  # over every pool of the family
     blocks_total: int
+    kv_bytes: int  # bytes of the blocks in use (every pool of the family)
     shared_blocks: int
     prompt_tokens: int  # of the requests admitted so far
     prefix_hit_tokens: int
@@ -314,7 +315,8 @@ class BatchGenerator:
             waiting=len(self.waiting), finished=self._done, tokens_scheduled=scheduled,
             token_budget=self.config.max_batch_tokens,
             blocks_used=metrics.blocks_used + metrics.quantized_blocks_used,
-            blocks_total=metrics.blocks_total + metrics.quantized_blocks_total, shared_blocks=metrics.shared_blocks,
+            blocks_total=metrics.blocks_total + metrics.quantized_blocks_total, kv_bytes=metrics.used_bytes,
+            shared_blocks=metrics.shared_blocks,
             prompt_tokens=stats.prompt_tokens if stats else sum(len(r.output.prompt_ids) for r in self.running),
             prefix_hit_tokens=stats.hit_tokens if stats else 0, stalled=stalled,
         ))  # fmt: skip

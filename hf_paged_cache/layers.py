@@ -162,14 +162,15 @@ class PagedLayer(CacheLayerMixin):
 
     @property
     def storage_bytes(self) -> int:
-        if not self.is_initialized:
+        """Bytes of the storage (shared with the forks of the cache; allocated by whichever wrote first)."""
+        if self.key_blocks is None:
             return 0
         return sum(t.numel() * t.element_size() for t in (self.key_blocks, self.value_blocks))
 
     @property
     def block_bytes(self) -> int:
         """Bytes one full-precision block of this layer holds (keys and values)."""
-        if not self.is_initialized:
+        if self.key_blocks is None:
             return 0
         return sum(t[0].numel() * t.element_size() for t in (self.key_blocks, self.value_blocks))
 

@@ -11,7 +11,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from .block_tables import BlockTables, QuantizedBlockTables
-from .config import PagedCacheConfig
+from .config import PagedCacheConfig, parse_bytes
 
 if TYPE_CHECKING:
     from .layers import PagedLayer
@@ -159,6 +159,14 @@ def estimate_kv_bytes(
             total += batch_size * sealed * kv_format.bytes_per_block(block_size, heads, head_dim)
         total += batch_size * (held - sealed) * block_size * 2 * heads * head_dim * element
     return total
+
+
+def max_sequences(config: PretrainedConfig, seq_len: int, memory: int | str, block_size: int = 16,
+                  dtype: torch.dtype = torch.float16, **quant_options) -> int:  # fmt: skip
+    """How many sequences of `seq_len` stored tokens fit in `memory` bytes of blocks (an int or "2GiB"):
+    `memory // estimate_kv_bytes(one sequence)`. Linear in the length, counting KV heads only (see
+    docs/GUIDE.md, "Planning memory"); a pool also holds one all-zero null block per layer."""
+    return parse_bytes(memory, "memory") // estimate_kv_bytes(config, 1, seq_len, block_size, dtype, **quant_options)
 
 
 def _attention_layer_shapes(config: PretrainedConfig) -> list[tuple[int, int | None, int, int]]:

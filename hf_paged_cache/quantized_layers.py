@@ -79,12 +79,9 @@ class QuantizedLayer(PagedLayer):
     @property
     def quantized_block_bytes(self) -> int:
         """Bytes of one quantized block (key + value codes, scales and zero points)."""
-        if not self.is_initialized:
+        if not self.qkey:
             return 0
-        bs, heads = self.tables.block_size, self.kv_shape[0]
-        return self.kv_format.key.bytes_per_block(bs, heads, self.kv_shape[1]) + self.kv_format.value.bytes_per_block(
-            bs, heads, self.value_dim
-        )
+        return sum(t[0].numel() * t.element_size() for fields in (self.qkey, self.qvalue) for t in fields.values())
 
     def copy_quantized_blocks(self, sources: list[int], targets: list[int]) -> None:
         """Copy sealed blocks (codes, scales, zero points) from `sources` to `targets`."""

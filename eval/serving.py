@@ -1,0 +1,200 @@
+"""Serving many prompts: the continuous batch generator against its baselines, in one process (issue 13).
+
+Workloads (greedy, prompts cut from a public-domain text at different offsets):
+
+- mixed: N prompts of lengths spread evenly over [--min-len, --max-len], shuffled, --new-tokens each.
+  Systems: one-by-one `generate` with DynamicCache, padded batches of 8 with DynamicCache, transformers'
+  `generate_batch` ("paged|sdpa", page size 16), and `hf_paged_cache.generate_batch`. Generated tokens/s
+  and whether each system's tokens equal the one-by-one run.
+- shared: --shared-requests requests that share a --system-len-token system prompt, each with its own
+  --question-len-token question: prompt tokens computed and tokens/s with and without prefix caching.
+- capacity: KV bytes per running request with the model's dtype and with int4 blocks (measured at the
+  last step with the most requests running), so the requests that fit in one pool compare.
+
+    python eval/serving.py                                   # the issue's sizes on SmolLM2-135M (~15 min, 2 cores)
+    python eval/serving.py --model tiny-llama --requests 6 --min-len 20 --max-len 60 --new-tokens 4 --shared-requests 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, GenerationConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+from hf_paged_cache import BatchGenerator, generate_batch  # noqa: E402
+
+
+def one_by_one(model, prompts, new_tokens):
+    model.set_attn_implementation("sdpa")
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(), max_new_tokens=new_tokens,
+                             do_sample=False)  # fmt: skip
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+def padded_batches(model, prompts, new_tokens, size: int = 8, pad_id: int = 0):
+    model.set_attn_implementation("sdpa")
+    outputs = []
+    for start in range(0, len(prompts), size):
+        group = prompts[start : start + size]
+        width = max(map(len, group))
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        out = model.generate(ids, attention_mask=mask, cache=DynamicCache(), max_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=pad_id)  # fmt: skip
+        outputs += out[:, width:].tolist()
+    return outputs
+
+
+def transformers_generate_batch(model, prompts, new_tokens):
+    from transformers import ContinuousBatchingConfig
+
+    model.set_attn_implementation("paged|sdpa")
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    results = model.generate_batch(prompts, generation_config=config,
+                                   continuous_batching_config=ContinuousBatchingConfig(page_size=16))  # fmt: skip
+    ordered = sorted(results.values(), key=lambda r: int(str(r.request_id).split("_")[-1]))
+    return [list(r.generated_tokens) for r in ordered]
+
+
+def ours(model, prompts, new_tokens, **options):
+    outputs = generate_batch(model, prompts, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, **options)
+    return [o.generated_tokens for o in outputs]
+
+
+def timed(label, function, *args, **kwargs) -> tuple[list, dict]:
+    start = time.perf_counter()
+    outputs = function(*args, **kwargs)
+    seconds = time.perf_counter() - start
+    generated = sum(map(len, outputs))
+    row = {"system": label, "seconds": seconds, "generated": generated, "tokens_per_s": generated / seconds}
+    print(row, flush=True)
+    return outputs, row
+
+
+def mixed(model, tokens, args) -> list[dict]:
+    rng = random.Random(0)
+    lengths = [round(args.min_len + i * (args.max_len - args.min_len) / max(args.requests - 1, 1))
+               for i in range(args.requests)]  # fmt: skip
+    rng.shuffle(lengths)
+    prompts = [tokens[i * 997 : i * 997 + n] for i, n in enumerate(lengths)]
+    reference, base = timed("one-by-one DynamicCache", one_by_one, model, prompts, args.new_tokens)
+    rows = [base]
+    systems = [("padded batches of 8, DynamicCache", padded_batches, {}),
+               ("hf_paged_cache.generate_batch", ours, {"block_size": 16, "max_batch_tokens": args.max_batch_tokens,
+                                                        "max_num_seqs": args.max_num_seqs})]  # fmt: skip
+    if not args.skip_hf:
+        systems.insert(1, ("transformers generate_batch", transformers_generate_batch, {}))
+    for label, function, options in systems:
+        outputs, row = timed(label, function, model, prompts, args.new_tokens, **options)
+        row["identical_to_one_by_one"] = sum(a == b for a, b in zip(outputs, reference))
+        row["vs_one_by_one"] = row["tokens_per_s"] / base["tokens_per_s"]
+        rows.append(row)
+    by = {row["system"]: row["tokens_per_s"] for row in rows}
+    ratios = {"vs padded batches of 8": by["hf_paged_cache.generate_batch"] / by["padded batches of 8, DynamicCache"]}
+    if "transformers generate_batch" in by:
+        ratios["vs transformers generate_batch"] = by["hf_paged_cache.generate_batch"] / by["transformers generate_batch"]
+    print(ratios, flush=True)
+    rows.append({"system": "ratios", **ratios})
+    return rows
+
+
+def shared(model, tokens, args) -> list[dict]:
+    system = tokens[: args.system_len]
+    prompts = [system + tokens[50_000 + i * args.question_len : 50_000 + (i + 1) * args.question_len]
+               for i in range(args.shared_requests)]  # fmt: skip
+    rows = []
+    for caching in (False, True):
+        generator = BatchGenerator(model, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None,
+                                   block_size=16, max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
+                                   prefix_caching=caching)  # fmt: skip
+        for prompt in prompts:
+            generator.add_request(prompt)
+        start = time.perf_counter()
+        outputs = generator.run()
+        seconds = time.perf_counter() - start
+        hit = sum(o.prefix_hit_tokens for o in outputs)
+        row = {"system": f"prefix caching {'on' if caching else 'off'}", "seconds": seconds,
+               "tokens_per_s": sum(len(o.generated_tokens) for o in outputs) / seconds,
+               "prompt_tokens": sum(map(len, prompts)), "prompt_tokens_computed": sum(map(len, prompts)) - hit,
+               "outputs": [o.generated_tokens for o in outputs]}  # fmt: skip
+        print({k: v for k, v in row.items() if k != "outputs"}, flush=True)
+        rows.append(row)
+    off, on = rows
+    summary = {"system": "prefix caching on / off", "computed_ratio": on["prompt_tokens_computed"] / off["prompt_tokens_computed"],
+               "throughput_ratio": on["tokens_per_s"] / off["tokens_per_s"],
+               "identical": on.pop("outputs") == off.pop("outputs")}  # fmt: skip
+    print(summary, flush=True)
+    return [*rows, summary]
+
+
+def capacity(model, tokens, args) -> list[dict]:
+    prompts = [tokens[i * 991 : i * 991 + args.capacity_len] for i in range(args.capacity_requests)]
+    rows = []
+    for label, options in (("model dtype", {}), ("int4", {"quant": "int4", "residual_length": 0})):
+        generator = BatchGenerator(model, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None,
+                                   block_size=16, max_num_seqs=args.capacity_requests, prefix_caching=False,
+                                   **options)  # fmt: skip
+        for prompt in prompts:
+            generator.add_request(prompt)
+        start = time.perf_counter()
+        outputs = generator.run()
+        seconds = time.perf_counter() - start
+        # The last step with the most requests running: prompts are sealed by then (a quantized prompt is
+        # held in full precision until the step after its prefill).
+        peak = max(generator.history, key=lambda m: (m.running, m.step))
+        per_request = peak.kv_bytes / peak.running
+        rows.append({"system": label, "kv_bytes_per_request": per_request, "peak_running": peak.running,
+                     "tokens_per_s": sum(len(o.generated_tokens) for o in outputs) / seconds})  # fmt: skip
+        print(rows[-1], flush=True)
+    rows.append({"system": "int4 requests per pool vs model dtype",
+                 "ratio": rows[0]["kv_bytes_per_request"] / rows[1]["kv_bytes_per_request"]})  # fmt: skip
+    print(rows[-1], flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--workloads", nargs="+", default=["mixed", "shared", "capacity"])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--min-len", type=int, default=100)
+    parser.add_argument("--max-len", type=int, default=1000)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--max-batch-tokens", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--skip-hf", action="store_true", help="leave out transformers' generate_batch (slow on CPU)")
+    parser.add_argument("--shared-requests", type=int, default=32)
+    parser.add_argument("--system-len", type=int, default=1000)
+    parser.add_argument("--question-len", type=int, default=50)
+    parser.add_argument("--capacity-requests", type=int, default=16)
+    parser.add_argument("--capacity-len", type=int, default=1000)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="eval/results/serving")
+    common.add_text_arguments(parser)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, encode = common.load_model(args.model)
+    model.generation_config.eos_token_id = None
+    text, source = common.text_from_args(args)
+    tokens = encode(text)
+    results = {"model": args.model, "text": source, "args": vars(args)}
+    for workload in args.workloads:
+        results[workload] = {"mixed": mixed, "shared": shared, "capacity": capacity}[workload](model, tokens, args)
+    common.write_json(f"{args.out}.json", results)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""The capacity command: sequences that fit, from the exact byte estimate."""
+
+from __future__ import annotations
+
+from tiny_models import MODELS_BY_NAME
+
+from hf_paged_cache.capacity import main
+from hf_paged_cache.memory import estimate_kv_bytes, max_sequences
+
+
+def test_sequences_that_fit_follow_the_estimate_linearly(tmp_path):
+    _model, config = MODELS_BY_NAME["llama_gqa"].build()
+    one = estimate_kv_bytes(config, 1, 1024)
+    assert max_sequences(config, 1024, 10 * one + one // 2) == 10
+    assert estimate_kv_bytes(config, 1, 2048) == 2 * one  # linear in the length, not quadratic
+    config.save_pretrained(tmp_path)
+    rows = main(["--model", str(tmp_path), "--memory", str(10 * one), "--tokens", "1024", "2048", "--quant", "int4"])
+    assert rows[0]["sequences"] > 10 and rows[1]["sequences"] > 5  # int4 fits more than fp16 (10 and 5)
