@@ -68,8 +68,9 @@ def save_cache(cache: PagedCache, path: str | os.PathLike) -> None:
         "layers": [],
         "eviction": _save_evictor(cache.evictor, tensors) if cache.evictor is not None else None,
     }
+    position = {id(group): index for index, group in enumerate(groups)}
     for index, layer in enumerate(cache.layers):
-        group = next((g for g, candidate in enumerate(groups) if candidate is getattr(layer, "tables", None)), None)
+        group = position.get(id(getattr(layer, "tables", None)))
         saved = group is not None and layer.is_initialized
         header["layers"].append(_save_layer(layer, group, *used[group], f"layers.{index}", tensors) if saved else None)
     tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}
@@ -134,8 +135,8 @@ def _save_group(group: BlockTables, used: list[int], qused: list[int], prefix: s
         tensors[f"{prefix}.kept"] = torch.cat(kept)
     return {
         "name": group.name, "length": group.length, "record_past": group.record_past,
-        "padding_exact": group.padding_exact, "blocks": len(used), "quantized_blocks": len(qused) if quantized else None,
-        "rows": rows,
+        "padding_exact": group.padding_exact, "rows": rows,
+        "blocks": len(used), "quantized_blocks": len(qused) if quantized else None,
     }  # fmt: skip
 
 
@@ -190,13 +191,13 @@ def _ids(ids: list[int]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-# ---------------------------------------------------------------------------------------------- options as JSON
 def _heads_first(blocks: torch.Tensor) -> torch.Tensor:
-    """Storage `[blocks, block_size, kv_heads, head_dim]` as `[kv_heads, blocks, block_size, head_dim]`, the file's
-    layout and the storage's own (`kernels/layout.py`): a block of one head is then one contiguous copy."""
+    """Storage `[blocks, block_size, kv_heads, head_dim]` as `[kv_heads, blocks, block_size, head_dim]`: the
+    file's layout and the storage's own (`kernels/layout.py`), so each head's block is one contiguous copy."""
     return blocks.permute(2, 0, 1, 3)
 
 
+# ---------------------------------------------------------------------------------------------- options as JSON
 def _options_to_json(options: PagedCacheConfig) -> dict:
     values = {}
     for field in dataclasses.fields(options):
@@ -227,7 +228,11 @@ def _options_from_json(values: dict) -> dict:
 def _policy_to_json(policy: EvictionPolicy) -> dict:
     cls = type(policy)
     fields = {field.name: getattr(policy, field.name) for field in dataclasses.fields(policy)}
-    return {"class": f"{cls.__module__}.{cls.__qualname__}", "fields": json.loads(json.dumps(fields))}
+    try:
+        fields = json.loads(json.dumps(fields))
+    except TypeError as error:
+        raise ValueError(f"the eviction policy {cls.__name__} has a field JSON cannot hold ({error})") from None
+    return {"class": f"{cls.__module__}.{cls.__qualname__}", "fields": fields}
 
 
 def _policy_from_json(saved: dict) -> EvictionPolicy:
@@ -286,28 +291,25 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         with safe_open(path, framework="pt") as handle:
             metadata = handle.metadata() or {}
             if FORMAT not in metadata:
-                raise CacheFileError(
-                    "a safetensors file without a PagedCache header; only files "
-                    "written by `PagedCache.save` can be loaded"
-                )
+                raise CacheFileError("a safetensors file without a PagedCache header: only files written by "
+                                     "`PagedCache.save` can be loaded")  # fmt: skip
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}
     except SafetensorError as error:
         raise CacheFileError(
-            f"not a readable safetensors file ({error}); it is truncated or corrupted, "
-            "or was not written by `PagedCache.save`: save the cache again"
+            f"not a readable safetensors file ({error}); it is truncated or corrupted, or was not written by "
+            "`PagedCache.save`: save the cache again"
         ) from None
     text = metadata[FORMAT]
     if metadata.get(DIGEST) != _digest(text, tensors):
         raise CacheFileError(
-            "the file's checksum does not match its contents, so it was corrupted "
-            "after it was written: save the cache again"
+            "the file's checksum does not match its contents, so it was corrupted after it was written: save the "
+            "cache again"
         )
     header = json.loads(text)
     if header.get("version") != VERSION:
         raise CacheFileError(
-            f"the file has format version {header.get('version')}, but this "
-            f"hf_paged_cache reads version {VERSION}: load it with the hf_paged_cache version that saved it, or "
-            "save the cache again with this one"
+            f"the file has format version {header.get('version')}, but this hf_paged_cache reads version {VERSION}: "
+            "load it with the hf_paged_cache version that saved it, or save the cache again with this one"
         )
     return header, tensors
 
@@ -372,7 +374,8 @@ def _check_model(header: dict, cache: PagedCache) -> None:
             f"{cache.tp_size}: load each rank's file under the same tensor parallelism"
         )
     names = [group["name"] for group in header["groups"]]
-    shapes = {index: (heads // cache.tp_size, head_dim) for index, _, heads, head_dim in _attention_layer_shapes(config)}
+    shapes = {index: (heads // cache.tp_size, head_dim)
+              for index, _window, heads, head_dim in _attention_layer_shapes(config)}  # fmt: skip
     for index, (layer, saved) in enumerate(zip(cache.layers, header["layers"])):
         if saved is None:
             continue
@@ -393,7 +396,7 @@ def _restore(cache: PagedCache, header: dict, tensors: dict[str, torch.Tensor]) 
     layers = [(index, saved) for index, saved in enumerate(header["layers"]) if saved is not None]
     if layers and any(group.pool is None for group in cache.groups.values()):
         # A `max_memory` cache sizes its pools by the bytes per block of the first K/V, as at a first step.
-        cache._ensure_pools(*_empty_states(header["layers"][layers[0][0]], torch.device("cpu")))
+        cache._ensure_pools(*_empty_states(layers[0][1], torch.device("cpu")))
     slots = {}  # group name -> (full-precision pool ids, quantized pool ids) of the file's blocks, by file index
     for index, saved in enumerate(header["groups"]):
         group = cache.groups[saved["name"]]
@@ -409,11 +412,13 @@ def _restore_group(group: BlockTables, saved: dict, tensors: dict[str, torch.Ten
     rows = saved["rows"]
     quantized = saved["quantized_blocks"] is not None
     blocks = _ids_of(tensors, f"{prefix}.blocks", sum(row["blocks"] for row in rows), saved["blocks"])
-    slots = _allocate(group.pool, blocks, saved["blocks"], group.name, growable)
+    # Without rows nothing is allocated (the pools of a `max_memory` cache that never ran do not exist yet).
+    slots = _allocate(group.pool, blocks, saved["blocks"], group.name, growable) if rows else []
     qblocks, qslots = [], []
-    if quantized:
-        qblocks = _ids_of(tensors, f"{prefix}.quantized", sum(row["quantized"] for row in rows), saved["quantized_blocks"])
-        qslots = _allocate(group.qpool, qblocks, saved["quantized_blocks"], f"{group.name} (quantized)", growable)
+    if quantized and rows:
+        count = saved["quantized_blocks"]
+        qblocks = _ids_of(tensors, f"{prefix}.quantized", sum(row["quantized"] for row in rows), count)
+        qslots = _allocate(group.qpool, qblocks, count, f"{group.name} (quantized)", growable)
     kept_counts = [row["kept"] or 0 for row in rows]
     kept = _tensor(tensors, f"{prefix}.kept", (sum(kept_counts),), torch.long) if sum(kept_counts) else None
     group.rows, fp_from, q_from, kept_from = [], 0, 0, 0
