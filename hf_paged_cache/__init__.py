@@ -7,7 +7,7 @@ from .attention import ATTENTION_NAME, register_paged_attention
 from .block_pool import BlockPool
 from .cache import PagedCache
 from .config import PagedCacheConfig, parse_bytes
-from .errors import OutOfBlocksError
+from .errors import CacheFileError, OutOfBlocksError
 from .eviction import (
     H2O,
     TOVA,
@@ -29,6 +29,7 @@ register_paged_attention()
 __all__ = [
     "ATTENTION_NAME",
     "BlockPool",
+    "CacheFileError",
     "CacheMetrics",
     "EvictionPolicy",
     "GroupLayout",

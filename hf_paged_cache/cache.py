@@ -377,8 +377,8 @@ class PagedCache(Cache):
         it holds, or by `num_blocks` / `max_memory`). Without options it takes the file's; a `PagedCacheConfig`,
         or keywords replacing single saved options, may change where and how large its storage is (`device`,
         `backend`, `num_blocks`, `max_memory`, `initial_blocks`), and every other option must equal the
-        file's. A corrupted file, another model's config or mismatched options raise `ValueError` naming the
-        mismatch. Loading runs no code from the file (safetensors and JSON, no pickle)."""
+        file's. A corrupted file, another model's config or mismatched options raise `CacheFileError` (a
+        `ValueError`) naming the mismatch. Loading runs no code from the file (safetensors and JSON, no pickle)."""
         return load_cache(cls, path, config, options, **kwargs)
 
 

@@ -8,7 +8,8 @@ prefix), and the evictor's counters; its scores are tensors. A SHA-256 over the 
 makes a corrupted file fail before anything is built. Loading reads tensors and JSON only -- no pickle,
 no code from the file: an eviction policy is named by its class, which must already be imported.
 
-A loaded cache is standalone, with its own pools sized to the blocks it holds (or by `num_blocks` /
+The functions take the `PagedCache` (class) as an argument, as its `save` / `load` methods pass it: this
+module sits below `cache.py` in the import graph. A loaded cache is standalone, with its own pools sized to the blocks it holds (or by `num_blocks` /
 `max_memory`), and continues exactly as the saved one would have.
 """
 
@@ -23,23 +24,22 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import PretrainedConfig
+from transformers.cache_utils import Cache
 
 from .block_tables import BlockTables, QuantizedBlockTables
 from .config import PagedCacheConfig, _check_device_exists
+from .errors import CacheFileError
 from .eviction import EvictionPolicy
 from .layers import PagedLayer
 from .memory import _attention_layer_shapes
 from .quantized_layers import QuantizedLayer
 from .rows import BlockList, Row
-
-if TYPE_CHECKING:
-    from .cache import PagedCache
 
 FORMAT = "hf_paged_cache"  # metadata key of the JSON header
 DIGEST = "sha256"  # metadata key of the digest of header and tensors
@@ -49,12 +49,8 @@ VERSION = 1
 PLACEMENT = ("num_blocks", "max_memory", "initial_blocks", "device", "backend")
 
 
-class CacheFileError(ValueError):
-    """A file that `PagedCache.load` cannot read or that does not fit the given config and options."""
-
-
 # ---------------------------------------------------------------------------------------------- saving
-def save_cache(cache: PagedCache, path: str | os.PathLike) -> None:
+def save_cache(cache: Cache, path: str | os.PathLike) -> None:
     """Write `cache` to `path` (replaced atomically: a failed save leaves any earlier file as it was)."""
     _check_savable(cache)
     tensors: dict[str, torch.Tensor] = {}
@@ -85,7 +81,7 @@ def save_cache(cache: PagedCache, path: str | os.PathLike) -> None:
         raise
 
 
-def _check_savable(cache: PagedCache) -> None:
+def _check_savable(cache: Cache) -> None:
     for index, layer in enumerate(cache.layers):
         if not isinstance(layer, PagedLayer):
             if _holds_tensors(layer):
@@ -265,9 +261,9 @@ def _dtype(name: str) -> torch.dtype:
 
 # ---------------------------------------------------------------------------------------------- loading
 def load_cache(
-    cache_class: type[PagedCache], path: str | os.PathLike, config: PretrainedConfig,
+    cache_class: type[Cache], path: str | os.PathLike, config: PretrainedConfig,
     options: PagedCacheConfig | None = None, **overrides: Any,
-) -> PagedCache:  # fmt: skip
+) -> Cache:  # fmt: skip
     """The cache saved at `path`, for the model of `config`: with the file's options, the given
     `PagedCacheConfig` (checked against the file), or the file's options with keyword `overrides`."""
     if options is not None and overrides:
@@ -359,7 +355,7 @@ def _describe(name: str, value) -> str:
     return repr(value)
 
 
-def _check_model(header: dict, cache: PagedCache) -> None:
+def _check_model(header: dict, cache: Cache) -> None:
     """Raise if `cache` (built from the given config and options) cannot hold the file's layers."""
     model, config = header["model"], cache.model_config
     remedy = "load the file with the config of the model that saved it (`model.config`)"
@@ -391,7 +387,7 @@ def _check_model(header: dict, cache: PagedCache) -> None:
             )
 
 
-def _restore(cache: PagedCache, header: dict, tensors: dict[str, torch.Tensor]) -> None:
+def _restore(cache: Cache, header: dict, tensors: dict[str, torch.Tensor]) -> None:
     """Fill the fresh `cache` with the file's groups, blocks and eviction state."""
     layers = [(index, saved) for index, saved in enumerate(header["layers"]) if saved is not None]
     if layers and any(group.pool is None for group in cache.groups.values()):

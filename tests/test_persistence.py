@@ -17,8 +17,8 @@ from safetensors.torch import save_file
 from test_smollm2 import PROMPTS, needs_wheel
 from tiny_models import MODELS_BY_NAME, VOCAB, padded_batch
 
-from hf_paged_cache import H2O, PagedCache, PagedCacheConfig, RandomEviction, SnapKV, block_layout
-from hf_paged_cache.persistence import DIGEST, FORMAT, CacheFileError, _digest
+from hf_paged_cache import H2O, CacheFileError, PagedCache, PagedCacheConfig, RandomEviction, SnapKV, block_layout
+from hf_paged_cache.persistence import DIGEST, FORMAT, _digest
 from hf_paged_cache.smollm2 import load_smollm2
 
 PREFIX, PROMPT, STEPS = 10, 16, 6
