@@ -97,6 +97,24 @@ def test_save_load_continues_exactly(case, tmp_path):
     assert _comparable(loaded) == _comparable(original)  # same evictions, quantization error, bytes
 
 
+def test_eviction_state_carries_over(tmp_path):
+    """Decode-time eviction every 3 steps by accumulated attention: which tokens survive after the load depends
+    on the saved scores and on the step counter, so both must come back exactly."""
+    model = _model("llama_gqa")
+    model.set_attn_implementation("paged")
+    ids = torch.randint(3, VOCAB, (1, 24), generator=torch.Generator().manual_seed(5))
+    original = PagedCache(model.config, block_size=4, eviction=H2O(budget=10, sinks=1, window=2), evict_every=3)
+    logits = _forward(model, original, ids)
+    for _ in range(4):
+        logits = _forward(model, original, logits[:, -1:].argmax(-1))
+    original.save(tmp_path / "evicted.safetensors")
+    loaded = PagedCache.load(tmp_path / "evicted.safetensors", model.config)
+    token = logits[:, -1:].argmax(-1)
+    expected, got = _continue(model, original, token), _continue(model, loaded, token)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert _comparable(loaded) == _comparable(original) and original.metrics().evictions > 2
+
+
 def test_left_padded_batch_with_shared_and_scattered_blocks(tmp_path):
     """Rows that decoded in turns hold interleaved blocks, and a reorder makes two rows share theirs: the
     file renumbers them densely, and the loaded cache continues exactly (sdpa and the paged attention)."""
