@@ -8,9 +8,9 @@ prefix), and the evictor's counters; its scores are tensors. A SHA-256 over the 
 makes a corrupted file fail before anything is built. Loading reads tensors and JSON only -- no pickle,
 no code from the file: an eviction policy is named by its class, which must already be imported.
 
-The functions take the `PagedCache` (class) as an argument, as its `save` / `load` methods pass it: this
-module sits below `cache.py` in the import graph. A loaded cache is standalone, with its own pools sized to the blocks it holds (or by `num_blocks` /
-`max_memory`), and continues exactly as the saved one would have.
+A loaded cache is standalone, with its own pools sized to the blocks it holds (or by `num_blocks` /
+`max_memory`), and continues exactly as the saved one would have. `PagedCache.save` / `PagedCache.load` hand
+`save_cache` / `load_cache` the cache or its class, so this module sits below `cache.py` in the import graph.
 """
 
 from __future__ import annotations
