@@ -22,7 +22,7 @@ import json
 import os
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -204,20 +204,21 @@ def _options_to_json(options: PagedCacheConfig) -> dict:
             value = str(value)
         elif isinstance(value, EvictionPolicy):
             value = _policy_to_json(value)
-        elif field.name == "quant_layers" and value is not None:
-            value = {str(layer): spec for layer, spec in value.items()}
+        elif isinstance(value, Mapping):  # `quant_layers`, `share_with`: keyed by layer index
+            value = {str(layer): entry for layer, entry in value.items()}
         values[field.name] = value
     return values
 
 
 def _options_from_json(values: dict) -> dict:
     values = dict(values)
-    if values.get("dtype") is not None:
-        values["dtype"] = _dtype(values["dtype"])
-    if values.get("quant_layers") is not None:
-        values["quant_layers"] = {int(layer): spec for layer, spec in values["quant_layers"].items()}
-    if values.get("eviction") is not None:
-        values["eviction"] = _policy_from_json(values["eviction"])
+    for name, value in values.items():
+        if name == "dtype" and value is not None:
+            values[name] = _dtype(value)
+        elif name == "eviction" and value is not None:
+            values[name] = _policy_from_json(value)
+        elif isinstance(value, dict):
+            values[name] = {int(layer): entry for layer, entry in value.items()}
     return values
 
 

@@ -29,6 +29,7 @@ CASES = {  # name: (model, attention, PagedCache options)
     "fp16_storage": ("llama_gqa", "paged", {"dtype": torch.float16}),
     "int8": ("llama_gqa", "sdpa", {"quant": "int8", "residual_length": 0}),
     "int4_paged": ("llama_gqa", "paged", {"quant": "int4", "residual_length": 4}),
+    "int4_layer_1": ("llama_gqa", "sdpa", {"quant_layers": {1: "int4"}, "residual_length": 0}),
     "snapkv": ("llama_gqa", "paged", {"eviction": SnapKV(budget=8, sinks=2, window=4, observation_window=4)}),
     "h2o_int8": ("llama_gqa", "paged", {"eviction": H2O(budget=8, sinks=2, window=4), "quant": "int8",
                                         "residual_length": 4}),  # fmt: skip
