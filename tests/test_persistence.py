@@ -139,6 +139,26 @@ def test_left_padded_batch_with_shared_and_scattered_blocks(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(expected, got))
 
 
+def test_a_scattered_row_reads_as_it_did(tmp_path):
+    """A row left alone after its batch decoded in turns holds ids in several runs. The file renumbers them
+    into one run, but the loaded row reads through the same path as the original (a gather, not a view of
+    one run), because the paths differ in float rounding; that keeps its logits bit-identical."""
+    model = _model("llama_gqa")
+    model.set_attn_implementation("paged")
+    ids, mask = padded_batch((0, 0), 9)
+    cache = PagedCache(model.config, block_size=4)
+    logits = _continue(model, cache, ids, mask)
+    cache.batch_select_indices(torch.tensor([1]))
+    (table,) = block_layout(cache)["full_attention"].tables
+    assert table != list(range(table[0], table[0] + len(table)))  # not one run
+    cache.save(tmp_path / "row.safetensors")
+    loaded = PagedCache.load(tmp_path / "row.safetensors", model.config)
+    assert block_layout(loaded)["full_attention"].tables == [list(range(1, len(table) + 1))]
+    token = logits[-1][1:, -1:].argmax(-1)
+    expected, got = _continue(model, cache, token), _continue(model, loaded, token)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
 def test_generate_on_a_loaded_prompt_cache(tmp_path):
     """The prompt-cache recipe across processes: prefill, save; later load and `generate()` the full prompt."""
     model, original, ids = _prefilled("int4_paged")
