@@ -8,7 +8,7 @@ from .batch_generator import BatchConfig, BatchGenerator, BatchMetrics, Generati
 from .block_pool import BlockPool
 from .cache import PagedCache
 from .config import PagedCacheConfig, parse_bytes
-from .errors import OutOfBlocksError
+from .errors import CacheFileError, OutOfBlocksError
 from .eviction import (
     H2O,
     TOVA,
@@ -33,6 +33,7 @@ __all__ = [
     "BatchGenerator",
     "BatchMetrics",
     "BlockPool",
+    "CacheFileError",
     "CacheMetrics",
     "EvictionPolicy",
     "GenerationOutput",

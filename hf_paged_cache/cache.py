@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import threading
 import weakref
 from collections import Counter
@@ -22,6 +23,7 @@ from .errors import OutOfBlocksError
 from .eviction import Evictor
 from .layers import PagedLayer, PagedSlidingLayer, SharedKVLayer
 from .memory import SLIDING_TYPES, CacheMetrics, collect_metrics
+from .persistence import load_cache, save_cache
 from .quantization import parse_kv_format
 from .quantized_layers import QuantizedLayer, QuantizedSlidingLayer
 
@@ -529,6 +531,24 @@ class PagedCache(Cache):
 
     def __repr__(self) -> str:
         return f"PagedCache(groups={list(self.groups)}, block_size={self.options.block_size}, layers={len(self.layers)})"
+
+    # ------------------------------------------------------------------ files
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the cache to one safetensors file: the blocks in use (quantized ones as codes), the tables,
+        per-row and eviction state; `PagedCache.load` continues from it exactly. Save between forward steps."""
+        save_cache(self, path)
+
+    @classmethod
+    def load(
+        cls, path: str | os.PathLike, config: PretrainedConfig, options: PagedCacheConfig | None = None, **kwargs: Any
+    ) -> PagedCache:
+        """The cache `save` wrote to `path`, for the model of `config`, with its own pool (sized to the blocks
+        it holds, or by `num_blocks` / `max_memory`). Without options it takes the file's; a `PagedCacheConfig`,
+        or keywords replacing single saved options, may change where and how large its storage is (`device`,
+        `backend`, `num_blocks`, `max_memory`, `initial_blocks`), and every other option must equal the
+        file's. A corrupted file, another model's config or mismatched options raise `CacheFileError` (a
+        `ValueError`) naming the mismatch. Loading runs no code from the file (safetensors and JSON, no pickle)."""
+        return load_cache(cls, path, config, options, **kwargs)
 
 
 class _Forks:

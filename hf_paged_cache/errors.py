@@ -15,3 +15,8 @@ class OutOfBlocksError(RuntimeError):
             "(or neither, to let the pool grow), generate fewer or shorter sequences, or call `cache.reset()` to "
             "return every block before a new generation."
         )
+
+
+class CacheFileError(ValueError):
+    """`PagedCache.load` cannot use a file: it is corrupted, truncated or of another format version, or it
+    does not fit the given config (another model) or options. Raised before any cache is built."""

@@ -93,6 +93,17 @@ def test_perplexity_script_tiny(tmp_path):
     _assert_png(tmp_path / "ppl.png")
 
 
+def test_save_load_script_tiny(tmp_path):
+    out = tmp_path / "save_load"
+    caches = ["paged", "paged:dtype=fp16", "paged:quant=int4,residual_length=32"]
+    _run("save_load.py", "--model", "tiny-llama", "--context", "200", "--repeats", "1", "--check-tokens", "2",
+         "--out", str(out), "--caches", *caches)  # fmt: skip
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [row["cache"] for row in rows] == caches and all(row["same_logits"] for row in rows)
+    assert all(1 < row["file_vs_kv"] < 1.1 for row in rows)  # the blocks in use plus a small header
+    assert rows[1]["kv_bytes"] < 0.6 * rows[0]["kv_bytes"] and rows[2]["kv_bytes"] < 0.6 * rows[0]["kv_bytes"]
+
+
 @pytest.mark.skipif(HAVE_QUANTO, reason="optimum-quanto is installed")
 def test_quantized_spec_without_quanto_says_what_to_install():
     model, _ = common.load_model(common.TINY_LLAMA)

@@ -1,0 +1,526 @@
+"""Saving a `PagedCache` to one safetensors file and loading it back (`PagedCache.save` / `PagedCache.load`).
+
+The file holds only the blocks in use: each group's block ids are renumbered densely (in ascending order,
+so runs of consecutive ids stay runs) and every layer writes just those blocks, quantized ones as their
+codes, scales and zero points. A JSON header in the safetensors metadata holds the rest: the options,
+the model's shapes, each group's tables and per-row state (padding, base, kept positions, quantized
+prefix), and the evictor's counters; its scores are tensors. A SHA-256 over the header and every tensor
+makes a corrupted file fail before anything is built. Loading reads tensors and JSON only -- no pickle,
+no code from the file: an eviction policy is named by its class, which must already be imported.
+
+A loaded cache is standalone, with its own pools sized to the blocks it holds (or by `num_blocks` /
+`max_memory`), and continues exactly as the saved one would have. `PagedCache.save` / `PagedCache.load` hand
+`save_cache` / `load_cache` the cache or its class, so this module sits below `cache.py` in the import graph.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import os
+import uuid
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache
+
+from .block_tables import BlockTables, QuantizedBlockTables
+from .config import PagedCacheConfig, _check_device_exists
+from .errors import CacheFileError
+from .eviction import EvictionPolicy
+from .layers import PagedLayer
+from .memory import _attention_layer_shapes
+from .quantized_layers import QuantizedLayer
+from .rows import BlockList, Row
+
+FORMAT = "hf_paged_cache"  # metadata key of the JSON header
+DIGEST = "sha256"  # metadata key of the digest of header and tensors
+VERSION = 1
+# Options that say where and how large the loaded cache's storage is; every other option shapes what the
+# cache stores or how it continues, so it must equal the file's.
+PLACEMENT = ("num_blocks", "max_memory", "initial_blocks", "device", "backend")
+
+
+# ---------------------------------------------------------------------------------------------- saving
+def save_cache(cache: Cache, path: str | os.PathLike) -> None:
+    """Write `cache` to `path` (replaced atomically: a failed save leaves any earlier file as it was)."""
+    _check_savable(cache)
+    tensors: dict[str, torch.Tensor] = {}
+    groups = list(cache.groups.values())
+    used = [_used_blocks(group) for group in groups]
+    header = {
+        "version": VERSION,
+        "model": {"model_type": cache.model_config.model_type, "layers": len(cache.layers), "tp_size": cache.tp_size},
+        "options": _options_to_json(cache.options),
+        "groups": [_save_group(group, *used[index], f"groups.{index}", tensors) for index, group in enumerate(groups)],
+        "layers": [],
+        "eviction": _save_evictor(cache.evictor, tensors) if cache.evictor is not None else None,
+    }
+    position = {id(group): index for index, group in enumerate(groups)}
+    for index, layer in enumerate(cache.layers):
+        group = position.get(id(getattr(layer, "tables", None)))
+        saved = group is not None and layer.is_initialized
+        header["layers"].append(_save_layer(layer, group, *used[group], f"layers.{index}", tensors) if saved else None)
+    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}
+    text = json.dumps(header)
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")  # beside it: os.replace stays atomic
+    try:
+        save_file(tensors, temporary, metadata={FORMAT: text, DIGEST: _digest(text, tensors)})
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def _check_savable(cache: Cache) -> None:
+    for index, layer in enumerate(cache.layers):
+        if not isinstance(layer, PagedLayer):
+            if _holds_tensors(layer):
+                raise ValueError(
+                    f"PagedCache.save: layer {index} is a transformers {type(layer).__name__} (not stored in blocks) "
+                    "and holds state; only caches whose filled layers are all paged can be saved."
+                )
+        elif layer.seq_len != layer.tables.length:
+            raise RuntimeError(
+                f"PagedCache.save: layer {index} holds {layer.seq_len} tokens but its group {layer.tables.length}: "
+                "the cache is in the middle of a forward step (or one was interrupted). Save between steps, or call "
+                "`cache.reset()` first."
+            )
+
+
+def _holds_tensors(layer) -> bool:
+    """Whether a layer transformers stores (not in blocks) holds any state, as tensors or dicts of them."""
+    values = [v for value in vars(layer).values() for v in (value.values() if isinstance(value, dict) else [value])]
+    return any(isinstance(value, torch.Tensor) for value in values)
+
+
+def _used_blocks(group: BlockTables) -> tuple[list[int], list[int]]:
+    """The pool ids the group's rows reference, ascending: (full-precision, quantized). A block's index in
+    these lists is its index in the file, so runs of consecutive ids stay runs."""
+    quantized = {block for row in group.rows if row.quantized is not None for block in row.quantized.ids}
+    return sorted({block for row in group.rows for block in row.blocks.ids}), sorted(quantized)
+
+
+def _save_group(group: BlockTables, used: list[int], qused: list[int], prefix: str,
+                tensors: dict[str, torch.Tensor]) -> dict:  # fmt: skip
+    quantized = isinstance(group, QuantizedBlockTables)
+    dense = {block: index for index, block in enumerate(used)}
+    qdense = {block: index for index, block in enumerate(qused)}
+    rows = []
+    for row in group.rows:
+        rows.append({
+            "pads": row.pads, "base": row.base, "blocks": len(row.blocks), "run_from": row.blocks.run_from,
+            "quantized": len(row.quantized) if quantized else None,
+            "quantized_run_from": row.quantized.run_from if quantized else None,
+            "kept": None if row.kept_positions is None else len(row.kept_positions),
+        })  # fmt: skip
+    tensors[f"{prefix}.blocks"] = _ids([dense[block] for row in group.rows for block in row.blocks.ids])
+    if quantized:
+        tensors[f"{prefix}.quantized"] = _ids([qdense[block] for row in group.rows for block in row.quantized.ids])
+    kept = [row.kept_positions.cpu() for row in group.rows if row.kept_positions is not None]
+    if kept:
+        tensors[f"{prefix}.kept"] = torch.cat(kept)
+    return {
+        "name": group.name, "length": group.length, "record_past": group.record_past,
+        "padding_exact": group.padding_exact, "rows": rows,
+        "blocks": len(used), "quantized_blocks": len(qused) if quantized else None,
+    }  # fmt: skip
+
+
+def _save_layer(layer: PagedLayer, group: int, used: list[int], qused: list[int], prefix: str,
+                tensors: dict[str, torch.Tensor]) -> dict:  # fmt: skip
+    ids = torch.tensor(used, dtype=torch.long, device=layer.device)
+    tensors[f"{prefix}.keys"] = _heads_first(layer.key_blocks).index_select(1, ids)
+    tensors[f"{prefix}.values"] = _heads_first(layer.value_blocks).index_select(1, ids)
+    entry = {
+        "group": group, "dtype": _dtype_name(layer.dtype), "device": str(layer.device),
+        "kv_heads": layer.kv_shape[0], "head_dim": layer.kv_shape[1], "value_dim": layer.value_dim,
+    }  # fmt: skip
+    if isinstance(layer, QuantizedLayer):
+        ids = torch.tensor(qused, dtype=torch.long, device=layer.device)
+        for side, fields in (("qkey", layer.qkey), ("qvalue", layer.qvalue)):
+            for name, field in fields.items():
+                tensors[f"{prefix}.{side}.{name}"] = field.index_select(0, ids)
+        entry["error_stats"] = layer.error_stats
+    return entry
+
+
+def _save_evictor(evictor, tensors: dict[str, torch.Tensor]) -> dict:
+    scored = []
+    for index, stats in evictor.stats.items():
+        if stats.scores is not None:
+            tensors[f"eviction.scores.{index}"] = stats.scores
+            scored.append(index)
+    generators = []
+    for name, value in _policy_state(evictor.policy):
+        tensors[f"eviction.policy.{name}"] = value.get_state()
+        generators.append(name)
+    return {"counts": evictor.counts, "decode_steps": evictor.decode_steps, "last_q_len": evictor.last_q_len,
+            "scored_layers": scored, "generators": generators}  # fmt: skip
+
+
+def _policy_state(policy: EvictionPolicy) -> Iterator[tuple[str, torch.Generator]]:
+    """A policy's state beyond its fields: random generators (whose state is saved), nothing else."""
+    fields = {field.name for field in dataclasses.fields(policy)}
+    for name, value in vars(policy).items():
+        if name in fields:
+            continue
+        if not isinstance(value, torch.Generator):
+            raise ValueError(
+                f"PagedCache.save: the eviction policy {type(policy).__name__} holds `{name}` "
+                f"({type(value).__name__}), state that is neither a dataclass field nor a torch.Generator, so it "
+                "cannot be saved: keep a policy's settings in its fields."
+            )
+        yield name, value
+
+
+def _ids(ids: list[int]) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _heads_first(blocks: torch.Tensor) -> torch.Tensor:
+    """Storage `[blocks, block_size, kv_heads, head_dim]` as `[kv_heads, blocks, block_size, head_dim]`: the
+    file's layout and the storage's own (`kernels/layout.py`), so each head's block is one contiguous copy."""
+    return blocks.permute(2, 0, 1, 3)
+
+
+# ---------------------------------------------------------------------------------------------- options as JSON
+def _options_to_json(options: PagedCacheConfig) -> dict:
+    values = {}
+    for field in dataclasses.fields(options):
+        value = getattr(options, field.name)
+        if isinstance(value, torch.dtype):
+            value = _dtype_name(value)
+        elif isinstance(value, torch.device):
+            value = str(value)
+        elif isinstance(value, EvictionPolicy):
+            value = _policy_to_json(value)
+        elif isinstance(value, Mapping):  # `quant_layers`, `share_with`: keyed by layer index
+            value = {str(layer): entry for layer, entry in value.items()}
+        values[field.name] = value
+    return values
+
+
+def _options_from_json(values: dict) -> dict:
+    values = dict(values)
+    for name, value in values.items():
+        if name == "dtype" and value is not None:
+            values[name] = _dtype(value)
+        elif name == "eviction" and value is not None:
+            values[name] = _policy_from_json(value)
+        elif isinstance(value, dict):
+            values[name] = {int(layer): entry for layer, entry in value.items()}
+    return values
+
+
+def _policy_to_json(policy: EvictionPolicy) -> dict:
+    cls = type(policy)
+    fields = {field.name: getattr(policy, field.name) for field in dataclasses.fields(policy)}
+    try:
+        fields = json.loads(json.dumps(fields))
+    except TypeError as error:
+        raise ValueError(f"the eviction policy {cls.__name__} has a field JSON cannot hold ({error})") from None
+    return {"class": f"{cls.__module__}.{cls.__qualname__}", "fields": fields}
+
+
+def _policy_from_json(saved: dict) -> EvictionPolicy:
+    """The saved policy, built from its fields by a class found among the imported `EvictionPolicy`
+    subclasses (a name in a file never imports or runs anything)."""
+    classes, pending = {}, [EvictionPolicy]
+    while pending:
+        cls = pending.pop()
+        classes[f"{cls.__module__}.{cls.__qualname__}"] = cls
+        pending.extend(cls.__subclasses__())
+    cls = classes.get(saved["class"])
+    if cls is None:
+        raise CacheFileError(
+            f"the file's eviction policy is {saved['class']!r}, a class that is not imported: import the module that "
+            "defines it before loading, or pass the policy in the options (e.g. `eviction=...`)"
+        )
+    return cls(**saved["fields"])
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise CacheFileError(f"the file names an unknown dtype {name!r}: it is corrupted")
+    return dtype
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def load_cache(
+    cache_class: type[Cache], path: str | os.PathLike, config: PretrainedConfig,
+    options: PagedCacheConfig | None = None, **overrides: Any,
+) -> Cache:  # fmt: skip
+    """The cache saved at `path`, for the model of `config`: with the file's options, the given
+    `PagedCacheConfig` (checked against the file), or the file's options with keyword `overrides`."""
+    if options is not None and overrides:
+        raise ValueError("Pass either a `PagedCacheConfig` or keyword options to PagedCache.load, not both")
+    if options is not None and not isinstance(options, PagedCacheConfig):
+        raise TypeError(f"`options` must be a PagedCacheConfig, got {type(options).__name__}")
+    try:
+        header, tensors = _read(Path(path))
+        options = _resolve_options(header, options, overrides)
+        cache = cache_class(config, options)
+        _check_model(header, cache)
+        _restore(cache, header, tensors)
+    except CacheFileError as error:
+        raise CacheFileError(f"PagedCache.load({str(path)!r}): {error}") from None
+    return cache
+
+
+def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The header and tensors of a file `save_cache` wrote, or a `CacheFileError` saying what is wrong."""
+    try:
+        with safe_open(path, framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            if FORMAT not in metadata:
+                raise CacheFileError("a safetensors file without a PagedCache header: only files written by "
+                                     "`PagedCache.save` can be loaded")  # fmt: skip
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    except SafetensorError as error:
+        raise CacheFileError(
+            f"not a readable safetensors file ({error}); it is truncated or corrupted, or was not written by "
+            "`PagedCache.save`: save the cache again"
+        ) from None
+    text = metadata[FORMAT]
+    if metadata.get(DIGEST) != _digest(text, tensors):
+        raise CacheFileError(
+            "the file's checksum does not match its contents, so it was corrupted after it was written: save the "
+            "cache again"
+        )
+    header = json.loads(text)
+    if header.get("version") != VERSION:
+        raise CacheFileError(
+            f"the file has format version {header.get('version')}, but this hf_paged_cache reads version {VERSION}: "
+            "load it with the hf_paged_cache version that saved it, or save the cache again with this one"
+        )
+    return header, tensors
+
+
+def _digest(header: str, tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256(header.encode())
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        digest.update(f"{name}:{_dtype_name(tensor.dtype)}:{tuple(tensor.shape)};".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def _resolve_options(header: dict, options: PagedCacheConfig | None, overrides: dict) -> PagedCacheConfig:
+    """The loaded cache's options: the given ones, checked against the file's, or the file's with `overrides`."""
+    saved = header["options"]
+    if options is None:
+        unknown = sorted(set(overrides) - set(saved))
+        if unknown:
+            raise TypeError(f"unknown option(s) {unknown}; PagedCache options are: {', '.join(saved)}")
+        kept = _options_from_json({name: value for name, value in saved.items() if name not in overrides})
+        options = PagedCacheConfig(**kept, **overrides)
+    given = _options_to_json(options)
+    dtypes = {layer["dtype"] for layer in header["layers"] if layer is not None}
+    for name, value in saved.items():
+        if name in PLACEMENT or (name == "dtype" and (given[name] is None or {given[name]} >= dtypes)):
+            continue
+        if given[name] != value:
+            saved_text, given_text = _describe(name, value), _describe(name, given[name])
+            raise CacheFileError(
+                f"the file was saved with {name}={saved_text} but the options give {name}={given_text}, and the "
+                f"cached contents depend on it: load with {name}={saved_text} (or give no options, to use the "
+                "file's), or build a new cache with the options you want"
+            )
+    if options.eviction is not None:  # the loaded cache gets its own policy (and random state)
+        options = dataclasses.replace(options, eviction=copy.deepcopy(options.eviction))
+    return options
+
+
+def _describe(name: str, value) -> str:
+    """An option's JSON form as the user writes it."""
+    if name == "dtype" and value is not None:
+        return f"torch.{value}"
+    if name == "eviction" and value is not None:
+        fields = ", ".join(f"{key}={field!r}" for key, field in value["fields"].items())
+        return f"{value['class'].rsplit('.', 1)[-1]}({fields})"
+    return repr(value)
+
+
+def _check_model(header: dict, cache: Cache) -> None:
+    """Raise if `cache` (built from the given config and options) cannot hold the file's layers."""
+    model, config = header["model"], cache.model_config
+    remedy = "load the file with the config of the model that saved it (`model.config`)"
+    if (model["model_type"], model["layers"]) != (config.model_type, len(cache.layers)):
+        raise CacheFileError(
+            f"the file holds a cache of a {model['model_type']!r} model with {model['layers']} layers, but the config "
+            f"is of a {config.model_type!r} model with {len(cache.layers)} layers: {remedy}"
+        )
+    if model["tp_size"] != cache.tp_size:
+        raise CacheFileError(
+            f"the file was saved by one of {model['tp_size']} tensor-parallel ranks, but this config runs on "
+            f"{cache.tp_size}: load each rank's file under the same tensor parallelism"
+        )
+    names = [group["name"] for group in header["groups"]]
+    shapes = {index: (heads // cache.tp_size, head_dim)
+              for index, _window, heads, head_dim in _attention_layer_shapes(config)}  # fmt: skip
+    for index, (layer, saved) in enumerate(zip(cache.layers, header["layers"])):
+        if saved is None:
+            continue
+        group = getattr(layer, "tables", None)
+        if group is None or group.name != names[saved["group"]]:
+            kind = group.name if group is not None else f"a {type(layer).__name__}"
+            raise CacheFileError(f"layer {index} is stored as {names[saved['group']]!r} in the file, but this config "
+                                 f"makes it {kind!r}: {remedy}")  # fmt: skip
+        if shapes.get(index) != (saved["kv_heads"], saved["head_dim"]):
+            raise CacheFileError(
+                f"layer {index} stores {saved['kv_heads']} KV heads of size {saved['head_dim']} in the file, but this "
+                f"config has {shapes.get(index)} (heads, head size) per rank: {remedy}"
+            )
+
+
+def _restore(cache: Cache, header: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill the fresh `cache` with the file's groups, blocks and eviction state."""
+    layers = [(index, saved) for index, saved in enumerate(header["layers"]) if saved is not None]
+    if layers and any(group.pool is None for group in cache.groups.values()):
+        # A `max_memory` cache sizes its pools by the bytes per block of the first K/V, as at a first step.
+        cache._ensure_pools(*_empty_states(layers[0][1], torch.device("cpu")))
+    slots = {}  # group name -> (full-precision pool ids, quantized pool ids) of the file's blocks, by file index
+    for index, saved in enumerate(header["groups"]):
+        group = cache.groups[saved["name"]]
+        slots[group.name] = _restore_group(group, saved, tensors, f"groups.{index}", cache.options.growable)
+    for index, saved in layers:
+        layer = cache.layers[index]
+        _restore_layer(layer, saved, *slots[layer.tables.name], tensors, f"layers.{index}")
+    if header["eviction"] is not None:
+        _restore_evictor(cache.evictor, header["eviction"], tensors)
+
+
+def _restore_group(group: BlockTables, saved: dict, tensors: dict[str, torch.Tensor], prefix: str, growable: bool):
+    rows = saved["rows"]
+    quantized = saved["quantized_blocks"] is not None
+    blocks = _ids_of(tensors, f"{prefix}.blocks", sum(row["blocks"] for row in rows), saved["blocks"])
+    # Without rows nothing is allocated (the pools of a `max_memory` cache that never ran do not exist yet).
+    slots = _allocate(group.pool, blocks, saved["blocks"], group.name, growable) if rows else []
+    qblocks, qslots = [], []
+    if quantized and rows:
+        count = saved["quantized_blocks"]
+        qblocks = _ids_of(tensors, f"{prefix}.quantized", sum(row["quantized"] for row in rows), count)
+        qslots = _allocate(group.qpool, qblocks, count, f"{group.name} (quantized)", growable)
+    kept_counts = [row["kept"] or 0 for row in rows]
+    kept = _tensor(tensors, f"{prefix}.kept", (sum(kept_counts),), torch.long) if sum(kept_counts) else None
+    group.rows, fp_from, q_from, kept_from = [], 0, 0, 0
+    for row in rows:
+        fp = _block_list(group.pool, [slots[b] for b in blocks[fp_from : fp_from + row["blocks"]]], row["run_from"])
+        fp_from += row["blocks"]
+        sealed = None
+        if quantized:
+            ids = [qslots[b] for b in qblocks[q_from : q_from + row["quantized"]]]
+            sealed = _block_list(group.qpool, ids, row["quantized_run_from"])
+            q_from += row["quantized"]
+        positions = None
+        if row["kept"] is not None:
+            positions = kept[kept_from : kept_from + row["kept"]].clone()
+            kept_from += row["kept"]
+        group.rows.append(Row(row["pads"], row["base"], fp, sealed, positions))
+    group.length, group.record_past, group.padding_exact = saved["length"], saved["record_past"], saved["padding_exact"]
+    return slots, qslots
+
+
+def _block_list(pool, ids: list[int], run_from: int) -> BlockList:
+    """A table of `ids`; reads take the original's paths (views from `run_from` on) where the ids allow."""
+    blocks = BlockList(pool)
+    blocks.replace(ids)
+    blocks.run_from = max(blocks.run_from, run_from)
+    return blocks
+
+
+def _allocate(pool, references: list[int], count: int, name: str, growable: bool) -> list[int]:
+    """Pool ids for the file's `count` blocks, each referenced as often as the tables do (rows share blocks)."""
+    if count > pool.num_free:
+        if not growable:
+            raise CacheFileError(
+                f"the file holds {count} blocks of the {name} layers but the pool has {pool.num_free}: raise "
+                "`num_blocks` or `max_memory`, or give neither to size the pool by the file"
+            )
+        pool.grow(count - pool.num_free)
+    slots = pool.allocate(count)
+    pool.fork([slots[block] for block, refs in Counter(references).items() for _ in range(refs - 1)])
+    return slots
+
+
+def _restore_layer(layer: PagedLayer, saved: dict, slots: list[int], qslots: list[int],
+                   tensors: dict[str, torch.Tensor], prefix: str) -> None:  # fmt: skip
+    device = layer.options.device or _device(saved["device"], prefix)
+    layer.options.check_backend(device)
+    layer.lazy_initialization(*_empty_states(saved, device))
+    ids = torch.tensor(slots, dtype=torch.long, device=device)
+    for name, blocks in (("keys", _heads_first(layer.key_blocks)), ("values", _heads_first(layer.value_blocks))):
+        shape = (blocks.shape[0], len(slots), *blocks.shape[2:])
+        blocks.index_copy_(1, ids, _tensor(tensors, f"{prefix}.{name}", shape, blocks.dtype).to(device))
+    if isinstance(layer, QuantizedLayer):
+        ids = torch.tensor(qslots, dtype=torch.long, device=device)
+        for side, fields in (("qkey", layer.qkey), ("qvalue", layer.qvalue)):
+            for name, field in fields.items():
+                stored = _tensor(tensors, f"{prefix}.{side}.{name}", (len(qslots), *field.shape[1:]), field.dtype)
+                field.index_copy_(0, ids, stored.to(device))
+        layer.error_stats = saved["error_stats"]
+    layer.sync_length()
+
+
+def _restore_evictor(evictor, saved: dict, tensors: dict[str, torch.Tensor]) -> None:
+    for index in saved["scored_layers"]:
+        scores = tensors.get(f"eviction.scores.{index}")
+        if index not in evictor.stats or scores is None:
+            raise CacheFileError(f"eviction scores of layer {index} are missing or misplaced: the file is corrupted")
+        evictor.stats[index].scores = scores.to(evictor.layers[index].device, copy=True)
+    for name in saved["generators"]:
+        generator = getattr(evictor.policy, name, None)
+        if not isinstance(generator, torch.Generator) or f"eviction.policy.{name}" not in tensors:
+            raise CacheFileError(f"the policy's random state {name!r} does not fit {type(evictor.policy).__name__}")
+        generator.set_state(tensors[f"eviction.policy.{name}"])
+    evictor.counts = {name: list(counts) for name, counts in saved["counts"].items()}
+    evictor.decode_steps, evictor.last_q_len = saved["decode_steps"], saved["last_q_len"]
+
+
+def _empty_states(saved: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-token K/V of a saved layer's shapes and dtype: what a layer's storage is allocated from."""
+    dtype = _dtype(saved["dtype"])
+    return (torch.empty(1, saved["kv_heads"], 0, saved["head_dim"], dtype=dtype, device=device),
+            torch.empty(1, saved["kv_heads"], 0, saved["value_dim"], dtype=dtype, device=device))  # fmt: skip
+
+
+def _device(name: str, prefix: str) -> torch.device:
+    device = torch.device(name)
+    try:
+        _check_device_exists(device)
+    except ValueError:
+        raise CacheFileError(
+            f"{prefix} was saved on {name}, which this machine lacks: load with device='cpu' (or another device)"
+        ) from None
+    return device
+
+
+def _tensor(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    tensor = tensors.get(name)
+    if tensor is None or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+        found = "missing" if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)}"
+        raise CacheFileError(f"tensor {name!r} is {found}, expected {dtype} {tuple(shape)}: the file is corrupted")
+    return tensor
+
+
+def _ids_of(tensors: dict[str, torch.Tensor], name: str, length: int, count: int) -> list[int]:
+    """A table tensor of `length` file block indices, each below `count`."""
+    ids = _tensor(tensors, name, (length,), torch.long).tolist()
+    if any(not 0 <= block < count for block in ids):
+        raise CacheFileError(f"tensor {name!r} names blocks outside the file's {count}: the file is corrupted")
+    return ids

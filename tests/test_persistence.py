@@ -1,0 +1,382 @@
+"""Saving and loading caches (`hf_paged_cache.persistence`): a loaded cache continues exactly as the saved one
+(bit-identical logits on CPU) for plain, quantized, evicted, sliding-window and left-padded batched caches;
+corrupted files, another model's config and mismatched options fail clearly and change nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+
+import pytest
+import torch
+from cache_state import cache_state
+from safetensors import safe_open
+from safetensors.torch import save_file
+from test_smollm2 import PROMPTS, needs_wheel
+from tiny_models import MODELS_BY_NAME, VOCAB, padded_batch
+
+from hf_paged_cache import H2O, CacheFileError, PagedCache, PagedCacheConfig, RandomEviction, SnapKV, block_layout
+from hf_paged_cache.persistence import DIGEST, FORMAT, _digest
+from hf_paged_cache.smollm2 import load_smollm2
+
+PREFIX, PROMPT, STEPS = 10, 16, 6
+POOL_KEYS = ("blocks_total", "blocks_free", "pool_bytes")  # the loaded pool is sized to the blocks it holds
+
+CASES = {  # name: (model, attention, PagedCache options)
+    "plain": ("llama_gqa", "sdpa", {}),
+    "fp16_storage": ("llama_gqa", "paged", {"dtype": torch.float16}),
+    "int8": ("llama_gqa", "sdpa", {"quant": "int8", "residual_length": 0}),
+    "int4_paged": ("llama_gqa", "paged", {"quant": "int4", "residual_length": 4}),
+    "int4_layer_1": ("llama_gqa", "sdpa", {"quant_layers": {1: "int4"}, "residual_length": 0}),
+    "snapkv": ("llama_gqa", "paged", {"eviction": SnapKV(budget=8, sinks=2, window=4, observation_window=4)}),
+    "h2o_int8": ("llama_gqa", "paged", {"eviction": H2O(budget=8, sinks=2, window=4), "quant": "int8",
+                                        "residual_length": 4}),  # fmt: skip
+    "random_eviction": ("llama_gqa", "paged", {"eviction": RandomEviction(budget=8, sinks=2, window=4)}),
+    "mistral_sliding": ("mistral_sliding", "sdpa", {}),
+    "qwen2_sliding_int8": ("qwen2_sliding", "paged", {"quant": "int8", "residual_length": 4}),
+}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@functools.lru_cache(maxsize=None)
+def _model(name: str):
+    model, _config = MODELS_BY_NAME[name].build()
+    return model
+
+
+def _forward(model, cache, ids, mask=None) -> torch.Tensor:
+    """One forward; with a left-padding `mask`, at the positions `generate()` gives (padding stores nothing)."""
+    positions = None if mask is None else (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache).logits
+
+
+def _continue(model, cache, ids, mask=None) -> list[torch.Tensor]:
+    """Feed `ids` after the cached tokens, then STEPS greedy tokens: the logits of every step."""
+    logits = [_forward(model, cache, ids, mask)]
+    for _ in range(STEPS):
+        if mask is not None:
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        logits.append(_forward(model, cache, logits[-1][:, -1:].argmax(-1), mask))
+    return logits
+
+
+def _comparable(cache: PagedCache) -> dict:
+    """`metrics()` without the pool's size (a loaded pool holds only the blocks in use)."""
+    metrics = {key: value for key, value in cache.metrics().as_dict().items() if key not in POOL_KEYS}
+    metrics["groups"] = {name: {key: value for key, value in group.items() if key not in POOL_KEYS}
+                         for name, group in metrics["groups"].items()}  # fmt: skip
+    return metrics
+
+
+def _prefilled(case: str) -> tuple:
+    name, attention, options = CASES[case]
+    model = _model(name)
+    model.set_attn_implementation(attention)
+    ids = torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    cache = PagedCache(model.config, block_size=4, **options)
+    _forward(model, cache, ids[:, :PREFIX])
+    return model, cache, ids
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_save_load_continues_exactly(case, tmp_path):
+    model, original, ids = _prefilled(case)
+    if "eviction" in CASES[case][2]:
+        assert original.metrics().evicted_tokens > 0  # the file holds an evicted cache
+    before = cache_state(original)
+    original.save(tmp_path / "cache.safetensors")
+    assert cache_state(original) == before
+    loaded = PagedCache.load(tmp_path / "cache.safetensors", model.config)
+    assert loaded.options == original.options and _comparable(loaded) == _comparable(original)
+    assert loaded.metrics().blocks_total == original.metrics().blocks_used  # sized to the blocks it holds
+    expected, got = _continue(model, original, ids[:, PREFIX:]), _continue(model, loaded, ids[:, PREFIX:])
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert _comparable(loaded) == _comparable(original)  # same evictions, quantization error, bytes
+
+
+def test_eviction_state_carries_over(tmp_path):
+    """Decode-time eviction every 3 steps by accumulated attention: which tokens survive after the load depends
+    on the saved scores and on the step counter, so both must come back exactly."""
+    model = _model("llama_gqa")
+    model.set_attn_implementation("paged")
+    ids = torch.randint(3, VOCAB, (1, 24), generator=torch.Generator().manual_seed(5))
+    original = PagedCache(model.config, block_size=4, eviction=H2O(budget=10, sinks=1, window=2), evict_every=3)
+    logits = _forward(model, original, ids)
+    for _ in range(4):
+        logits = _forward(model, original, logits[:, -1:].argmax(-1))
+    original.save(tmp_path / "evicted.safetensors")
+    loaded = PagedCache.load(tmp_path / "evicted.safetensors", model.config)
+    token = logits[:, -1:].argmax(-1)
+    expected, got = _continue(model, original, token), _continue(model, loaded, token)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert _comparable(loaded) == _comparable(original) and original.metrics().evictions > 2
+
+
+def test_left_padded_batch_with_shared_and_scattered_blocks(tmp_path):
+    """Rows that decoded in turns hold interleaved blocks, and a reorder makes two rows share theirs: the
+    file renumbers them densely, and the loaded cache continues exactly (sdpa and the paged attention)."""
+    model = _model("llama_gqa")
+    ids, prompt_mask = padded_batch((0, 3, 5), 9)
+    for attention in ("sdpa", "paged"):
+        mask = prompt_mask
+        model.set_attn_implementation(attention)
+        cache = PagedCache(model.config, block_size=4, num_blocks=64)
+        logits = _continue(model, cache, ids, mask)
+        mask = torch.cat([mask, torch.ones(3, STEPS, dtype=mask.dtype)], dim=1)
+        cache.reorder_cache(torch.tensor([0, 0, 2]))
+        tables = block_layout(cache)["full_attention"].tables
+        assert tables[0] == tables[1] and max(map(max, tables)) > len({b for table in tables for b in table})  # holes
+        cache.save(tmp_path / "batch.safetensors")
+        loaded = PagedCache.load(tmp_path / "batch.safetensors", model.config, num_blocks=64)
+        assert loaded.groups["full_attention"].pads == [0, 0, 5]
+        assert _comparable(loaded) == _comparable(cache)
+        token = logits[-1][:, -1:].argmax(-1)
+        expected, got = _continue(model, cache, token, mask), _continue(model, loaded, token, mask)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_a_scattered_row_reads_as_it_did(tmp_path):
+    """A row left alone after its batch decoded in turns holds ids in several runs. The file renumbers them
+    into one run, but the loaded row reads through the same path as the original (a gather, not a view of
+    one run), because the paths differ in float rounding; that keeps its logits bit-identical."""
+    model = _model("llama_gqa")
+    model.set_attn_implementation("paged")
+    ids, mask = padded_batch((0, 0), 9)
+    cache = PagedCache(model.config, block_size=4)
+    logits = _continue(model, cache, ids, mask)
+    cache.batch_select_indices(torch.tensor([1]))
+    (table,) = block_layout(cache)["full_attention"].tables
+    assert table != list(range(table[0], table[0] + len(table)))  # not one run
+    cache.save(tmp_path / "row.safetensors")
+    loaded = PagedCache.load(tmp_path / "row.safetensors", model.config)
+    assert block_layout(loaded)["full_attention"].tables == [list(range(1, len(table) + 1))]
+    token = logits[-1][1:, -1:].argmax(-1)
+    expected, got = _continue(model, cache, token), _continue(model, loaded, token)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_generate_on_a_loaded_prompt_cache(tmp_path):
+    """The prompt-cache recipe across processes: prefill, save; later load and `generate()` the full prompt."""
+    model, original, ids = _prefilled("int4_paged")
+    original.save(tmp_path / "prompt.safetensors")
+
+    def generate(cache):
+        mask = torch.ones_like(ids)
+        return model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=STEPS, do_sample=False)[0, PROMPT:]
+
+    loaded = PagedCache.load(tmp_path / "prompt.safetensors", model.config)
+    assert generate(loaded).tolist() == generate(original).tolist()
+
+
+def test_pool_options_size_the_loaded_pool(tmp_path):
+    model, original, ids = _prefilled("int8")
+    path = tmp_path / "cache.safetensors"
+    original.save(path)
+    used = original.metrics().blocks_used
+    fixed = PagedCache.load(path, model.config, num_blocks=50)
+    assert fixed.metrics().blocks_total == 50 and not fixed.options.growable
+    grown = PagedCache.load(path, model.config, initial_blocks=2 * used)
+    assert grown.metrics().blocks_total >= 2 * used
+    with pytest.raises(CacheFileError, match="raise `num_blocks`"):
+        PagedCache.load(path, model.config, num_blocks=1)
+    expected = _continue(model, original, ids[:, PREFIX:])
+    assert all(torch.equal(a, b) for a, b in zip(expected, _continue(model, fixed, ids[:, PREFIX:])))
+
+
+def test_max_memory_pools(tmp_path):
+    model = _model("llama_gqa")
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    original = PagedCache(model.config, block_size=4, max_memory="64KiB")
+    _forward(model, original, ids[:, :PREFIX])
+    original.save(tmp_path / "cache.safetensors")
+    loaded = PagedCache.load(tmp_path / "cache.safetensors", model.config)
+    assert loaded.metrics().blocks_total == original.metrics().blocks_total  # the same budget, the same pool
+    expected, got = _continue(model, original, ids[:, PREFIX:]), _continue(model, loaded, ids[:, PREFIX:])
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+@pytest.mark.parametrize("options", [{}, {"max_memory": "64KiB"}, {"quant": "int8"}], ids=["grows", "budget", "int8"])
+@pytest.mark.parametrize("when", ["never_run", "after_reset"])
+def test_empty_caches_round_trip(when, options, tmp_path):
+    model = _model("llama_gqa")
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(4))
+    cache = PagedCache(model.config, block_size=4, **options)
+    if when == "after_reset":
+        _forward(model, cache, ids)
+        cache.reset()
+    cache.save(tmp_path / "empty.safetensors")
+    loaded = PagedCache.load(tmp_path / "empty.safetensors", model.config)
+    assert loaded.get_seq_length() == 0 and loaded.options == cache.options
+    fresh = PagedCache(model.config, block_size=4, **options)
+    assert torch.equal(_forward(model, loaded, ids), _forward(model, fresh, ids))
+
+
+# ---------------------------------------------------------------------------------------------- errors
+@pytest.fixture
+def saved(tmp_path):
+    """A saved int8 cache with eviction: (model, path, the file's bytes)."""
+    model, cache, _ids = _prefilled("h2o_int8")
+    path = tmp_path / "cache.safetensors"
+    cache.save(path)
+    return model, path, path.read_bytes()
+
+
+def _rewrite_header(source, target, edit) -> None:
+    """Copy a cache file with its header changed by `edit(header)` and a matching digest (a well-formed file)."""
+    with safe_open(source, framework="pt") as handle:
+        header = json.loads(handle.metadata()[FORMAT])
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    edit(header)
+    text = json.dumps(header, sort_keys=True)
+    save_file(tensors, target, metadata={FORMAT: text, DIGEST: _digest(text, tensors)})
+
+
+def test_corrupted_and_truncated_files_are_refused(saved, tmp_path):
+    model, path, data = saved
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x40
+    cases = {
+        "flipped.safetensors": (bytes(flipped), "checksum does not match"),
+        "truncated.safetensors": (data[: len(data) - 100], "truncated or corrupted"),
+        "header_only.safetensors": (data[:40], "truncated or corrupted"),
+        "pickle.pt": (b"\x80\x04\x95" + bytes(64), "not a readable safetensors file"),
+    }
+    for name, (content, message) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(CacheFileError, match=message):
+            PagedCache.load(tmp_path / name, model.config)
+        assert (tmp_path / name).read_bytes() == content
+    save_file({"x": torch.zeros(2)}, tmp_path / "other.safetensors")
+    with pytest.raises(CacheFileError, match="without a PagedCache header"):
+        PagedCache.load(tmp_path / "other.safetensors", model.config)
+    assert path.read_bytes() == data
+
+
+def test_a_newer_file_format_is_refused(saved, tmp_path):
+    model, path, _data = saved
+    _rewrite_header(path, tmp_path / "v2.safetensors", lambda header: header.update(version=2))
+    with pytest.raises(CacheFileError, match="format version 2.*reads version 1"):
+        PagedCache.load(tmp_path / "v2.safetensors", model.config)
+
+
+def test_an_unknown_policy_class_is_not_imported(saved, tmp_path):
+    model, path, _data = saved
+
+    def rename(header):
+        header["options"]["eviction"]["class"] = "os.system"
+
+    _rewrite_header(path, tmp_path / "policy.safetensors", rename)
+    with pytest.raises(CacheFileError, match="'os.system', a class that is not imported"):
+        PagedCache.load(tmp_path / "policy.safetensors", model.config)
+
+
+@pytest.mark.parametrize(
+    "other, message",
+    [
+        ("mistral_sliding", "a 'llama' model with 2 layers, but the config is of a 'mistral' model"),
+        ("llama_mqa", "layer 0 stores 2 KV heads of size 16 in the file, but this config has \\(1, 16\\)"),
+        ("qwen2_sliding", "'llama' model with 2 layers, but the config is of a 'qwen2' model with 3 layers"),
+    ],
+)
+def test_another_models_config_is_refused(saved, other, message):
+    _model_, path, data = saved
+    with pytest.raises(CacheFileError, match=message):
+        PagedCache.load(path, _model(other).config)
+    assert path.read_bytes() == data
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"block_size": 16}, "saved with block_size=4 but the options give block_size=16"),
+        ({"quant": "int4"}, "quant='int8' but the options give quant='int4'"),
+        ({"residual_length": 8}, "residual_length=4 but the options give residual_length=8"),
+        ({"eviction": SnapKV(budget=8, sinks=2, window=4)}, "eviction=H2O.*but the options give eviction=SnapKV"),
+        ({"eviction": H2O(budget=12, sinks=2, window=4)}, "eviction=H2O\\(budget=8.*give eviction=H2O\\(budget=12"),
+        ({"dtype": torch.float16}, "dtype=None but the options give dtype=torch.float16"),
+        ({"evict_every": 2}, "evict_every=None but the options give evict_every=2"),
+    ],
+)
+def test_mismatched_options_are_refused(saved, options, message):
+    model, path, data = saved
+    with pytest.raises(CacheFileError, match=message + ".*load with"):
+        PagedCache.load(path, model.config, **options)
+    full = dataclasses.replace(PagedCache.load(path, model.config).options, **options)
+    with pytest.raises(CacheFileError, match=message):
+        PagedCache.load(path, model.config, full)
+    assert path.read_bytes() == data
+
+
+def test_a_device_this_machine_lacks_needs_the_device_option(saved, tmp_path):
+    model, path, _data = saved
+
+    def move(header):
+        for layer in header["layers"]:
+            layer["device"] = "cuda:99"
+
+    _rewrite_header(path, tmp_path / "moved.safetensors", move)
+    with pytest.raises(CacheFileError, match="layers.0 was saved on cuda:99, which this machine lacks: load with"):
+        PagedCache.load(tmp_path / "moved.safetensors", model.config)
+    loaded = PagedCache.load(tmp_path / "moved.safetensors", model.config, device="cpu")
+    assert loaded.options.device == torch.device("cpu") and loaded.layers[0].key_blocks.device.type == "cpu"
+
+
+def test_bad_load_arguments(saved):
+    model, path, _data = saved
+    with pytest.raises(TypeError, match="unknown option\\(s\\) \\['blocksize'\\]"):
+        PagedCache.load(path, model.config, blocksize=4)
+    with pytest.raises(ValueError, match="not both"):
+        PagedCache.load(path, model.config, PagedCacheConfig(block_size=4), device="cpu")
+    with pytest.raises(ValueError, match="`num_blocks` must be a positive int"):
+        PagedCache.load(path, model.config, num_blocks=0)
+    with pytest.raises(FileNotFoundError):
+        PagedCache.load(path.with_name("missing.safetensors"), model.config)
+
+
+def test_saving_mid_step_is_refused_and_writes_nothing(tmp_path):
+    model, cache, _ids = _prefilled("plain")
+    states = torch.zeros(1, 2, 1, 16)
+    cache.update(states, states, 0)  # layer 0 wrote the next step, layer 1 has not: a forward in progress
+    before = cache_state(cache)
+    with pytest.raises(RuntimeError, match="middle of a forward step"):
+        cache.save(tmp_path / "cache.safetensors")
+    assert cache_state(cache) == before and os.listdir(tmp_path) == []
+
+
+def test_a_failed_save_keeps_the_earlier_file(tmp_path, monkeypatch):
+    model, cache, _ids = _prefilled("plain")
+    path = tmp_path / "cache.safetensors"
+    cache.save(path)
+    data = path.read_bytes()
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("hf_paged_cache.persistence.save_file", fail)
+    with pytest.raises(OSError, match="disk full"):
+        cache.save(path)
+    assert path.read_bytes() == data and os.listdir(tmp_path) == ["cache.safetensors"]
+
+
+# ---------------------------------------------------------------------------------------------- the real model
+@pytest.mark.slow
+@needs_wheel
+def test_smollm2_int4_cache_continues_exactly_after_loading(tmp_path):
+    """SmolLM2-135M: a quantized prompt cache (int4, sealed blocks and a full-precision residual) saved, loaded
+    and continued gives the saved cache's logits bit for bit."""
+    model, tokenizer = load_smollm2(attn_implementation="paged")
+    ids = tokenizer(" ".join(PROMPTS) * 4, return_tensors="pt")["input_ids"]
+    original = PagedCache(model.config, quant="int4", residual_length=32)
+    _forward(model, original, ids[:, :64])
+    _forward(model, original, ids[:, 64:-1])  # seals the blocks older than the residual window
+    original.save(tmp_path / "smollm2.safetensors")
+    loaded = PagedCache.load(tmp_path / "smollm2.safetensors", model.config)
+    assert loaded.metrics().quantized_tokens > 0 and _comparable(loaded) == _comparable(original)
+    expected, got = _continue(model, original, ids[:, -1:]), _continue(model, loaded, ids[:, -1:])
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
