@@ -380,3 +380,28 @@ def test_smollm2_int4_cache_continues_exactly_after_loading(tmp_path):
     assert loaded.metrics().quantized_tokens > 0 and _comparable(loaded) == _comparable(original)
     expected, got = _continue(model, original, ids[:, -1:]), _continue(model, loaded, ids[:, -1:])
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_forks_share_with_and_identical_rows_round_trip(tmp_path):
+    """A saved fork (its own rows only), a `share_with` cache and a batch of identical rows continue with the
+    same tokens after loading (a fork's file holds only the blocks it references)."""
+    model = _model("llama_gqa")
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    parent = PagedCache(model.config, block_size=4)
+    _forward(model, parent, ids[:, :PREFIX])
+    fork = parent.fork()
+    _forward(model, fork, ids[:, PREFIX : PREFIX + 2])
+    shared = PagedCache(model.config, block_size=4, share_with={1: 0})
+    _forward(model, shared, ids[:, :PREFIX])
+    twins = PagedCache(model.config, block_size=4)
+    _forward(model, twins, ids[:, :PREFIX].expand(3, -1))
+    assert twins.metrics().shared_blocks > 0
+    for index, (cache, rest) in enumerate([(fork, ids[:, PREFIX + 2 :]), (shared, ids[:, PREFIX:]),
+                                           (twins, ids[:, PREFIX:].expand(3, -1))]):  # fmt: skip
+        path = tmp_path / f"{index}.safetensors"
+        cache.save(path)
+        loaded = PagedCache.load(path, model.config)
+        assert loaded.metrics().blocks_used <= cache.metrics().blocks_used
+        expected, got = _continue(model, cache, rest), _continue(model, loaded, rest)
+        assert [t[:, -1].argmax(-1).tolist() for t in expected] == [t[:, -1].argmax(-1).tolist() for t in got]
