@@ -10,6 +10,8 @@ Cache spec syntax (one string per configuration, as given on the command line):
     paged:attn=paged             the "paged" attention, reading K/V in place from the blocks
     paged:attn=paged,eviction=h2o,budget=64,decay=0.99
                                  token eviction: a policy of `POLICIES`, with its own options
+    paged:share_with=upper-half  cross-layer sharing: odd layers of the upper half read the layer below
+                                 (or explicit pairs, `share_with=12>11+14>13`)
     quantized:nbits=4            transformers' QuantizedCache (quanto backend, residual_length=128)
 
 `attn=NAME` works for every kind and selects the model's attention implementation for that run. Other
@@ -122,7 +124,19 @@ def _paged(model, options: dict):
             raise ValueError(f"eviction={name!r}: known policies are {', '.join(POLICIES)}")
         own = {entry.name for entry in fields(POLICIES[name])} - {entry.name for entry in fields(PagedCacheConfig)}
         options["eviction"] = POLICIES[name](**{key: options.pop(key) for key in list(options) if key in own})
+    if isinstance(options.get("share_with"), str):
+        options["share_with"] = _share_with(options["share_with"], model.config.get_text_config().num_hidden_layers)
     return PagedCache(model.config, **options)
+
+
+def _share_with(text: str, layers: int) -> dict[int, int]:
+    """`share_with=upper-half` (each odd layer of the upper half reads the layer below it) or `12>11+14>13`."""
+    if text == "upper-half":
+        return {layer: layer - 1 for layer in range(layers // 2 + 1, layers, 2)}
+    try:
+        return {int(reader): int(source) for reader, source in (pair.split(">") for pair in text.split("+"))}
+    except ValueError:
+        raise ValueError(f"share_with={text!r}: use upper-half or READER>SOURCE pairs joined by '+', e.g. 12>11+14>13")
 
 
 def _quantized(model, options: dict):
