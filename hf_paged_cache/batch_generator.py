@@ -236,7 +236,7 @@ class BatchGenerator:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.cache is None:
-                request.cache = self.template.fork()
+                request.cache = self.template.sibling()
                 if self.prefix_cache is not None:
                     request.fed = request.output.prefix_hit_tokens = self.prefix_cache.attach(
                         request.cache, request.output.prompt_ids)  # fmt: skip

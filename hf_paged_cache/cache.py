@@ -339,6 +339,18 @@ class PagedCache(Cache):
         self._check_between_steps("fork")
         if not self.options.sharing:
             return self._independent_copy({})
+        return self._twin()
+
+    def sibling(self) -> PagedCache:
+        """An empty cache with the same options in the same pools and storage (what the batch generator gives
+        each request): blocks any of them frees serve the others. Pools are shared even with `sharing=False`,
+        which concerns the blocks' contents."""
+        self._check_between_steps("fork")
+        twin = self._twin()
+        twin.reset()
+        return twin
+
+    def _twin(self) -> PagedCache:
         twin = self.__class__.__new__(self.__class__)  # not copy.copy: that would run __setstate__'s pool rebuild
         twin.__dict__.update(self.__dict__)
         twin.groups = {name: group.fork() for name, group in self.groups.items()}

@@ -83,7 +83,7 @@ def test_a_prefix_hit_gives_the_logits_of_a_cold_run():
     generator = BatchGenerator(model, max_new_tokens=1, block_size=4, num_blocks=40)
     generator.add_request(first)
     generator.run()
-    cache = generator.template.fork()
+    cache = generator.template.sibling()
     assert generator.prefix_cache.attach(cache, second) == 16
     with torch.no_grad():
         hit = model(input_ids=torch.tensor([second[16:]]), cache=cache).logits
@@ -128,6 +128,17 @@ def test_admission_waits_for_free_blocks_and_metrics_track_it():
     assert max(m.running for m in generator.history) < 4  # not all four fit in 16 blocks at once
     assert all(0.0 <= m.usage_ratio <= 1.0 and 0.0 < m.batch_efficiency <= 1.0 for m in generator.history)
     assert generator.history[-1].finished == 4
+
+
+def test_sharing_off_still_serves_from_one_pool():
+    model = _model("llama_gqa")
+    prompts = _prompts((14, 14, 14), seed=9)
+    generator = BatchGenerator(model, max_new_tokens=4, block_size=4, num_blocks=10, sharing=False)
+    for prompt in prompts:
+        generator.add_request(prompt)
+    outputs = generator.run()
+    assert generator.prefix_cache is None and all(len(o.generated_tokens) == 4 for o in outputs)
+    assert max(m.running for m in generator.history) < 3  # admission saw the one pool fill up
 
 
 def test_seeded_sampling_is_reproducible():
