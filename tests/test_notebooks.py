@@ -16,7 +16,8 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("
 
 
 def test_the_notebooks_are_found():
-    assert {"01_quickstart", "02_quantization", "03_eviction", "04_memory"} <= {path.stem for path in NOTEBOOKS}
+    expected = {"01_quickstart", "02_quantization", "03_eviction", "04_memory", "05_serving"}
+    assert expected <= {path.stem for path in NOTEBOOKS}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
