@@ -91,7 +91,7 @@ class BatchMetrics:
     blocks_total: int
     kv_bytes: int  # bytes of the blocks in use (every pool of the family)
     shared_blocks: int
-    prompt_tokens: int  # of the requests admitted so far
+    prompt_tokens: int  # of the requests admitted so far (cached or computed)
     prefix_hit_tokens: int
     stalled: int  # running requests that waited this step for blocks
 
@@ -154,6 +154,7 @@ class BatchGenerator:
         self._next_id = 0
         self._started = time.perf_counter()
         self._done = 0
+        self._admitted_prompt_tokens = 0
         self._progress = None
 
     # ------------------------------------------------------------------ requests
@@ -248,6 +249,7 @@ class BatchGenerator:
                     continue
                 break
             self.running.append(self.waiting.popleft())
+            self._admitted_prompt_tokens += len(request.output.prompt_ids)
             batch.append((request, q))
             budget -= q
         return batch, stalled
@@ -317,7 +319,7 @@ class BatchGenerator:
             blocks_used=metrics.blocks_used + metrics.quantized_blocks_used,
             blocks_total=metrics.blocks_total + metrics.quantized_blocks_total, kv_bytes=metrics.used_bytes,
             shared_blocks=metrics.shared_blocks,
-            prompt_tokens=stats.prompt_tokens if stats else sum(len(r.output.prompt_ids) for r in self.running),
+            prompt_tokens=self._admitted_prompt_tokens,
             prefix_hit_tokens=stats.hit_tokens if stats else 0, stalled=stalled,
         ))  # fmt: skip
 
