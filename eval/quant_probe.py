@@ -41,8 +41,8 @@ SIDE = re.compile(r"([KV])([24])([ct])(\d+)(s8)?((?:\+rot|\+clip)*)")
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """Orthonormal Walsh-Hadamard transform of the last dim (a power of two); its own inverse."""
     d = x.shape[-1]
-    for _ in range(int(math.log2(d))):
-        a, b = x.unflatten(-1, (2, d // 2)).unbind(-2)
+    for _ in range(int(math.log2(d))):  # pairs of neighbours: after log2(d) rounds, Sylvester's ordering
+        a, b = x.unflatten(-1, (d // 2, 2)).unbind(-1)
         x = torch.cat([a + b, a - b], -1)
     return x / math.sqrt(d)
 
