@@ -47,10 +47,19 @@ Bytes per token per KV head vs float16 (2 * head_dim bytes) at head_dim 64, bloc
     IntN(4, "channel", 1) strict        (32 + 4*64/16) / 128    = 0.375x  (0.313x)
     IntN(2, "token") values, g=64       (16 + 4) / 128          = 0.156x  (0.156x)
     IntN(2, "channel") keys, default    (16 + 4) / 128          = 0.156x  (0.156x: c=2)
+    IntN(4, "channel", 1, scale_bits=8)  (32 + 3*65/16) / 128   = 0.345x  (0.298x)
+    IntN(2, "channel", 1, scale_bits=8)  (16 + 3*65/16) / 128   = 0.220x  (0.173x)
 A float16 (scale, zero) pair per 64 elements (1/32 of float16) is what the 0.28x (int4) / 0.16x (int2)
 budgets allow, so that is the IntN default: value groups of 64 channels of one token, key groups of
 ceil(64 / block_size) channels over the block's tokens (4 at block 16, 2 at 32, strict per-channel from
 64). Strict per-channel keys cost 4 * head_dim bytes per block: 16 bytes per token at block 16.
+
+The specs "int4", "int2" and K<b>V<b> nevertheless quantize keys strictly per channel, with 8-bit scales
+(a uint8 number of steps of a float16 unit per block and KV head, `IntN.scale_bits`): on SmolLM2-135M a
+scale shared by even 2 adjacent key channels costs 2-bit keys +134% perplexity against +16% for one per
+channel (eval/quant_probe.py), and through the cache int2 went from +164% to +10.7%, int4 from +0.97% to
++0.44% (docs/BENCHMARKS.md). Keys + values at head dim 64: int2 0.188x at block 16 (0.164x at 32), int4
+0.313x (0.289x at 32, 0.277x at 64).
 """
 
 from __future__ import annotations
@@ -565,8 +574,7 @@ _SPEC_CHOICES = "'int8', 'int4', 'int2', 'fp8', 'fp8_e4m3', 'fp8_e5m2', or 'K<bi
 
 
 def _key_format(bits: int) -> QuantFormat:
-    # Strict per-channel keys (8-bit scales keep them near the byte budget): sharing a scale between
-    # channels costs int2 +271% and int4 +7% perplexity in docs/BENCHMARKS.md's probe, one channel +16% / +1.8%.
+    # Strict per-channel keys, 8-bit scales keeping int2 within 0.19x: see the module docstring.
     return Int8() if bits == 8 else IntN(bits, axis="channel", group_size=1, scale_bits=8)
 
 

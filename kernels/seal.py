@@ -13,6 +13,9 @@ Exactness against ``fmt.quantize`` (``hf_paged_cache.quantization``), the refere
   landed on the wrong side -- torch's ``nextafter``, done here as +-1 on the float16 bit pattern.
   Every float32 operation before that is the same correctly rounded one (divisions use ``div_rn``: a
   plain ``/`` compiles to the approximate ``div.full.f32``).
+* 8-bit scales (``SCALE_BITS`` 8): the unit is the largest exact scale / 255 rounded up to float16 as
+  above, each scale ``ceil(exact / unit)`` with a correctly rounded division; the decoded scale
+  ``steps * unit`` is exact in float32, so these are bit-identical too.
 * Codes are then computed from the stored float16 metadata exactly as the reference does: correctly
   rounded division, round-half-to-even (by adding and subtracting 1.5 * 2**23, since libdevice's
   ``rint`` is unavailable in the interpreter), clamping; fp8 codes are rounded to nearest-even onto the
