@@ -172,14 +172,14 @@ def greedy(model, cache, logits: torch.Tensor, steps: int) -> list[int]:
     return tokens
 
 
-def answer(model, policy, prompt: dict, aware: bool, new_tokens: int) -> tuple[list[int], int]:
+def answer(model, policy, prompt: dict, aware: bool, new_tokens: int, quant: str | None) -> tuple[list[int], int]:
     """Greedy answer tokens and the tokens per layer the cache held when the answer started.
 
     Question-aware: context + question in one forward, compressed right after it. Question-agnostic:
     the context alone is prefilled and compressed, then the question is fed one token per forward,
     as decode steps that never evict (a multi-token forward would be compressed again after it, with
-    scores that have seen the question)."""
-    cache = new_cache(model, policy, evict_every=NEVER)
+    scores that have seen the question). `quant`: the cache's format (None: full precision)."""
+    cache = new_cache(model, policy, evict_every=NEVER, quant=quant)
     if aware:
         logits = forward(model, cache, prompt["context"] + prompt["question"])
     else:
@@ -200,7 +200,7 @@ def task_passkey(model, encode, ids: torch.Tensor, args) -> dict:
         results = []
         for prompt in prompts:
             policy = make_policy(name, int(args.passkey_ratio * len(prompt["context"])), args)
-            tokens, held = answer(model, policy, prompt, framing != "agnostic", args.new_tokens)  # full: one forward
+            tokens, held = answer(model, policy, prompt, framing != "agnostic", args.new_tokens, args.quant)
             reply = encode.decode(tokens)
             results.append({"policy": name, "framing": framing or "-", "length": prompt["length"],
                             "context_tokens": len(prompt["context"]), "depth": prompt["depth"],
@@ -217,7 +217,7 @@ def task_passkey(model, encode, ids: torch.Tensor, args) -> dict:
         rows.append(row)
         print(f"  {name} {framing or ''}: {row['correct']}/{row['trials']} in {row['seconds']:.1f} s", flush=True)
     print(f"\n(b) passkey retrieval: budget {args.passkey_ratio:.0%} of the context, {args.trials} trial(s) per cell, "
-          f"greedy {args.new_tokens} tokens")  # fmt: skip
+          f"greedy {args.new_tokens} tokens, KV {args.quant or 'full precision'}")  # fmt: skip
     common.print_table(rows, [("policy", "policy", ""), ("framing", "framing", "")]
                        + [(f"{l}@{d:.0%}", f"{l}@{d:.0%}", "") for l, d in cells]
                        + [("correct", "correct", "d"), ("accuracy", "acc", ".2f"), ("seconds", "s", ".1f")])  # fmt: skip
@@ -378,6 +378,7 @@ def main(argv: list[str] | None = None) -> dict:
         sizes.add_argument(f"--{name.replace('_', '-')}", type=type(full[0] if many else full),
                            nargs="+" if many else None, help=f"{full} / {quick}")  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=6, help="greedy tokens of a passkey answer")
+    parser.add_argument("--quant", metavar="SPEC", help="passkey: quantize every cache (e.g. int2; default: none)")
     common.add_text_arguments(parser)
     args = parser.parse_args(argv)
 

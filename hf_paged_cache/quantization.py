@@ -47,10 +47,19 @@ Bytes per token per KV head vs float16 (2 * head_dim bytes) at head_dim 64, bloc
     IntN(4, "channel", 1) strict        (32 + 4*64/16) / 128    = 0.375x  (0.313x)
     IntN(2, "token") values, g=64       (16 + 4) / 128          = 0.156x  (0.156x)
     IntN(2, "channel") keys, default    (16 + 4) / 128          = 0.156x  (0.156x: c=2)
+    IntN(4, "channel", 1, scale_bits=8)  (32 + 3*65/16) / 128   = 0.345x  (0.298x)
+    IntN(2, "channel", 1, scale_bits=8)  (16 + 3*65/16) / 128   = 0.220x  (0.173x)
 A float16 (scale, zero) pair per 64 elements (1/32 of float16) is what the 0.28x (int4) / 0.16x (int2)
 budgets allow, so that is the IntN default: value groups of 64 channels of one token, key groups of
 ceil(64 / block_size) channels over the block's tokens (4 at block 16, 2 at 32, strict per-channel from
 64). Strict per-channel keys cost 4 * head_dim bytes per block: 16 bytes per token at block 16.
+
+The specs "int4", "int2" and K<b>V<b> nevertheless quantize keys strictly per channel, with 8-bit scales
+(a uint8 number of steps of a float16 unit per block and KV head, `IntN.scale_bits`): on SmolLM2-135M a
+scale shared by even 2 adjacent key channels costs 2-bit keys +134% perplexity against +16% for one per
+channel (eval/quant_probe.py), and through the cache int2 went from +164% to +10.7%, int4 from +0.97% to
++0.44% (docs/BENCHMARKS.md). Keys + values at head dim 64: int2 0.188x at block 16 (0.164x at 32), int4
+0.313x (0.289x at 32, 0.277x at 64).
 """
 
 from __future__ import annotations
@@ -81,7 +90,8 @@ FieldSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 BlockIds = Union[Tensor, Sequence[int]]
 
 _FP16_MAX = torch.finfo(torch.float16).max
-_META_DTYPE = torch.float16  # dtype of every scale and zero point
+_META_DTYPE = torch.float16  # dtype of every scale and zero point (but 8-bit scales, see `IntN.scale_bits`)
+_SCALE_STEPS = 255  # the largest 8-bit scale, in units
 
 
 # --------------------------------------------------------------------------------------------------
@@ -145,19 +155,33 @@ def _nonzero(scale: Tensor) -> Tensor:
     return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
-def _affine_encode(x: Tensor, dims: tuple[int, ...], bits: int) -> tuple[Tensor, Tensor, Tensor]:
+def _affine_encode(
+    x: Tensor, dims: tuple[int, ...], bits: int, unit_dims: tuple[int, ...] | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Asymmetric `bits`-bit codes of float32 `x`, one (scale, zero) per slice reduced over `dims`.
 
     x ~= zero + scale * code, code in [0, 2**bits - 1]; zero is the slice minimum rounded down to
     float16 and scale covers [zero, max] rounded up, so |error| <= scale / 2. Scale and zero keep the
     reduced dims (size 1) for broadcasting.
+
+    With `unit_dims`, scales are stored in 8 bits: `steps` (uint8) times a float16 `unit` shared over
+    `unit_dims` (the largest scale / 255, rounded up), `steps` = ceil(exact scale / unit). The product is
+    exact in float32 (8 x 11 significant bits), so any implementation decodes the same scale. Returns
+    (codes, scale, zero, unit): `scale` is then the uint8 steps and `unit` the float16 unit, else None.
     """
     levels = (1 << bits) - 1
     x = x.clamp(-_FP16_MAX, _FP16_MAX)
     zero = _fp16_down(x.amin(dim=dims, keepdim=True))
-    scale = _fp16_up((x.amax(dim=dims, keepdim=True) - zero.float()) / levels)
-    codes = torch.round((x - zero.float()) / _nonzero(scale)).clamp_(0, levels).to(torch.uint8)
-    return codes, scale, zero
+    exact = (x.amax(dim=dims, keepdim=True) - zero.float()) / levels
+    if unit_dims is None:
+        scale, unit = _fp16_up(exact), None
+        value = scale.float()
+    else:
+        unit = _fp16_up(exact.amax(dim=unit_dims, keepdim=True) / _SCALE_STEPS)
+        scale = torch.ceil(exact / _nonzero(unit)).clamp_(0, _SCALE_STEPS).to(torch.uint8)
+        value = scale.float() * unit.float()
+    codes = torch.round((x - zero.float()) / _nonzero(value)).clamp_(0, levels).to(torch.uint8)
+    return codes, scale, zero, unit
 
 
 def _absmax_scale(x: Tensor, dims: tuple[int, ...], qmax: float) -> Tensor:
@@ -184,7 +208,9 @@ class KernelFormat:
       e4m3fn / e5m2): their uint8 bit patterns, x = scale * code; `qmax` is the largest finite value.
 
     Metadata is float16: one scale (and zero point) per `group` adjacent channels of a KV head, per
-    token (`per_token`) or per block (then shared by all of the block's tokens).
+    token (`per_token`) or per block (then shared by all of the block's tokens). `scale_bits` 8 (integer
+    codes with a zero point, per block only): scales are uint8 numbers of steps of a float16 unit stored
+    after the KV head's zero points (the zero field holds groups + 1 values, see `IntN`).
     """
 
     bits: int
@@ -193,6 +219,7 @@ class KernelFormat:
     qmax: float
     per_token: bool
     group: int
+    scale_bits: int = 16
 
 
 # --------------------------------------------------------------------------------------------------
@@ -348,6 +375,13 @@ class IntN(QuantFormat):
     `axis="channel"` (KIVI keys): one (scale, zero) per (KV head, `group_size` adjacent channels) over all
     tokens of a block. Needs the full block. `group_size=1` is KIVI's strict per-channel.
 
+    `scale_bits=8` ("channel" only): each scale is a uint8 number of steps of a float16 unit shared by the
+    KV head's groups in the block (the largest scale / 255, rounded up), so a strict per-channel key costs
+    3 bytes of metadata per channel and block instead of 4, plus the unit. Zero points stay float16: they
+    carry the channels' offsets, which 8 bits would blur. The unit is stored after the zero points, in
+    `zero[..., groups]` (`scale[..., groups]` is then unused), so both fields share their strides.
+    Rounding the scale up to a whole step costs at most one step (<= 1/255 of the largest scale).
+
     Default `group_size` (None): the fewest channels, dividing head_dim, such that one (scale, zero) pair
     covers at least `ELEMENTS_PER_SCALE` = 64 elements, so metadata costs at most 1/32 of float16:
     "token": 64 channels (head_dim if smaller); "channel": ceil(64 / block_size) channels, i.e. 4 at
@@ -356,12 +390,14 @@ class IntN(QuantFormat):
     but cost 0.281x instead of 0.375x; per-token keys at the same cost are worse still (0.21).
 
     Fields per block: codes uint8 [block, heads, head_dim * bits / 8]; scale, zero float16
-    [block, heads, head_dim / group] ("token") or [heads, head_dim / group] ("channel").
+    [block, heads, head_dim / group] ("token") or [heads, head_dim / group] ("channel"); with 8-bit
+    scales, scale uint8 and zero float16 [heads, head_dim / group + 1].
     Cost vs float16, head_dim 64, block 16 (per token: codes + 4 bytes per (scale, zero) pair):
       token, default g=64: int4 (32 + 4) / 128 = 0.281x, int2 (16 + 4) / 128 = 0.156x
       token g=32:          int4 (32 + 8) / 128 = 0.313x, int2 (16 + 8) / 128 = 0.188x
       channel, default c=4: int4 (32 + 4 * 16 / 16) / 128 = 0.281x, int2 0.156x  (block 32, c=2: same)
       channel c=1:          int4 (32 + 4 * 64 / 16) / 128 = 0.375x, int2 0.250x  (block 32: 0.313x, 0.188x)
+      channel c=1, 8-bit scales: int2 (16 + 3 * 65 / 16) / 128 = 0.220x  (block 32: 0.173x, 64: 0.149x)
     """
 
     ELEMENTS_PER_SCALE = 64
@@ -369,6 +405,7 @@ class IntN(QuantFormat):
     bits: int = 4
     axis: str = "token"
     group_size: int | None = None
+    scale_bits: int = 16
 
     def __post_init__(self) -> None:
         if self.bits not in (2, 4):
@@ -379,6 +416,11 @@ class IntN(QuantFormat):
             isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1
         ):
             raise ValueError(f"IntN group_size must be a positive int or None, got {self.group_size!r}")
+        if self.scale_bits not in (8, 16) or (self.scale_bits == 8 and self.axis != "channel"):
+            raise ValueError(
+                f"IntN scale_bits must be 16, or 8 with axis='channel' (one unit per block and KV head), got "
+                f"{self.scale_bits!r} with axis={self.axis!r}"
+            )
 
     @property
     def needs_full_block(self) -> bool:  # type: ignore[override]
@@ -399,17 +441,16 @@ class IntN(QuantFormat):
 
     def fields(self, block_size: int, kv_heads: int, head_dim: int) -> FieldSpec:
         groups = head_dim // self.group(head_dim, block_size)
+        codes = ((block_size, kv_heads, head_dim * self.bits // 8), torch.uint8)
+        if self.scale_bits == 8:  # one more slot per head: the unit, after the zero points
+            return {"codes": codes, "scale": ((kv_heads, groups + 1), torch.uint8), "zero": ((kv_heads, groups + 1), _META_DTYPE)}
         meta_shape = (block_size, kv_heads, groups) if self.axis == "token" else (kv_heads, groups)
-        return {
-            "codes": ((block_size, kv_heads, head_dim * self.bits // 8), torch.uint8),
-            "scale": (meta_shape, _META_DTYPE),
-            "zero": (meta_shape, _META_DTYPE),
-        }
+        return {"codes": codes, "scale": (meta_shape, _META_DTYPE), "zero": (meta_shape, _META_DTYPE)}
 
     def kernel_format(self, block_size: int, head_dim: int) -> KernelFormat:
         return KernelFormat(
             bits=self.bits, exponent_bits=0, zero_point=True, qmax=float((1 << self.bits) - 1),
-            per_token=self.axis == "token", group=self.group(head_dim, block_size),
+            per_token=self.axis == "token", group=self.group(head_dim, block_size), scale_bits=self.scale_bits,
         )  # fmt: skip
 
     def _encode(self, x: Tensor) -> dict[str, Tensor]:
@@ -418,15 +459,21 @@ class IntN(QuantFormat):
         block_size = x.shape[1] if self.axis == "channel" else 1
         grouped = x.unflatten(-1, (-1, self.group(x.shape[-1], block_size)))  # [..., heads, groups, group]
         dims = (-1,) if self.axis == "token" else (1, -1)
-        codes, scale, zero = _affine_encode(grouped, dims, self.bits)
+        codes, scale, zero, unit = _affine_encode(grouped, dims, self.bits, (-2,) if self.scale_bits == 8 else None)
         if self.axis == "channel":
             scale, zero = scale.squeeze(1), zero.squeeze(1)
-        return {"codes": pack_codes(codes.flatten(-2), self.bits), "scale": scale.squeeze(-1), "zero": zero.squeeze(-1)}
+        scale, zero = scale.squeeze(-1), zero.squeeze(-1)  # [..., heads, groups]
+        if unit is not None:  # the unit goes after the zero points (see the class docstring)
+            zero = torch.cat([zero, unit.reshape(*zero.shape[:-1], 1)], -1)
+            scale = torch.cat([scale, scale.new_zeros(*scale.shape[:-1], 1)], -1)
+        return {"codes": pack_codes(codes.flatten(-2), self.bits), "scale": scale, "zero": zero}
 
     def _decode(self, fields: dict[str, Tensor]) -> Tensor:
         packed = fields["codes"]
         codes = unpack_codes(packed, self.bits, _head_major_float(packed, packed.shape[-1] * 8 // self.bits))
         scale, zero = fields["scale"], fields["zero"]  # [n, (block,) heads, groups]
+        if self.scale_bits == 8:  # steps x unit, the unit after the zero points
+            scale, zero = scale[..., :-1].float() * zero[..., -1:].float(), zero[..., :-1]
         if self.axis == "channel":
             scale, zero = scale.unsqueeze(1), zero.unsqueeze(1)
         if 1 < scale.shape[-1] < codes.shape[-1]:  # several groups: expand the (small) metadata per channel
@@ -527,7 +574,8 @@ _SPEC_CHOICES = "'int8', 'int4', 'int2', 'fp8', 'fp8_e4m3', 'fp8_e5m2', or 'K<bi
 
 
 def _key_format(bits: int) -> QuantFormat:
-    return Int8() if bits == 8 else IntN(bits, axis="channel")
+    # Strict per-channel keys, 8-bit scales keeping int2 within 0.19x: see the module docstring.
+    return Int8() if bits == 8 else IntN(bits, axis="channel", group_size=1, scale_bits=8)
 
 
 def _value_format(bits: int) -> QuantFormat:

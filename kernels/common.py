@@ -292,11 +292,13 @@ def attend_quantized_range(
     K_ZERO_POINT: tl.constexpr,
     K_PER_TOKEN: tl.constexpr,
     K_GROUP: tl.constexpr,
+    K_SCALE_BITS: tl.constexpr,
     V_BITS: tl.constexpr,
     V_EXPONENT_BITS: tl.constexpr,
     V_ZERO_POINT: tl.constexpr,
     V_PER_TOKEN: tl.constexpr,
     V_GROUP: tl.constexpr,
+    V_SCALE_BITS: tl.constexpr,
 ):
     """``attend_key_range`` over quantized keys ``[key_lo, key_hi)``: tiles are dequantized in registers.
 
@@ -310,13 +312,13 @@ def attend_quantized_range(
         k = load_quantized_tile(
             k_codes, k_scales, k_zeros, table_ptr, start, key_hi, block_id, tok, valid,
             stride_kcode_block, stride_kcode_tok, stride_kmeta_block, stride_kmeta_tok,
-            K_BITS, K_EXPONENT_BITS, K_ZERO_POINT, K_PER_TOKEN, K_GROUP,
+            K_BITS, K_EXPONENT_BITS, K_ZERO_POINT, K_PER_TOKEN, K_GROUP, K_SCALE_BITS,
             BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_DTYPE,
         )  # fmt: skip
         v = load_quantized_tile(
             v_codes, v_scales, v_zeros, table_ptr, start, key_hi, block_id, tok, valid,
             stride_vcode_block, stride_vcode_tok, stride_vmeta_block, stride_vmeta_tok,
-            V_BITS, V_EXPONENT_BITS, V_ZERO_POINT, V_PER_TOKEN, V_GROUP,
+            V_BITS, V_EXPONENT_BITS, V_ZERO_POINT, V_PER_TOKEN, V_GROUP, V_SCALE_BITS,
             BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_DTYPE,
         )  # fmt: skip
         acc, m_i, l_i = online_softmax_step(
@@ -379,11 +381,13 @@ def attend_stored_keys(
     K_ZERO_POINT: tl.constexpr,
     K_PER_TOKEN: tl.constexpr,
     K_GROUP: tl.constexpr,
+    K_SCALE_BITS: tl.constexpr,
     V_BITS: tl.constexpr,
     V_EXPONENT_BITS: tl.constexpr,
     V_ZERO_POINT: tl.constexpr,
     V_PER_TOKEN: tl.constexpr,
     V_GROUP: tl.constexpr,
+    V_SCALE_BITS: tl.constexpr,
 ):
     """Fold stored keys ``[key_lo, key_hi)`` of (row, kv_head) into the state: the kernels' one entry point.
 
@@ -407,8 +411,8 @@ def attend_stored_keys(
             stride_kcode_block, stride_kcode_tok, stride_kmeta_block, stride_kmeta_tok,
             stride_vcode_block, stride_vcode_tok, stride_vmeta_block, stride_vmeta_tok,
             scale, softcap, window, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_SOFTCAP, DOT_DTYPE,
-            K_BITS, K_EXPONENT_BITS, K_ZERO_POINT, K_PER_TOKEN, K_GROUP,
-            V_BITS, V_EXPONENT_BITS, V_ZERO_POINT, V_PER_TOKEN, V_GROUP,
+            K_BITS, K_EXPONENT_BITS, K_ZERO_POINT, K_PER_TOKEN, K_GROUP, K_SCALE_BITS,
+            V_BITS, V_EXPONENT_BITS, V_ZERO_POINT, V_PER_TOKEN, V_GROUP, V_SCALE_BITS,
         )  # fmt: skip
         acc, m_i, l_i = attend_key_range(
             acc, m_i, l_i, q, q_pos - quant_len, tl.maximum(key_lo, quant_len) - quant_len, key_hi - quant_len,

@@ -13,6 +13,7 @@ a run of adjacent bytes, so these loads vectorize; no register de-interleaving i
 
 Metadata is loaded at its own granularity -- ``[tokens, groups]`` per token, ``[blocks of the tile, groups]``
 per block -- and broadcast over the tile in the multiply (``apply_meta``), never gathered element by element.
+8-bit scales (``SCALE_BITS`` 8) are multiplied by their block's float16 unit once, at that granularity.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ def load_quantized_tile(
     ZERO_POINT: tl.constexpr,
     PER_TOKEN: tl.constexpr,
     GROUP: tl.constexpr,
+    SCALE_BITS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -120,7 +122,7 @@ def load_quantized_tile(
     The tile holds stored indices ``start + arange(BLOCK_N)``; those ``>= key_hi`` read as 0. ``block_id``
     (int64), ``tok`` and ``valid`` are each token's quantized block, offset in it, and ``< key_hi``.
     ``codes_ptr`` / ``scales_ptr`` / ``zeros_ptr`` point at the KV head's slice of the pool (zeros only with
-    ZERO_POINT). BITS ... GROUP: the format's constants (``quantized.format_constexprs``). ``start`` must be
+    ZERO_POINT). BITS ... SCALE_BITS: the format's constants (``quantized.format_constexprs``). ``start`` must be
     a multiple of BLOCK_N: the tile is then NB whole blocks of TB tokens, or lies inside one block (NB = 1),
     and per-block metadata is read once per block of the tile.
     Dequantization runs in float32 (x = scale * code (+ zero)), rounded once to DOT_DTYPE.
@@ -147,7 +149,10 @@ def load_quantized_tile(
     offs_g = tl.arange(0, GROUPS)
     meta_offs = rows[:, None] + offs_g[None, :]
     meta_mask = rows_valid[:, None] & (offs_g < NUM_GROUPS)[None, :]
-    scale = tl.load(scales_ptr + meta_offs, mask=meta_mask, other=0.0).to(tl.float32)
+    scale = tl.load(scales_ptr + meta_offs, mask=meta_mask, other=0).to(tl.float32)
+    if SCALE_BITS == 8:  # uint8 steps of the float16 unit stored after the zero points (per block only)
+        unit = tl.load(zeros_ptr + rows + NUM_GROUPS, mask=rows_valid, other=0.0).to(tl.float32)
+        scale = scale * unit[:, None]  # exact: 8 x 11 significant bits
     if ZERO_POINT:
         zero = tl.load(zeros_ptr + meta_offs, mask=meta_mask, other=0.0).to(tl.float32)
     else:

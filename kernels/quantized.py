@@ -10,7 +10,7 @@ and causal masks and sliding windows use ``s`` exactly as without quantization.
 The storage formats are those of ``hf_paged_cache.quantization`` (codes, float16 scales and zero points per
 block, ``[num_qblocks, *fmt.fields(...)]`` per field). Each format declares how the kernels see it, its
 ``KernelFormat`` (``fmt.kernel_format``); its fields become constexprs of the kernels (``BITS``,
-``EXPONENT_BITS``, ``ZERO_POINT``, ``QMAX``, ``PER_TOKEN``, ``GROUP``: see ``format_constexprs``) prefixed
+``EXPONENT_BITS``, ``ZERO_POINT``, ``QMAX``, ``PER_TOKEN``, ``GROUP``, ``SCALE_BITS``: see ``format_constexprs``) prefixed
 ``K_`` / ``V_``, so key and value formats make compile-time variants independently (``K4V2`` is one kernel
 variant, not a runtime branch). Nothing here or in the kernels names a format class.
 
@@ -63,7 +63,8 @@ def _is_power_of_two(n: int) -> bool:
 def _check_encoding(fmt: QuantFormat, kernel_format: KernelFormat, block_size: int, head_dim: int) -> None:
     """``kernel_format`` must be an encoding the JIT code implements (see ``KernelFormat``), codes stored
     in the dtype it reads them as."""
-    codes_dtype = fmt.fields(block_size, 1, head_dim)["codes"][1]
+    spec = fmt.fields(block_size, 1, head_dim)
+    codes_dtype, scale_dtype = spec["codes"][1], spec["scale"][1]
     bits, exponent_bits, zero_point = kernel_format.bits, kernel_format.exponent_bits, kernel_format.zero_point
     if exponent_bits:  # float8 bit patterns
         supported = bits == 8 and exponent_bits <= 5 and not zero_point and codes_dtype == torch.uint8
@@ -71,11 +72,16 @@ def _check_encoding(fmt: QuantFormat, kernel_format: KernelFormat, block_size: i
         supported = bits in (2, 4, 8) and codes_dtype == torch.uint8
     else:  # signed whole bytes
         supported = bits == 8 and codes_dtype == torch.int8
+    if kernel_format.scale_bits == 8:  # uint8 steps of a unit stored after the zero points, per block
+        supported &= zero_point and not kernel_format.per_token and scale_dtype == torch.uint8
+    else:
+        supported &= kernel_format.scale_bits == 16 and scale_dtype == torch.float16
     if not supported or kernel_format.qmax <= 0:
         raise ValueError(
-            f"no kernel variant for {fmt!r}: {kernel_format} with {codes_dtype} codes is not an encoding the "
-            "kernels implement (uint8 float8 bit patterns; unsigned 2, 4 or 8-bit integers in uint8 with a zero "
-            "point; int8 integers without)"
+            f"no kernel variant for {fmt!r}: {kernel_format} with {codes_dtype} codes and {scale_dtype} scales is "
+            "not an encoding the kernels implement (uint8 float8 bit patterns; unsigned 2, 4 or 8-bit integers in "
+            "uint8 with a zero point; int8 integers without; float16 scales, or uint8 ones per block with a zero "
+            "point)"
         )
 
 

@@ -13,6 +13,9 @@ Exactness against ``fmt.quantize`` (``hf_paged_cache.quantization``), the refere
   landed on the wrong side -- torch's ``nextafter``, done here as +-1 on the float16 bit pattern.
   Every float32 operation before that is the same correctly rounded one (divisions use ``div_rn``: a
   plain ``/`` compiles to the approximate ``div.full.f32``).
+* 8-bit scales (``SCALE_BITS`` 8): the unit is the largest exact scale / 255 rounded up to float16 as
+  above, each scale ``ceil(exact / unit)`` with a correctly rounded division; the decoded scale
+  ``steps * unit`` is exact in float32, so these are bit-identical too.
 * Codes are then computed from the stored float16 metadata exactly as the reference does: correctly
   rounded division, round-half-to-even (by adding and subtracting 1.5 * 2**23, since libdevice's
   ``rint`` is unavailable in the interpreter), clamping; fp8 codes are rounded to nearest-even onto the
@@ -159,13 +162,14 @@ def quantize_tile(
     QMAX: tl.constexpr,
     PER_TOKEN: tl.constexpr,
     GROUP: tl.constexpr,
+    SCALE_BITS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """Quantize one block of one KV head: ``src_ptr`` -> its block's codes / scales (/ zeros) slices.
 
-    BITS ... GROUP: the format's constants (``quantized.format_constexprs``)."""
+    BITS ... SCALE_BITS: the format's constants (``quantized.format_constexprs``)."""
     NUM_GROUPS: tl.constexpr = HEAD_DIM // GROUP
     tok = tl.arange(0, BLOCK_SIZE)[:, None]
     offs_d = tl.arange(0, BLOCK_D)[None, :]
@@ -181,12 +185,19 @@ def quantize_tile(
         low = group_stat(tl.where(d_mask, x, float("inf")), "min", PER_TOKEN, GROUP, NUM_GROUPS)
         high = group_stat(tl.where(d_mask, x, float("-inf")), "max", PER_TOKEN, GROUP, NUM_GROUPS)
         zero = fp16_down(low)
-        scale = fp16_up(tl.math.div_rn(high - zero, QMAX))
+        exact = tl.math.div_rn(high - zero, QMAX)
         tl.store(zeros_ptr + meta_ptrs, zero.to(tl.float16), mask=meta_mask)
+        if SCALE_BITS == 8:  # uint8 steps of a float16 unit (per block: meta_ptrs is offs_g), stored after the zeros
+            unit = fp16_up(tl.math.div_rn(tl.max(tl.where(meta_mask, exact, 0.0), axis=1, keep_dims=True), 255.0))
+            steps = tl.ceil(tl.math.div_rn(exact, tl.where(unit == 0.0, 1.0, unit)))
+            tl.store(scales_ptr + meta_ptrs, tl.minimum(tl.maximum(steps, 0.0), 255.0).to(tl.uint8), mask=meta_mask)
+            tl.store(zeros_ptr + NUM_GROUPS + offs_g, unit.to(tl.float16), mask=offs_g == 0)
+            tl.store(scales_ptr + NUM_GROUPS + offs_g, tl.zeros_like(offs_g).to(tl.uint8), mask=offs_g == 0)
+        else:
+            tl.store(scales_ptr + meta_ptrs, fp16_up(exact).to(tl.float16), mask=meta_mask)
     else:  # codes -QMAX .. QMAX over [-absmax, absmax]
         absmax = group_stat(tl.where(d_mask, tl.abs(x), 0.0), "max", PER_TOKEN, GROUP, NUM_GROUPS)
-        scale = fp16_up(tl.math.div_rn(absmax, QMAX))
-    tl.store(scales_ptr + meta_ptrs, scale.to(tl.float16), mask=meta_mask)
+        tl.store(scales_ptr + meta_ptrs, fp16_up(tl.math.div_rn(absmax, QMAX)).to(tl.float16), mask=meta_mask)
     tl.debug_barrier()  # the metadata just stored is read back below, by other threads
 
     # 2. Codes, one plane of the planar packing at a time: byte j holds channels j, j + BYTES, ...
@@ -198,7 +209,9 @@ def quantize_tile(
         channel = plane * BYTES + offs_d
         xp = tl.load(src_ptr + tok * stride_src_tok + channel, mask=byte_mask, other=0.0).to(tl.float32)
         plane_meta = (tok * stride_meta_tok if PER_TOKEN else 0) + channel // GROUP
-        plane_scale = tl.load(scales_ptr + plane_meta, mask=byte_mask, other=1.0).to(tl.float32)
+        plane_scale = tl.load(scales_ptr + plane_meta, mask=byte_mask, other=1).to(tl.float32)
+        if SCALE_BITS == 8:
+            plane_scale = plane_scale * tl.load(zeros_ptr + NUM_GROUPS).to(tl.float32)
         plane_scale = tl.where(plane_scale == 0.0, 1.0, plane_scale)  # scale 0: every code is 0 (as in torch)
         if ZERO_POINT:
             plane_zero = tl.load(zeros_ptr + plane_meta, mask=byte_mask, other=0.0).to(tl.float32)
@@ -245,12 +258,14 @@ def _quantize_blocks_kernel(
     K_QMAX: tl.constexpr,
     K_PER_TOKEN: tl.constexpr,
     K_GROUP: tl.constexpr,
+    K_SCALE_BITS: tl.constexpr,
     V_BITS: tl.constexpr,
     V_EXPONENT_BITS: tl.constexpr,
     V_ZERO_POINT: tl.constexpr,
     V_QMAX: tl.constexpr,
     V_PER_TOKEN: tl.constexpr,
     V_GROUP: tl.constexpr,
+    V_SCALE_BITS: tl.constexpr,
 ):
     """Grid (num_blocks, num_kv_heads): block ``src_blocks[i]`` of the cache -> ``dst_blocks[i]`` of the pools."""
     i = tl.program_id(0)
@@ -263,7 +278,7 @@ def _quantize_blocks_kernel(
         k_codes + dst * stride_kcode_block + head * stride_kcode_head, k_scales + k_meta,
         k_zeros + k_meta if K_ZERO_POINT else k_zeros,
         stride_kcode_tok, stride_kmeta_tok,
-        K_BITS, K_EXPONENT_BITS, K_ZERO_POINT, K_QMAX, K_PER_TOKEN, K_GROUP,
+        K_BITS, K_EXPONENT_BITS, K_ZERO_POINT, K_QMAX, K_PER_TOKEN, K_GROUP, K_SCALE_BITS,
         BLOCK_SIZE, HEAD_DIM, BLOCK_D,
     )  # fmt: skip
     v_meta = dst * stride_vmeta_block + head * stride_vmeta_head
@@ -272,7 +287,7 @@ def _quantize_blocks_kernel(
         v_codes + dst * stride_vcode_block + head * stride_vcode_head, v_scales + v_meta,
         v_zeros + v_meta if V_ZERO_POINT else v_zeros,
         stride_vcode_tok, stride_vmeta_tok,
-        V_BITS, V_EXPONENT_BITS, V_ZERO_POINT, V_QMAX, V_PER_TOKEN, V_GROUP,
+        V_BITS, V_EXPONENT_BITS, V_ZERO_POINT, V_QMAX, V_PER_TOKEN, V_GROUP, V_SCALE_BITS,
         BLOCK_SIZE, HEAD_DIM, BLOCK_D,
     )  # fmt: skip
 

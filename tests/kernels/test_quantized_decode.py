@@ -95,7 +95,7 @@ def test_a_format_declares_its_own_kernel_constants(generator, randn):
     """A format class the kernels have never seen, of an encoding they know, gets its constexprs from its own
     ``kernel_format`` and decodes like its reference: no kernel change."""
     assert format_constexprs(Int8PerHead(), 16, 64) == dict(
-        BITS=8, EXPONENT_BITS=0, ZERO_POINT=False, QMAX=127.0, PER_TOKEN=False, GROUP=64
+        BITS=8, EXPONENT_BITS=0, ZERO_POINT=False, QMAX=127.0, PER_TOKEN=False, GROUP=64, SCALE_BITS=16
     )
     formats = KVFormat(Int8PerHead(), IntN(4, "token"))
     paged = QuantizedPagedKV(rows_for(16), 2, 64, 16, torch.float16, formats, generator)
@@ -111,6 +111,13 @@ def test_an_encoding_the_kernels_lack_is_refused():
 
     with pytest.raises(ValueError, match=r"FP4\(\).*not an encoding the kernels implement"):
         format_constexprs(FP4(), 16, 64)
+
+    class TokenScales8(IntN):  # 8-bit scales need a per-block unit: per-token metadata has none
+        def kernel_format(self, block_size, head_dim):
+            return dataclasses.replace(super().kernel_format(block_size, head_dim), scale_bits=8)
+
+    with pytest.raises(ValueError, match=r"TokenScales8.*not an encoding the kernels implement"):
+        format_constexprs(TokenScales8(4, "token"), 16, 64)
 
 
 def test_unsupported_format_names_it():
