@@ -6,11 +6,13 @@ import functools
 
 import pytest
 import torch
+from test_smollm2 import PROMPTS, needs_wheel
 from tiny_models import MODELS_BY_NAME, VOCAB
 from transformers import DynamicCache
 
 from hf_paged_cache import PagedCache, StreamingLLM
 from hf_paged_cache.batch_generator import BatchConfig, BatchGenerator, generate_batch
+from hf_paged_cache.smollm2 import load_smollm2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NEW = 6
@@ -156,3 +158,23 @@ def test_bad_knobs_and_unsupported_models_fail_clearly():
     model = _model("gpt_neox")  # calls update() without attention kwargs
     with pytest.raises(RuntimeError, match="without attention kwargs"):
         generate_batch(model, _prompts((4,)), max_new_tokens=2)
+
+
+@pytest.mark.slow
+@needs_wheel
+def test_smollm2_batch_equals_one_by_one():
+    """SmolLM2-135M: three prompts of different lengths, packed with a small token budget (chunks mixed with
+    decode tokens), give the tokens of one-by-one `generate` with DynamicCache."""
+    model, tokenizer = load_smollm2()
+    prompts = [tokenizer(" ".join(PROMPTS[: n + 1]))["input_ids"] for n in range(3)]
+    outputs = generate_batch(model, prompts, max_new_tokens=8, do_sample=False, max_batch_tokens=24)
+    for prompt, output in zip(prompts, outputs):
+        assert output.generated_tokens == _alone_smollm2(model, prompt)
+
+
+def _alone_smollm2(model, prompt: list[int]) -> list[int]:
+    model.set_attn_implementation("sdpa")
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(), max_new_tokens=8,
+                         do_sample=False)  # fmt: skip
+    return out[0, len(prompt) :].tolist()
