@@ -1,0 +1,201 @@
+"""Swapping: a cache's blocks moved to a pool of host-memory blocks and back, bit for bit.
+
+Under memory pressure a scheduler can park a request instead of dropping its work: `SwapSpace.swap_out`
+copies every block the cache's rows hold (every layer; full-precision and quantized storage alike) into host
+blocks and drops the cache's references to the device blocks. A device block another cache also holds (a fork,
+a shared prefix) keeps its other references, and one the prefix cache remembers stays findable in the free
+queue until it is reused: only this cache's reference goes. While swapped, the rows' block lists point into
+the host pool (so `reset()` or dropping the cache frees host blocks); `swap_in` copies them back into fresh
+device blocks and the rows point to the device again. The host pool is one `BlockPool` per device pool, with
+its own free queue; its storage is pinned on CUDA (plain CPU tensors otherwise, the same code path). Copies are
+synchronous: on a CPU-only machine there is nothing to overlap them with.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from .block_pool import BlockPool
+from .cache import PagedCache
+from .rows import BlockList
+
+
+@dataclass
+class SwapStats:
+    """Traffic since the swap space was made: blocks and bytes each way, and the seconds the copies took."""
+
+    out_blocks: int = 0
+    out_bytes: int = 0
+    in_blocks: int = 0
+    in_bytes: int = 0
+    seconds: float = 0.0
+
+
+class _HostPool:
+    """Host blocks mirroring one device pool: a free queue and one host tensor per device storage tensor."""
+
+    def __init__(self, num_blocks: int, like: list[torch.Tensor]):
+        self.pool = BlockPool(num_blocks)
+        pin = any(tensor.is_cuda for tensor in like) and torch.cuda.is_available()
+        self.tensors = [torch.zeros((num_blocks + 1, *tensor.shape[1:]), dtype=tensor.dtype, pin_memory=pin)
+                        for tensor in like]  # fmt: skip
+        self.block_bytes = sum(tensor[0].numel() * tensor.element_size() for tensor in like)
+
+
+class SwapSpace:
+    """Host blocks for one family of caches (a template and its forks, which share pools and storage).
+
+    `num_blocks` host blocks are made per device pool when that pool is first swapped from (None: as many as
+    the device pool holds).
+    """
+
+    def __init__(self, template: PagedCache, num_blocks: int | None = None):
+        if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
+            raise ValueError(f"`swap_blocks` must be a positive int (host blocks per device pool), got {num_blocks!r}")
+        self.template = template
+        self.num_blocks = num_blocks
+        self.stats = SwapStats()
+        self._host: dict[int, _HostPool] = {}  # id(device pool) -> its host pool
+        self._swapped: weakref.WeakSet[PagedCache] = weakref.WeakSet()
+
+    def is_swapped(self, cache: PagedCache) -> bool:
+        return cache in self._swapped
+
+    # ------------------------------------------------------------------ demand
+    def out_demand(self, cache: PagedCache) -> int:
+        """Host blocks `swap_out(cache)` takes (each distinct device block once), summed over pools."""
+        return sum(len(ids) for ids in self._distinct(cache).values())
+
+    def can_swap_out(self, cache: PagedCache) -> bool:
+        """Whether the host pools hold every block of `cache` now."""
+        for (pool, _kind), ids in self._distinct(cache).items():
+            host = self._host.get(id(pool))
+            if len(ids) > (host.pool.num_free if host is not None else self._host_size(pool)):
+                return False
+        return True
+
+    def in_demand(self, cache: PagedCache) -> dict[BlockPool, int]:
+        """Device blocks per pool that `swap_in(cache)` takes."""
+        demand: dict[BlockPool, int] = {}
+        for (pool, _kind), ids in self._distinct(cache).items():
+            demand[pool] = demand.get(pool, 0) + len(ids)
+        return demand
+
+    def swap_bytes(self, cache: PagedCache) -> int:
+        """Bytes one swap of `cache` copies (either way)."""
+        return sum(len(ids) * _block_bytes(tensors) for (_pool, _kind), ids, tensors in self._fields(cache))
+
+    # ------------------------------------------------------------------ moves
+    def swap_out(self, cache: PagedCache) -> None:
+        """Copy every block of `cache` to host blocks and drop its device references (the caller checked
+        `can_swap_out`; a shortage raises before anything changes)."""
+        if self.is_swapped(cache):
+            raise ValueError("this cache is swapped out already")
+        cache._check_between_steps("swap out")
+        if not self.can_swap_out(cache):
+            raise ValueError(f"the host pool cannot take {self.out_demand(cache)} more blocks: raise `swap_blocks`")
+        started = time.perf_counter()
+        for (pool, kind), ids, tensors in self._fields(cache):
+            host = self._host_pool(pool, tensors)
+            mapping = dict(zip(ids, host.pool.allocate(len(ids))))
+            _copy(tensors, ids, host.tensors, list(mapping.values()))
+            self._move(cache, kind, pool, mapping, host.pool)
+            self.stats.out_blocks += len(ids)
+            self.stats.out_bytes += len(ids) * host.block_bytes
+        self._swapped.add(cache)
+        self.stats.seconds += time.perf_counter() - started
+
+    def swap_in(self, cache: PagedCache) -> None:
+        """Copy a swapped cache's blocks back into fresh device blocks (the caller checked `in_demand` against
+        the free blocks; a shortage raises before anything changes) and free its host blocks."""
+        if not self.is_swapped(cache):
+            raise ValueError("this cache is not swapped out")
+        for pool, count in self.in_demand(cache).items():
+            if count > pool.num_free:
+                raise ValueError(f"swapping in needs {count} free device blocks but only {pool.num_free} are free")
+        started = time.perf_counter()
+        for (pool, kind), host_ids, tensors in self._fields(cache):
+            host = self._host[id(pool)]
+            mapping = dict(zip(host_ids, pool.allocate(len(host_ids))))
+            _copy(host.tensors, host_ids, tensors, list(mapping.values()))
+            self._move(cache, kind, host.pool, mapping, pool)
+            self.stats.in_blocks += len(host_ids)
+            self.stats.in_bytes += len(host_ids) * host.block_bytes
+        self._swapped.discard(cache)
+        for group in cache.groups.values():
+            group.plan = None
+        self.stats.seconds += time.perf_counter() - started
+
+    # ------------------------------------------------------------------ helpers
+    def _distinct(self, cache: PagedCache) -> dict[tuple[BlockPool, str], list[int]]:
+        """Per (device pool, "blocks" / "quantized"): the distinct block ids the cache's rows hold, in order."""
+        found: dict[tuple[BlockPool, str], dict[int, None]] = {}
+        for group in cache.groups.values():
+            for kind, pool in (("blocks", group.pool), ("quantized", getattr(group, "qpool", None))):
+                for row in group.rows:
+                    blocks = getattr(row, kind)
+                    if blocks is not None and blocks.ids:
+                        found.setdefault((pool, kind), {}).update(dict.fromkeys(blocks.ids))
+        return {key: list(ids) for key, ids in found.items()}
+
+    def _fields(self, cache: PagedCache):
+        """(device pool, kind), its distinct ids in `cache`, and the storage tensors of every layer indexed by them."""
+        for (pool, kind), ids in self._distinct(cache).items():
+            yield (pool, kind), ids, self._tensors(cache, pool, kind)
+
+    @staticmethod
+    def _tensors(cache: PagedCache, pool: BlockPool, kind: str) -> list[torch.Tensor]:
+        """Every storage tensor indexed by ids of `pool` (the layers of forks share one storage)."""
+        tensors = []
+        for name, group in cache.groups.items():
+            if (group.pool if kind == "blocks" else getattr(group, "qpool", None)) is not pool:
+                continue
+            for layer in cache._members[name]:
+                if kind == "blocks":
+                    tensors += [layer.key_blocks, layer.value_blocks]
+                else:
+                    tensors += [*layer.qkey.values(), *layer.qvalue.values()]
+        return tensors
+
+    def _host_size(self, pool: BlockPool) -> int:
+        return self.num_blocks if self.num_blocks is not None else pool.num_blocks
+
+    def _host_pool(self, pool: BlockPool, tensors: list[torch.Tensor]) -> _HostPool:
+        if id(pool) not in self._host:
+            self._host[id(pool)] = _HostPool(self._host_size(pool), tensors)
+        return self._host[id(pool)]
+
+    @staticmethod
+    def _move(cache: PagedCache, kind: str, source: BlockPool, mapping: dict[int, int], target: BlockPool) -> None:
+        """Point every `kind` list of the cache's rows that holds ids of `source` at their `mapping` in `target`:
+        each list drops its references to the old blocks and holds one to the new (each new block was allocated
+        once, so the lists after the first that hold it take one more reference)."""
+        holders = Counter()
+        for group in cache.groups.values():
+            for row in group.rows:
+                blocks: BlockList | None = getattr(row, kind)
+                if blocks is None or blocks.pool is not source:
+                    continue
+                blocks.pool.free(blocks.ids)
+                fresh = [mapping[block] for block in blocks.ids]
+                target.fork([block for block in fresh if holders[block]])
+                holders.update(fresh)
+                blocks.pool = target
+                blocks.replace(fresh)
+
+
+def _block_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(tensor[0].numel() * tensor.element_size() for tensor in tensors)
+
+
+def _copy(sources: list[torch.Tensor], source_ids: list[int], targets: list[torch.Tensor], target_ids: list[int]) -> None:
+    """Block `source_ids[i]` of each source tensor into block `target_ids[i]` of the matching target tensor."""
+    for source, target in zip(sources, targets):
+        src = torch.tensor(source_ids, device=source.device)
+        dst = torch.tensor(target_ids, device=target.device)
+        target.index_copy_(0, dst, source.index_select(0, src).to(target.device))
