@@ -36,6 +36,7 @@ from .block_pool import BlockPool
 from .cache import PagedCache
 from .config import PagedCacheConfig
 from .layers import PagedLayer, SharedKVLayer
+from .pool_compaction import Fragmentation, compact, fragmentation
 from .prefix_cache import PrefixCache
 from .swap import SwapSpace
 
@@ -497,6 +498,13 @@ class BatchGenerator:
             swap_out_blocks=swap.out_blocks, swap_out_bytes=swap.out_bytes, swap_in_blocks=swap.in_blocks,
             swap_in_bytes=swap.in_bytes, swap_seconds=swap.seconds, recomputed_tokens=self.recomputed_tokens,
         ))  # fmt: skip
+
+    def compact(self, keep_free: int | None = None) -> tuple[dict[str, Fragmentation], dict[str, Fragmentation]]:
+        """Pack the blocks in use to the low end of every pool (`pool_compaction.compact`; with `keep_free`, shrink
+        each pool to its blocks in use plus that many). Returns the fragmentation before and after."""
+        before = fragmentation(self.template)
+        compact(self.template, self.prefix_cache, keep_free)
+        return before, fragmentation(self.template)
 
     def metrics(self) -> BatchMetrics | None:
         """The latest snapshot (None before the first step)."""

@@ -21,8 +21,17 @@ from dataclasses import dataclass
 import torch
 
 from .block_pool import BlockPool
+from .block_tables import BlockTables
 from .cache import PagedCache
 from .rows import BlockList
+
+
+KINDS = ("blocks", "quantized")  # a row's block lists: full precision (`Row.blocks`), sealed (`Row.quantized`)
+
+
+def group_pool(group: BlockTables, kind: str) -> BlockPool | None:
+    """The device pool of a group's `kind` of blocks (None: the group has no such blocks, or no pool yet)."""
+    return group.pool if kind == "blocks" else getattr(group, "qpool", None)
 
 
 @dataclass
@@ -136,7 +145,8 @@ class SwapSpace:
         """Per (device pool, "blocks" / "quantized"): the distinct block ids the cache's rows hold, in order."""
         found: dict[tuple[BlockPool, str], dict[int, None]] = {}
         for group in cache.groups.values():
-            for kind, pool in (("blocks", group.pool), ("quantized", getattr(group, "qpool", None))):
+            for kind in KINDS:
+                pool = group_pool(group, kind)
                 for row in group.rows:
                     blocks = getattr(row, kind)
                     if blocks is not None and blocks.ids:
@@ -146,21 +156,7 @@ class SwapSpace:
     def _fields(self, cache: PagedCache):
         """(device pool, kind), its distinct ids in `cache`, and the storage tensors of every layer indexed by them."""
         for (pool, kind), ids in self._distinct(cache).items():
-            yield (pool, kind), ids, self._tensors(cache, pool, kind)
-
-    @staticmethod
-    def _tensors(cache: PagedCache, pool: BlockPool, kind: str) -> list[torch.Tensor]:
-        """Every storage tensor indexed by ids of `pool` (the layers of forks share one storage)."""
-        tensors = []
-        for name, group in cache.groups.items():
-            if (group.pool if kind == "blocks" else getattr(group, "qpool", None)) is not pool:
-                continue
-            for layer in cache._members[name]:
-                if kind == "blocks":
-                    tensors += [layer.key_blocks, layer.value_blocks]
-                else:
-                    tensors += [*layer.qkey.values(), *layer.qvalue.values()]
-        return tensors
+            yield (pool, kind), ids, storage_tensors(cache, pool, kind)
 
     def _host_size(self, pool: BlockPool) -> int:
         return self.num_blocks if self.num_blocks is not None else pool.num_blocks
@@ -187,6 +183,21 @@ class SwapSpace:
                 holders.update(fresh)
                 blocks.pool = target
                 blocks.replace(fresh)
+
+
+def storage_tensors(cache: PagedCache, pool: BlockPool, kind: str) -> list[torch.Tensor]:
+    """Every storage tensor indexed by ids of `pool`: the full-precision K/V of its group's layers (`kind`
+    "blocks") or their quantized fields ("quantized"). The layers of a cache's forks share this storage."""
+    tensors = []
+    for name, group in cache.groups.items():
+        if group_pool(group, kind) is not pool:
+            continue
+        for layer in cache._members[name]:
+            if kind == "blocks":
+                tensors += [layer.key_blocks, layer.value_blocks]
+            else:
+                tensors += [*layer.qkey.values(), *layer.qvalue.values()]
+    return tensors
 
 
 def _block_bytes(tensors: list[torch.Tensor]) -> int:

@@ -6,6 +6,7 @@ import functools
 
 import pytest
 import torch
+from cache_state import stored_blocks
 from tiny_models import MODELS_BY_NAME, VOCAB
 
 from hf_paged_cache import PagedCache
@@ -24,18 +25,6 @@ def _model(name: str):
 def _feed(model, cache: PagedCache, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=torch.tensor([tokens]), cache=cache).logits[0, -1]
-
-
-def _contents(cache: PagedCache) -> list[torch.Tensor]:
-    """Every stored tensor of the cache's rows, in table order (full-precision and quantized)."""
-    out = []
-    for name, group in cache.groups.items():
-        for layer in cache._members[name]:
-            for row in group.rows:
-                out += [layer.key_blocks[row.blocks.ids].clone(), layer.value_blocks[row.blocks.ids].clone()]
-                if row.quantized is not None:
-                    out += [t[row.quantized.ids].clone() for t in (*layer.qkey.values(), *layer.qvalue.values())]
-    return out
 
 
 def _scribble(cache: PagedCache) -> None:
@@ -65,7 +54,7 @@ def test_swap_out_and_in_is_bit_exact_and_keeps_shared_blocks(name, options):
         _feed(model, cache, tokens[18:21])
     pools = [p for g in parent.groups.values() for p in (g.pool, getattr(g, "qpool", None)) if p is not None]
     used = [pool.num_used for pool in pools]
-    before, parent_before = _contents(child), _contents(parent)
+    before, parent_before = stored_blocks(child), stored_blocks(parent)
     space = SwapSpace(parent)
     expected_bytes = space.swap_bytes(child)
     space.swap_out(child)
@@ -73,10 +62,10 @@ def test_swap_out_and_in_is_bit_exact_and_keeps_shared_blocks(name, options):
     # Blocks the parent and the twin hold stay; only what the child alone held went back.
     assert all(pool.num_used <= count for pool, count in zip(pools, used))
     _scribble(parent)
-    assert all(torch.equal(a, b) for a, b in zip(_contents(parent), parent_before))
+    assert all(torch.equal(a, b) for a, b in zip(stored_blocks(parent), parent_before))
     space.swap_in(child)
     assert not space.is_swapped(child) and space.stats.in_blocks == space.stats.out_blocks
-    after = _contents(child)
+    after = stored_blocks(child)
     assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
     # Storage is bit-exact; the next logits may differ in the last bits only because the blocks now sit in other
     # runs (a contiguous view instead of a gather changes how reads are chunked).
