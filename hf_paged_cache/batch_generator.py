@@ -74,6 +74,8 @@ class BatchConfig:
             next block.
         swap_blocks: host blocks per device pool (None: as many as the device pool has).
         decay, size_weight: the weighted score's time decay per step and size weight.
+        compact_threshold: compact the pools (`pool_compaction.py`) after a step that leaves more than this share
+            of the ids below a pool's highest block in use free; None: only when `compact()` is called.
     """
 
     max_batch_tokens: int = 512
@@ -86,6 +88,7 @@ class BatchConfig:
     swap_blocks: int | None = None
     decay: float = 0.9
     size_weight: float = 1.0
+    compact_threshold: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_num_seqs"):
@@ -98,8 +101,10 @@ class BatchConfig:
         for name, allowed in (("preemption", PREEMPTION_MODES), ("victim_policy", VICTIM_POLICIES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.swap_threshold is not None and not 0.0 < self.swap_threshold <= 1.0:
-            raise ValueError(f"`swap_threshold` must be in (0, 1] (a share of the pool) or None, got {self.swap_threshold!r}")
+        for name in ("swap_threshold", "compact_threshold"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
+                raise ValueError(f"`{name}` must be in (0, 1] (a share of the pool) or None, got {value!r}")
         if not 0.0 < self.decay <= 1.0 or self.size_weight < 0:
             raise ValueError(f"`decay` must be in (0, 1] and `size_weight` >= 0, got {self.decay!r}, {self.size_weight!r}")
 
@@ -143,6 +148,8 @@ class BatchMetrics:
     swap_in_bytes: int = 0
     swap_seconds: float = 0.0  # time the steps stalled on swap copies so far (synchronous copies)
     recomputed_tokens: int = 0  # tokens computed again after recompute preemptions (prefix hits excluded)
+    fragmentation: float = 0.0  # the largest share of free ids below a pool's highest block in use
+    compactions: int = 0  # so far
 
     @property
     def usage_ratio(self) -> float:
@@ -208,6 +215,7 @@ class BatchGenerator:
         self.swapped: deque[_Request] = deque()  # preempted to host memory, oldest first
         self.preempted = {"swap": 0, "recompute": 0}
         self.recomputed_tokens = 0
+        self.compactions = 0
         self._forward_seconds = 0.0  # measured prefill / decode speed, for `auto` preemption
         self._forward_tokens = 0
         self.finished: deque[GenerationOutput] = deque()
@@ -282,7 +290,11 @@ class BatchGenerator:
             self._forward(batch)
             self._forward_seconds += time.perf_counter() - started
             self._forward_tokens += sum(q for _, q in batch)
-        self._record(sum(q for _, q in batch))
+        holes = _largest_hole_share(self.template)
+        if self.config.compact_threshold is not None and holes > self.config.compact_threshold:
+            self.compact()
+            holes = _largest_hole_share(self.template)
+        self._record(sum(q for _, q in batch), holes)
 
     def _schedule(self) -> list[tuple[_Request, int]]:
         """Running requests by priority (decode tokens before prompt chunks), each preempting the lowest-priority
@@ -481,7 +493,7 @@ class BatchGenerator:
         if self._progress is not None:
             self._progress.update(1)
 
-    def _record(self, scheduled: int) -> None:
+    def _record(self, scheduled: int, holes: float) -> None:
         metrics = self.template.metrics()
         stats = self.prefix_cache.stats if self.prefix_cache is not None else None
         swap = self.swap.stats
@@ -497,6 +509,7 @@ class BatchGenerator:
             preempted_swap=self.preempted["swap"], preempted_recompute=self.preempted["recompute"],
             swap_out_blocks=swap.out_blocks, swap_out_bytes=swap.out_bytes, swap_in_blocks=swap.in_blocks,
             swap_in_bytes=swap.in_bytes, swap_seconds=swap.seconds, recomputed_tokens=self.recomputed_tokens,
+            fragmentation=holes, compactions=self.compactions,
         ))  # fmt: skip
 
     def compact(self, keep_free: int | None = None) -> tuple[dict[str, Fragmentation], dict[str, Fragmentation]]:
@@ -504,6 +517,7 @@ class BatchGenerator:
         each pool to its blocks in use plus that many). Returns the fragmentation before and after."""
         before = fragmentation(self.template)
         compact(self.template, self.prefix_cache, keep_free)
+        self.compactions += 1
         return before, fragmentation(self.template)
 
     def metrics(self) -> BatchMetrics | None:
@@ -553,6 +567,10 @@ def _check_model(template: PagedCache) -> None:
                 "serves models whose layers are full or sliding-window attention; use `model.generate` with a "
                 "`PagedCache` for this model"
             )
+
+
+def _largest_hole_share(template: PagedCache) -> float:
+    return max((f.hole_share for f in fragmentation(template).values()), default=0.0)
 
 
 def _held_blocks(cache: PagedCache) -> int:

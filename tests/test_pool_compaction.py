@@ -6,7 +6,7 @@ import pytest
 from cache_state import stored_blocks
 from test_batch_generator import PRESSURE, _model, _prompts
 
-from hf_paged_cache.batch_generator import BatchGenerator
+from hf_paged_cache.batch_generator import BatchConfig, BatchGenerator
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,6 +44,19 @@ def test_compaction_packs_the_pool_and_changes_no_contents_or_outputs(options, k
         assert sum(outputs[i].prefix_hit_tokens for i in late) > 0
 
 
-def test_bad_keep_free_fails_clearly():
+def test_bad_compaction_knobs_fail_clearly():
     with pytest.raises(ValueError, match="keep_free"):
         _generator({}).compact(keep_free=-1)
+    with pytest.raises(ValueError, match="compact_threshold"):
+        BatchConfig(compact_threshold=0)
+
+
+def test_automatic_compaction_keeps_fragmentation_under_the_threshold():
+    expected = [o.generated_tokens for o in _generator({}).run()]
+    generator = _generator({"compact_threshold": 0.2})
+    assert [o.generated_tokens for o in generator.run()] == expected
+    assert generator.metrics().compactions > 0
+    assert all(m.fragmentation <= 0.2 for m in generator.history)
+    plain = _generator({})
+    plain.run()
+    assert max(m.fragmentation for m in plain.history) > 0.2 and plain.metrics().compactions == 0
