@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None) -> dict:
     tokens = encode(text)
     results = {"model": args.model, "text": source, "args": vars(args)}
     for workload in args.workloads:
-        results[workload] = {"mixed": mixed, "shared": shared, "capacity": capacity, "pressure": pressure}[workload](model, tokens, args)
+        run = {"mixed": mixed, "shared": shared, "capacity": capacity, "pressure": pressure}[workload]
+        results[workload] = run(model, tokens, args)
     common.write_json(f"{args.out}.json", results)
     return results
 

@@ -103,10 +103,13 @@ class BatchConfig:
                 raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}")
         for name in ("swap_threshold", "compact_threshold"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
+            share = not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value <= 1
+            if value is not None and not share:
                 raise ValueError(f"`{name}` must be in (0, 1] (a share of the pool) or None, got {value!r}")
         if not 0.0 < self.decay <= 1.0 or self.size_weight < 0:
-            raise ValueError(f"`decay` must be in (0, 1] and `size_weight` >= 0, got {self.decay!r}, {self.size_weight!r}")
+            raise ValueError(
+                f"`decay` must be in (0, 1] and `size_weight` >= 0, got {self.decay!r} and {self.size_weight!r}"
+            )
 
 
 @dataclass

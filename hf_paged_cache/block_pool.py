@@ -134,7 +134,8 @@ class BlockPool:
         matching; the free queue is rebuilt in id order, low ids first."""
         used = [block for block in range(1, self.num_blocks + 1) if self._ref[block]]
         targets = [mapping.get(block) for block in used]
-        if sorted(mapping) != used or len(set(targets)) != len(used) or not all(0 < t <= self.num_blocks for t in targets):
+        distinct = len(set(targets)) == len(used) and all(0 < target <= self.num_blocks for target in targets)
+        if sorted(mapping) != used or not distinct:
             raise ValueError("a remap must move every referenced block, and only those, to distinct ids of the pool")
         references = {target: self._ref[block] for block, target in zip(used, targets)}
         self._next[NULL_BLOCK] = self._prev[NULL_BLOCK] = NULL_BLOCK

@@ -88,7 +88,8 @@ def compact(template: PagedCache, prefix_cache: PrefixCache | None = None, keep_
         if moved:
             for tensor in storage_tensors(template, pool, kind):
                 src = torch.tensor(list(moved), device=tensor.device)
-                tensor.index_copy_(0, torch.tensor(list(moved.values()), device=tensor.device), tensor.index_select(0, src))
+                dst = torch.tensor(list(moved.values()), device=tensor.device)
+                tensor.index_copy_(0, dst, tensor.index_select(0, src))
         pool.remap(mapping)
         for cache in caches:
             for group in cache.groups.values():
@@ -98,8 +99,10 @@ def compact(template: PagedCache, prefix_cache: PrefixCache | None = None, keep_
                     if blocks is not None and blocks.pool is pool:
                         blocks.replace([mapping[block] for block in blocks.ids])
     if prefix_cache is not None:
-        prefix_cache.entries = {key: {name: (block, template.groups[name].pool.epoch(block)) for name, block in entry.items()}
-                                for key, entry in entries.items()}  # fmt: skip
+        prefix_cache.entries = {
+            key: {name: (block, template.groups[name].pool.epoch(block)) for name, block in entry.items()}
+            for key, entry in entries.items()
+        }
     for group, records in sealed.items():
         group.sealed_copies.clear()
         group.sealed_copies.update({block: (group.pool.epoch(block), copy, group.qpool.epoch(copy))

@@ -64,7 +64,8 @@ class SwapSpace:
     """
 
     def __init__(self, template: PagedCache, num_blocks: int | None = None):
-        if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
+        if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)
+                                       or num_blocks < 1):  # fmt: skip
             raise ValueError(f"`swap_blocks` must be a positive int (host blocks per device pool), got {num_blocks!r}")
         self.template = template
         self.num_blocks = num_blocks
@@ -204,7 +205,8 @@ def _block_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(tensor[0].numel() * tensor.element_size() for tensor in tensors)
 
 
-def _copy(sources: list[torch.Tensor], source_ids: list[int], targets: list[torch.Tensor], target_ids: list[int]) -> None:
+def _copy(sources: list[torch.Tensor], source_ids: list[int], targets: list[torch.Tensor],
+          target_ids: list[int]) -> None:  # fmt: skip
     """Block `source_ids[i]` of each source tensor into block `target_ids[i]` of the matching target tensor."""
     for source, target in zip(sources, targets):
         src = torch.tensor(source_ids, device=source.device)

@@ -202,7 +202,8 @@ def test_perplexity_script_smollm2(tmp_path):
 def test_serving_pressure_workload_tiny(tmp_path):
     out = tmp_path / "serving"
     _run("serving.py", "--model", "tiny-llama", "--workloads", "pressure", "--requests", "8", "--min-len", "20",
-         "--max-len", "120", "--new-tokens", "8", "--max-batch-tokens", "64", "--threads", "1", "--out", str(out))  # fmt: skip
+         "--max-len", "120", "--new-tokens", "8", "--max-batch-tokens", "64", "--threads", "1",
+         "--out", str(out))  # fmt: skip
     rows = json.loads(out.with_suffix(".json").read_text())["pressure"]
     assert [row["system"] for row in rows][0] == "unconstrained" and len(rows) == 5
     assert all(row["identical"] == 8 and row["tokens_per_s"] > 0 for row in rows)
