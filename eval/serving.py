@@ -11,7 +11,7 @@ Workloads (greedy, prompts cut from a public-domain text at different offsets):
 - pressure (issue 14; not run by default): the mixed prompts with the pool sized for --pressure (a share) of
   their total demand (every request's prompt and new tokens in blocks of 16) against an unconstrained pool:
   tokens/s, identical outputs, preemptions, swap traffic each way, stall time and recomputed tokens for swap
-  with LRU victims, swap with the weighted score, recompute-only, and auto.
+  with LRU victims, swap with the weighted score, recompute-only, auto, and swap with fp8 host copies.
 - capacity: KV bytes per running request with the model's dtype and with int4 blocks (measured at the
   last step with the most requests running), so the requests that fit in one pool compare.
 
@@ -154,6 +154,7 @@ PRESSURE_SYSTEMS = (
     ("swap, weighted victims", {"preemption": "swap", "victim_policy": "weighted"}),
     ("recompute only", {"preemption": "recompute"}),
     ("auto (cheaper by estimate), LRU", {"preemption": "auto"}),
+    ("swap, LRU, fp8 host copies", {"preemption": "swap", "swap_compression": "fp8"}),
 )
 
 

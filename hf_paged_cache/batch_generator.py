@@ -73,6 +73,8 @@ class BatchConfig:
             (and admit or swap in only while it stays below); None: preempt only when a request cannot get its
             next block.
         swap_blocks: host blocks per device pool (None: as many as the device pool has).
+        swap_compression: a `quant` format ("fp8", "int4", ...) for host copies of full-precision blocks: fewer
+            host bytes and less copy traffic, at a small quality cost (they come back close, not bit-exact).
         decay, size_weight: the weighted score's time decay per step and size weight.
         compact_threshold: compact the pools (`pool_compaction.py`) after a step that leaves more than this share
             of the ids below a pool's highest block in use free; None: only when `compact()` is called.
@@ -86,6 +88,7 @@ class BatchConfig:
     victim_policy: str = "lru"
     swap_threshold: float | None = None
     swap_blocks: int | None = None
+    swap_compression: str | None = None
     decay: float = 0.9
     size_weight: float = 1.0
     compact_threshold: float | None = None
@@ -212,7 +215,7 @@ class BatchGenerator:
         self.sliding = [layer.is_sliding for layer in self.template.layers]
         cacheable = self.config.prefix_caching and self.template.options.sharing and PrefixCache.supports(self.template)
         self.prefix_cache = PrefixCache(self.template) if cacheable else None
-        self.swap = SwapSpace(self.template, self.config.swap_blocks)
+        self.swap = SwapSpace(self.template, self.config.swap_blocks, self.config.swap_compression)
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.swapped: deque[_Request] = deque()  # preempted to host memory, oldest first

@@ -23,6 +23,7 @@ import torch
 from .block_pool import BlockPool
 from .block_tables import BlockTables
 from .cache import PagedCache
+from .quantization import QuantFormat, parse_kv_format
 from .rows import BlockList
 
 
@@ -46,29 +47,59 @@ class SwapStats:
 
 
 class _HostPool:
-    """Host blocks mirroring one device pool: a free queue and one host tensor per device storage tensor."""
+    """Host blocks mirroring one device pool: a free queue and, per device storage tensor, a host tensor (or the
+    fields of its compressed format, `formats[i]` not None)."""
 
-    def __init__(self, num_blocks: int, like: list[torch.Tensor]):
+    def __init__(self, num_blocks: int, like: list[torch.Tensor], formats: list[QuantFormat | None]):
         self.pool = BlockPool(num_blocks)
+        self.formats = formats
         pin = any(tensor.is_cuda for tensor in like) and torch.cuda.is_available()
-        self.tensors = [torch.zeros((num_blocks + 1, *tensor.shape[1:]), dtype=tensor.dtype, pin_memory=pin)
-                        for tensor in like]  # fmt: skip
-        self.block_bytes = sum(tensor[0].numel() * tensor.element_size() for tensor in like)
+        self.slots = []
+        for tensor, fmt in zip(like, formats):
+            if fmt is None:
+                slot = torch.zeros((num_blocks + 1, *tensor.shape[1:]), dtype=tensor.dtype)
+                self.slots.append(slot.pin_memory() if pin else slot)
+            else:
+                fields = fmt.allocate(num_blocks + 1, *tensor.shape[1:])
+                self.slots.append({name: field.pin_memory() if pin else field for name, field in fields.items()})
+        self.block_bytes = _block_bytes(like, formats)
+
+    def store(self, tensors: list[torch.Tensor], device_ids: list[int], host_ids: list[int]) -> None:
+        """Device blocks `device_ids` of each storage tensor into host blocks `host_ids` (compressed if asked)."""
+        for tensor, slot, fmt in zip(tensors, self.slots, self.formats):
+            blocks = tensor.index_select(0, torch.tensor(device_ids, device=tensor.device))
+            if fmt is None:
+                slot.index_copy_(0, torch.tensor(host_ids), blocks.cpu())
+            else:
+                fmt.quantize(blocks, slot, host_ids)
+
+    def load(self, tensors: list[torch.Tensor], host_ids: list[int], device_ids: list[int]) -> None:
+        """Host blocks `host_ids` back into device blocks `device_ids` of each storage tensor."""
+        for tensor, slot, fmt in zip(tensors, self.slots, self.formats):
+            ids = torch.tensor(host_ids)
+            blocks = slot.index_select(0, ids) if fmt is None else fmt.dequantize(slot, ids, tensor.dtype)
+            tensor.index_copy_(0, torch.tensor(device_ids, device=tensor.device), blocks.to(tensor.device))
 
 
 class SwapSpace:
     """Host blocks for one family of caches (a template and its forks, which share pools and storage).
 
     `num_blocks` host blocks are made per device pool when that pool is first swapped from (None: as many as
-    the device pool holds).
+    the device pool holds). `compression` (a `quant` format: "fp8", "int4", ...) stores full-precision blocks
+    compressed on the host, so they return close to, not equal to, what they were; already-quantized blocks
+    always move as they are.
     """
 
-    def __init__(self, template: PagedCache, num_blocks: int | None = None):
+    def __init__(self, template: PagedCache, num_blocks: int | None = None, compression: str | None = None):
         if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)
                                        or num_blocks < 1):  # fmt: skip
             raise ValueError(f"`swap_blocks` must be a positive int (host blocks per device pool), got {num_blocks!r}")
         self.template = template
         self.num_blocks = num_blocks
+        try:
+            self.compression = parse_kv_format(compression) if compression is not None else None
+        except ValueError as error:
+            raise ValueError(f"`swap_compression`: {error}") from None
         self.stats = SwapStats()
         self._host: dict[int, _HostPool] = {}  # id(device pool) -> its host pool
         self._swapped: weakref.WeakSet[PagedCache] = weakref.WeakSet()
@@ -97,8 +128,9 @@ class SwapSpace:
         return demand
 
     def swap_bytes(self, cache: PagedCache) -> int:
-        """Bytes one swap of `cache` copies (either way)."""
-        return sum(len(ids) * _block_bytes(tensors) for (_pool, _kind), ids, tensors in self._fields(cache))
+        """Host bytes one swap of `cache` copies (either way; compressed blocks count their compressed bytes)."""
+        return sum(len(ids) * _block_bytes(tensors, self._formats(kind, tensors))
+                   for (_pool, kind), ids, tensors in self._fields(cache))  # fmt: skip
 
     # ------------------------------------------------------------------ moves
     def swap_out(self, cache: PagedCache) -> None:
@@ -111,9 +143,9 @@ class SwapSpace:
             raise ValueError(f"the host pool cannot take {self.out_demand(cache)} more blocks: raise `swap_blocks`")
         started = time.perf_counter()
         for (pool, kind), ids, tensors in self._fields(cache):
-            host = self._host_pool(pool, tensors)
+            host = self._host_pool(pool, kind, tensors)
             mapping = dict(zip(ids, host.pool.allocate(len(ids))))
-            _copy(tensors, ids, host.tensors, list(mapping.values()))
+            host.store(tensors, ids, list(mapping.values()))
             self._move(cache, kind, pool, mapping, host.pool)
             self.stats.out_blocks += len(ids)
             self.stats.out_bytes += len(ids) * host.block_bytes
@@ -132,7 +164,7 @@ class SwapSpace:
         for (pool, kind), host_ids, tensors in self._fields(cache):
             host = self._host[id(pool)]
             mapping = dict(zip(host_ids, pool.allocate(len(host_ids))))
-            _copy(host.tensors, host_ids, tensors, list(mapping.values()))
+            host.load(tensors, host_ids, list(mapping.values()))
             self._move(cache, kind, host.pool, mapping, pool)
             self.stats.in_blocks += len(host_ids)
             self.stats.in_bytes += len(host_ids) * host.block_bytes
@@ -162,10 +194,17 @@ class SwapSpace:
     def _host_size(self, pool: BlockPool) -> int:
         return self.num_blocks if self.num_blocks is not None else pool.num_blocks
 
-    def _host_pool(self, pool: BlockPool, tensors: list[torch.Tensor]) -> _HostPool:
+    def _host_pool(self, pool: BlockPool, kind: str, tensors: list[torch.Tensor]) -> _HostPool:
         if id(pool) not in self._host:
-            self._host[id(pool)] = _HostPool(self._host_size(pool), tensors)
+            self._host[id(pool)] = _HostPool(self._host_size(pool), tensors, self._formats(kind, tensors))
         return self._host[id(pool)]
+
+    def _formats(self, kind: str, tensors: list[torch.Tensor]) -> list[QuantFormat | None]:
+        """The host format of each storage tensor: compressed full-precision keys and values (`storage_tensors`
+        lists them key, value per layer), everything else as it is."""
+        if self.compression is None or kind != "blocks":
+            return [None] * len(tensors)
+        return [self.compression.key if index % 2 == 0 else self.compression.value for index in range(len(tensors))]
 
     @staticmethod
     def _move(cache: PagedCache, kind: str, source: BlockPool, mapping: dict[int, int], target: BlockPool) -> None:
@@ -188,7 +227,8 @@ class SwapSpace:
 
 def storage_tensors(cache: PagedCache, pool: BlockPool, kind: str) -> list[torch.Tensor]:
     """Every storage tensor indexed by ids of `pool`: the full-precision K/V of its group's layers (`kind`
-    "blocks") or their quantized fields ("quantized"). The layers of a cache's forks share this storage."""
+    "blocks"; key, value per layer) or their quantized fields ("quantized"). The layers of a cache's forks share
+    this storage."""
     tensors = []
     for name, group in cache.groups.items():
         if group_pool(group, kind) is not pool:
@@ -201,14 +241,7 @@ def storage_tensors(cache: PagedCache, pool: BlockPool, kind: str) -> list[torch
     return tensors
 
 
-def _block_bytes(tensors: list[torch.Tensor]) -> int:
-    return sum(tensor[0].numel() * tensor.element_size() for tensor in tensors)
-
-
-def _copy(sources: list[torch.Tensor], source_ids: list[int], targets: list[torch.Tensor],
-          target_ids: list[int]) -> None:  # fmt: skip
-    """Block `source_ids[i]` of each source tensor into block `target_ids[i]` of the matching target tensor."""
-    for source, target in zip(sources, targets):
-        src = torch.tensor(source_ids, device=source.device)
-        dst = torch.tensor(target_ids, device=target.device)
-        target.index_copy_(0, dst, source.index_select(0, src).to(target.device))
+def _block_bytes(tensors: list[torch.Tensor], formats: list[QuantFormat | None]) -> int:
+    """Host bytes of one block of every storage tensor, in its host format."""
+    return sum(tensor[0].numel() * tensor.element_size() if fmt is None else fmt.bytes_per_block(*tensor.shape[1:])
+               for tensor, fmt in zip(tensors, formats))  # fmt: skip

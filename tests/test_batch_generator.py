@@ -146,6 +146,8 @@ def test_bad_knobs_and_unsupported_models_fail_clearly():
         BatchConfig(victim_policy="fifo")
     with pytest.raises(ValueError, match="swap_threshold"):
         BatchConfig(swap_threshold=1.5)
+    with pytest.raises(ValueError, match="swap_compression"):
+        BatchGenerator(_model("llama_gqa"), swap_compression="int3")
     with pytest.raises(ValueError, match="prompt_ids"):
         BatchGenerator(_model("llama_gqa")).add_request([])
     model = _model("gpt_neox")  # calls update() without attention kwargs

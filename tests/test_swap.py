@@ -92,3 +92,32 @@ def test_a_swapped_cache_that_is_reset_or_dropped_frees_its_host_blocks():
     assert space.is_swapped(other)
     with pytest.raises(ValueError, match="positive int"):
         SwapSpace(template, num_blocks=0)
+
+
+# Compressed host copies return within a stated share of each stored tensor's largest magnitude: fp8 (e4m3, a
+# scale per token) to 2^-4, int4 (affine, step = range / 15) to half a step of a range of at most twice it.
+@pytest.mark.parametrize("compression,tolerance,ratio", [("fp8", 0.0625, 0.3), ("int4", 0.07, 0.2)])
+def test_compressed_swapping_stays_within_tolerance_and_quantized_blocks_move_as_they_are(compression, tolerance,
+                                                                                           ratio):  # fmt: skip
+    model = _model("llama_gqa")
+    tokens = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    for options in ({}, {"quant": "int8", "residual_length": 4}):
+        template = PagedCache(model.config, block_size=4, num_blocks=40, **options)
+        cache = template.fork()
+        _feed(model, cache, tokens[:17])
+        _feed(model, cache, tokens[17:21])  # the second step seals the blocks before the residual tokens
+        before = stored_blocks(cache)
+        assert bool(options) == any(not t.is_floating_point() and t.numel() for t in before)
+        plain, compressed = SwapSpace(template), SwapSpace(template, compression=compression)
+        shrunk = compressed.swap_bytes(cache) / plain.swap_bytes(cache)
+        assert shrunk <= ratio if not options else ratio < shrunk < 1  # sealed blocks are not compressed again
+        compressed.swap_out(cache)
+        compressed.swap_in(cache)
+        for a, b in zip(stored_blocks(cache), before):
+            if a.is_floating_point() and a.numel():
+                assert (a.float() - b.float()).abs().max() <= tolerance * b.float().abs().max()
+            elif not a.is_floating_point():  # quantized codes: moved as they are
+                assert torch.equal(a, b)
+        assert compressed.stats.in_bytes == compressed.stats.out_bytes == compressed.swap_bytes(cache)
+    with pytest.raises(ValueError, match="valid formats"):
+        SwapSpace(template, compression="int3")
