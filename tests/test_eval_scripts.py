@@ -214,3 +214,12 @@ def test_serving_pressure_workload_tiny(tmp_path):
     assert constrained[0]["swap_out_bytes"] == constrained[0]["swap_in_bytes"] > 0
     assert 0 < constrained[4]["swap_out_bytes"] / constrained[4]["swap_out_blocks"] < 0.3 * (
         constrained[0]["swap_out_bytes"] / constrained[0]["swap_out_blocks"])  # fmt: skip
+
+
+def test_swap_quality_tiny(tmp_path):
+    out = tmp_path / "swap"
+    _run("swap_quality.py", "--model", "tiny-llama", "--prefill", "64", "--tokens", "32", "--threads", "1",
+         "--out", str(out))  # fmt: skip
+    rows = {row["copies"]: row for row in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert abs(rows["none"]["delta_pct"]) < 1e-3 and rows["none"]["host_bytes_vs_exact"] == 1.0
+    assert rows["int4"]["host_bytes_vs_exact"] < rows["fp8"]["host_bytes_vs_exact"] < 0.3
