@@ -145,7 +145,7 @@ class BatchMetrics:
     shared_blocks: int
     prompt_tokens: int  # of the requests admitted so far
     prefix_hit_tokens: int
-    stalled: int  # requests swapped out at the end of this step, waiting for blocks
+    stalled: int  # requests waiting for blocks: swapped out, or running but not scheduled this step
     preempted_swap: int = 0  # preemptions so far, by kind
     preempted_recompute: int = 0
     swap_out_blocks: int = 0  # swap traffic so far, each way
@@ -222,6 +222,7 @@ class BatchGenerator:
         self.preempted = {"swap": 0, "recompute": 0}
         self.recomputed_tokens = 0
         self.compactions = 0
+        self._waited = 0  # running requests that waited for blocks at the latest step
         self._forward_seconds = 0.0  # measured prefill / decode speed, for `auto` preemption
         self._forward_tokens = 0
         self.finished: deque[GenerationOutput] = deque()
@@ -286,16 +287,16 @@ class BatchGenerator:
     # ------------------------------------------------------------------ one step
     @torch.no_grad()  # not inference_mode: the storage it allocates outlives the step
     def step(self) -> None:
-        """Swap in, schedule (preempting under pressure), run one packed forward, sample, retire finished requests."""
+        """Schedule (preempting under pressure), run one packed forward, sample, retire finished requests, swap in."""
         if self.config.swap_threshold is not None:
             self._relieve()
-        self._swap_in()
         batch = self._schedule()
         if batch:
             started = time.perf_counter()
             self._forward(batch)
             self._forward_seconds += time.perf_counter() - started
             self._forward_tokens += sum(q for _, q in batch)
+        self._swap_in()  # with the blocks finished requests freed, a step ahead of running them
         holes = _largest_hole_share(self.template)
         if self.config.compact_threshold is not None and holes > self.config.compact_threshold:
             self.compact()
@@ -306,13 +307,17 @@ class BatchGenerator:
         """Running requests by priority (decode tokens before prompt chunks), each preempting the lowest-priority
         unscheduled ones while its step does not fit; then new requests while the pools hold them."""
         budget, batch, taken = self.config.max_batch_tokens, [], {}
+        self._waited = 0
         queue = deque(sorted(self.running, key=lambda r: (r.pending == 1, self._priority(r)), reverse=True))
         while queue:
             request = queue.popleft()
             q = min(request.pending, budget)
             if q == 0:
                 break
-            if self._make_room(request, q, queue, taken, scheduled=bool(batch)):
+            q = self._make_room(request, q, queue, taken, scheduled=bool(batch))
+            if q == 0:
+                self._waited += 1
+            else:
                 batch.append((request, q))
                 budget -= q
                 self._touch(request)
@@ -339,23 +344,37 @@ class BatchGenerator:
         return batch
 
     def _make_room(self, request: _Request, q: int, queue: deque[_Request], taken: dict[BlockPool, int],
-                   scheduled: bool) -> bool:  # fmt: skip
-        """Whether `request`'s step of `q` tokens fits, preempting the lowest-priority requests of `queue` (and in
-        the end the request itself) until it does. A request that is short even alone fails."""
+                   scheduled: bool) -> int:  # fmt: skip
+        """Tokens of `request` this step computes: `q` once the lowest-priority requests of `queue` are preempted
+        until its step fits. With none left to preempt and others running this step, a smaller prompt chunk
+        that fits, or none (it waits for their blocks: preempting itself would only bring it back to the same
+        shortage). A request that is short even alone fails."""
         demand = request.cache.step_demand(q)
         while not self._fits(demand, taken, headroom=0):
             if queue:
                 self._preempt(queue.pop())
             elif scheduled:
-                self._preempt(request)
-                return False
+                return self._largest_chunk(request, q - 1, taken)
             elif self._drop_waiting_cache():  # a queued request's prefix hit held blocks; it attaches again later
                 continue
             else:
                 self.running.remove(request)
                 self._fail(request, q)
-                return False
-        return True
+                return 0
+        return q
+
+    def _largest_chunk(self, request: _Request, most: int, taken: dict[BlockPool, int]) -> int:
+        """The most tokens (at most `most`, 0 if not even one) whose step fits, recorded in `taken`."""
+        low, high = 0, most
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self._fits(request.cache.step_demand(middle), dict(taken), headroom=0):
+                low = middle
+            else:
+                high = middle - 1
+        if low:
+            self._fits(request.cache.step_demand(low), taken, headroom=0)
+        return low
 
     def _priority(self, request: _Request) -> tuple[float, int]:
         """Higher is kept longer (the victim is the lowest): by the victim policy, ties to the earlier request."""
@@ -410,6 +429,7 @@ class BatchGenerator:
             if self._below_threshold(demand) and self._fits(demand, {}, headroom=len(self.running) + 1):
                 self.swap.swap_in(request.cache)
                 self.running.append(self.swapped.popleft())
+                self._touch(request)  # coming back counts as an access: it is not the next victim at once
             elif not self.running:
                 self._requeue(self.swapped.popleft())
             else:
@@ -511,7 +531,7 @@ class BatchGenerator:
             blocks_total=metrics.blocks_total + metrics.quantized_blocks_total, kv_bytes=metrics.used_bytes,
             shared_blocks=metrics.shared_blocks,
             prompt_tokens=stats.prompt_tokens if stats else sum(len(r.output.prompt_ids) for r in self.running),
-            prefix_hit_tokens=stats.hit_tokens if stats else 0, stalled=len(self.swapped),
+            prefix_hit_tokens=stats.hit_tokens if stats else 0, stalled=len(self.swapped) + self._waited,
             preempted_swap=self.preempted["swap"], preempted_recompute=self.preempted["recompute"],
             swap_out_blocks=swap.out_blocks, swap_out_bytes=swap.out_bytes, swap_in_blocks=swap.in_blocks,
             swap_in_bytes=swap.in_bytes, swap_seconds=swap.seconds, recomputed_tokens=self.recomputed_tokens,

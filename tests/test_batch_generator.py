@@ -186,8 +186,10 @@ def test_a_pool_for_a_quarter_of_the_demand_gives_the_unconstrained_outputs(opti
     if options["preemption"] == "swap":
         assert last.preempted_swap > 0 and last.swap_out_blocks > 0
         assert last.swap_in_blocks == last.swap_out_blocks and last.swap_in_bytes == last.swap_out_bytes > 0
-    assert last.preempted_swap + last.preempted_recompute > 0 and last.stalled == 0
-    assert any(m.stalled for m in generator.history) == (last.preempted_swap > 0)
+    # Preempted, but not over and over: a request with nothing below it to preempt waits (or takes a smaller
+    # prompt chunk) instead of preempting itself into the same shortage at every step.
+    assert 0 < last.preempted_swap + last.preempted_recompute <= len(PRESSURE) and last.stalled == 0
+    assert any(m.stalled for m in generator.history)  # swapped out, or waiting for blocks while others ran
     assert generator.template.metrics().blocks_used == 0 and not generator.swapped
 
 
