@@ -36,7 +36,7 @@ from .block_pool import BlockPool
 from .cache import PagedCache
 from .config import PagedCacheConfig
 from .layers import PagedLayer, SharedKVLayer
-from .pool_compaction import Fragmentation, compact, fragmentation
+from .pool_compaction import Fragmentation, compact, device_pools, fragmentation
 from .prefix_cache import PrefixCache
 from .swap import SwapSpace
 
@@ -449,9 +449,7 @@ class BatchGenerator:
         return all(pool.num_used + demand.get(pool, 0) <= limit * pool.num_blocks for pool in self._pools())
 
     def _pools(self) -> list[BlockPool]:
-        pools = [pool for group in self.template.groups.values()
-                 for pool in (group.pool, getattr(group, "qpool", None)) if pool is not None]  # fmt: skip
-        return list({id(pool): pool for pool in pools}.values())
+        return [pool for pool, _kind in device_pools(self.template)]
 
     def _drop_waiting_cache(self) -> bool:
         """Let the next queued request's prefix hit go (its blocks back to the pool); False if it held none."""
