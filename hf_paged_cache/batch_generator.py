@@ -336,6 +336,8 @@ class BatchGenerator:
                     self.waiting.popleft()
                     self._fail(request, q)
                     continue
+                # Its prefix hit took cached blocks out of the free queue that this step's requests may need.
+                self._drop_waiting_cache()
                 break
             self.running.append(self.waiting.popleft())
             batch.append((request, q))

@@ -158,27 +158,30 @@ def test_bad_knobs_and_unsupported_models_fail_clearly():
 PRESSURE = (20, 33, 12, 41, 27, 18)  # with 12 new tokens in blocks of 4: 58 blocks in all, the largest 14
 
 
-@functools.lru_cache(maxsize=None)
-def _unconstrained(name: str, prefix: int) -> tuple[tuple[int, ...], ...]:
+def _unconstrained(name: str, prefix: int = 0, **options) -> tuple[tuple[int, ...], ...]:
     outputs = generate_batch(_model(name), _prompts(PRESSURE, seed=9, prefix=prefix), max_new_tokens=12, block_size=4,
-                             max_batch_tokens=16)  # fmt: skip
+                             max_batch_tokens=16, **options)  # fmt: skip
     return tuple(tuple(o.generated_tokens) for o in outputs)
 
 
-@pytest.mark.parametrize("options", [
-    {"preemption": "swap"},
-    {"preemption": "swap", "victim_policy": "weighted"},
-    {"preemption": "recompute"},
-    {"preemption": "auto", "swap_threshold": 0.8},
-], ids=["swap-lru", "swap-weighted", "recompute", "auto-threshold"])  # fmt: skip
-def test_a_pool_for_a_quarter_of_the_demand_gives_the_unconstrained_outputs(options):
-    model = _model("llama_gqa")
-    generator = BatchGenerator(model, max_new_tokens=12, block_size=4, max_batch_tokens=16, num_blocks=15,
-                               prefix_caching=False, **options)  # fmt: skip
+@pytest.mark.parametrize("name,options", [
+    ("llama_gqa", {"preemption": "swap"}),
+    ("llama_gqa", {"preemption": "swap", "victim_policy": "weighted"}),
+    ("llama_gqa", {"preemption": "recompute"}),
+    ("llama_gqa", {"preemption": "auto", "swap_threshold": 0.8}),
+    # Recompute with prefix caching: requests that come back re-attach their own cached blocks.
+    ("gemma2", {"preemption": "recompute", "prefix_caching": True}),
+    ("llama_gqa", {"preemption": "swap", "quant": "int8", "residual_length": 4}),
+], ids=["swap-lru", "swap-weighted", "recompute", "auto-threshold", "recompute-prefix-gemma2", "swap-int8"])  # fmt: skip
+def test_a_pool_for_a_quarter_of_the_demand_gives_the_unconstrained_outputs(name, options):
+    cache_options = {key: options[key] for key in ("quant", "residual_length") if key in options}
+    options = {"prefix_caching": False, **options}
+    generator = BatchGenerator(_model(name), max_new_tokens=12, block_size=4, max_batch_tokens=16, num_blocks=15,
+                               **options)  # fmt: skip
     for prompt in _prompts(PRESSURE, seed=9):
         generator.add_request(prompt)
     outputs = generator.run()
-    assert tuple(tuple(o.generated_tokens) for o in outputs) == _unconstrained("llama_gqa", 0)
+    assert tuple(tuple(o.generated_tokens) for o in outputs) == _unconstrained(name, **cache_options)
     last = generator.metrics()
     if options["preemption"] == "recompute":
         assert last.preempted_recompute > 0 and last.preempted_swap == 0 and last.recomputed_tokens > 0
@@ -200,6 +203,6 @@ def test_shared_prefix_blocks_survive_swapping():
     for prompt in _prompts(PRESSURE, seed=9, prefix=8):
         generator.add_request(prompt)
     outputs = generator.run()
-    assert tuple(tuple(o.generated_tokens) for o in outputs) == _unconstrained("llama_gqa", 8)
+    assert tuple(tuple(o.generated_tokens) for o in outputs) == _unconstrained("llama_gqa", prefix=8)
     last = generator.metrics()
     assert last.preempted_swap > 0 and last.prefix_hit_tokens > 0
