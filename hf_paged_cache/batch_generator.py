@@ -327,8 +327,6 @@ class BatchGenerator:
                 request.cache = self.template.fork()
                 if self.prefix_cache is not None:
                     request.fed = self.prefix_cache.attach(request.cache, request.tokens)
-                    if request.peak == 0:  # its first admission (not a recompute)
-                        request.output.prefix_hit_tokens = request.fed
             q = min(request.pending, budget)
             demand = request.cache.step_demand(q)
             if not (self._below_threshold(demand) and self._fits(demand, taken, headroom=len(self.running))):
@@ -340,6 +338,10 @@ class BatchGenerator:
                 self._drop_waiting_cache()
                 break
             self.running.append(self.waiting.popleft())
+            if request.peak == 0:  # its first admission (not a recompute)
+                request.output.prefix_hit_tokens = request.fed
+                if self.prefix_cache is not None:
+                    self.prefix_cache.stats.record(len(request.tokens), request.fed)
             batch.append((request, q))
             budget -= q
             self._touch(request)

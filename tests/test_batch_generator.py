@@ -193,6 +193,8 @@ def test_a_pool_for_a_quarter_of_the_demand_gives_the_unconstrained_outputs(name
     # prompt chunk) instead of preempting itself into the same shortage at every step.
     assert 0 < last.preempted_swap + last.preempted_recompute <= len(PRESSURE) and last.stalled == 0
     assert any(m.stalled for m in generator.history)  # swapped out, or waiting for blocks while others ran
+    if options["prefix_caching"]:  # each request counted once in the hit rate, however often it attached
+        assert generator.prefix_cache.stats.lookups == len(PRESSURE)
     assert generator.template.metrics().blocks_used == 0 and not generator.swapped
 
 
@@ -206,3 +208,4 @@ def test_shared_prefix_blocks_survive_swapping():
     assert tuple(tuple(o.generated_tokens) for o in outputs) == _unconstrained("llama_gqa", prefix=8)
     last = generator.metrics()
     assert last.preempted_swap > 0 and last.prefix_hit_tokens > 0
+    assert last.prompt_tokens == sum(len(o.prompt_ids) for o in outputs)
