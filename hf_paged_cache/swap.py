@@ -1,4 +1,5 @@
-"""Swapping: a cache's blocks moved to a pool of host-memory blocks and back, bit for bit.
+"""Swapping: a cache's blocks moved to a pool of host-memory blocks and back, bit for bit (or compressed on the
+host, when asked).
 
 Under memory pressure a scheduler can park a request instead of dropping its work: `SwapSpace.swap_out`
 copies every block the cache's rows hold (every layer; full-precision and quantized storage alike) into host
@@ -8,7 +9,7 @@ queue until it is reused: only this cache's reference goes. While swapped, the r
 the host pool (so `reset()` or dropping the cache frees host blocks); `swap_in` copies them back into fresh
 device blocks and the rows point to the device again. The host pool is one `BlockPool` per device pool, with
 its own free queue; its storage is pinned on CUDA (plain CPU tensors otherwise, the same code path). Copies are
-synchronous: on a CPU-only machine there is nothing to overlap them with.
+synchronous, on CUDA too: there is no side stream or prefetch overlapping them with compute yet.
 """
 
 from __future__ import annotations
