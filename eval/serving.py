@@ -8,11 +8,16 @@ Workloads (greedy, prompts cut from a public-domain text at different offsets):
   and whether each system's tokens equal the one-by-one run.
 - shared: --shared-requests requests that share a --system-len-token system prompt, each with its own
   --question-len-token question: prompt tokens computed and tokens/s with and without prefix caching.
+- pressure (issue 14; not run by default): the mixed prompts with the pool sized for --pressure (a share) of
+  their total demand (every request's prompt and new tokens in blocks of 16) against an unconstrained pool:
+  tokens/s, identical outputs, preemptions, swap traffic each way, stall time and recomputed tokens for swap
+  with LRU victims, swap with the weighted score, recompute-only, auto, and swap with fp8 host copies.
 - capacity: KV bytes per running request with the model's dtype and with int4 blocks (measured at the
   last step with the most requests running), so the requests that fit in one pool compare.
 
     python eval/serving.py                                   # the issue's sizes on SmolLM2-135M (~15 min, 2 cores)
     python eval/serving.py --model tiny-llama --requests 6 --min-len 20 --max-len 60 --new-tokens 4 --shared-requests 3
+    python eval/serving.py --workloads pressure --skip-hf    # memory pressure at 25% of the demand
 """
 
 from __future__ import annotations
@@ -83,12 +88,17 @@ def timed(label, function, *args, **kwargs) -> tuple[list, dict]:
     return outputs, row
 
 
-def mixed(model, tokens, args) -> list[dict]:
+def mixed_prompts(tokens, args) -> list[list[int]]:
+    """--requests prompts of lengths spread evenly over [--min-len, --max-len], shuffled."""
     rng = random.Random(0)
     lengths = [round(args.min_len + i * (args.max_len - args.min_len) / max(args.requests - 1, 1))
                for i in range(args.requests)]  # fmt: skip
     rng.shuffle(lengths)
-    prompts = [tokens[i * 997 : i * 997 + n] for i, n in enumerate(lengths)]
+    return [tokens[i * 997 : i * 997 + n] for i, n in enumerate(lengths)]
+
+
+def mixed(model, tokens, args) -> list[dict]:
+    prompts = mixed_prompts(tokens, args)
     reference, base = timed("one-by-one DynamicCache", one_by_one, model, prompts, args.new_tokens)
     rows = [base]
     systems = [("padded batches of 8, DynamicCache", padded_batches, {}),
@@ -139,6 +149,47 @@ def shared(model, tokens, args) -> list[dict]:
     return [*rows, summary]
 
 
+PRESSURE_SYSTEMS = (
+    ("swap, LRU victims", {"preemption": "swap", "victim_policy": "lru"}),
+    ("swap, weighted victims", {"preemption": "swap", "victim_policy": "weighted"}),
+    ("recompute only", {"preemption": "recompute"}),
+    ("auto (cheaper by estimate), LRU", {"preemption": "auto"}),
+    ("swap, LRU, fp8 host copies", {"preemption": "swap", "swap_compression": "fp8"}),
+)
+
+
+def pressure(model, tokens, args) -> list[dict]:
+    prompts = mixed_prompts(tokens, args)
+    block_size = 16
+    demand = sum(-(-(len(prompt) + args.new_tokens) // block_size) for prompt in prompts)
+    pool = max(round(args.pressure * demand), 1)
+    rows, reference = [], None
+    for label, options in (("unconstrained", {}), *PRESSURE_SYSTEMS):
+        sized = {"num_blocks": pool, **options} if options else {}
+        generator = BatchGenerator(model, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None,
+                                   block_size=block_size, max_batch_tokens=args.max_batch_tokens,
+                                   max_num_seqs=args.max_num_seqs, prefix_caching=False, **sized)  # fmt: skip
+        for prompt in prompts:
+            generator.add_request(prompt)
+        start = time.perf_counter()
+        outputs = [o.generated_tokens for o in generator.run()]
+        seconds = time.perf_counter() - start
+        reference = reference or outputs
+        last = generator.metrics()
+        row = {"system": label, "pool_blocks": pool if options else last.blocks_total, "demand_blocks": demand,
+               "seconds": seconds, "tokens_per_s": sum(map(len, outputs)) / seconds,
+               "identical": sum(a == b for a, b in zip(outputs, reference)), "steps": last.step + 1,
+               "preempted_swap": last.preempted_swap, "preempted_recompute": last.preempted_recompute,
+               "swap_out_blocks": last.swap_out_blocks, "swap_out_bytes": last.swap_out_bytes,
+               "swap_in_blocks": last.swap_in_blocks, "swap_in_bytes": last.swap_in_bytes,
+               "stall_seconds": last.swap_seconds, "recomputed_tokens": last.recomputed_tokens}  # fmt: skip
+        if options:
+            row["vs_unconstrained"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
 def capacity(model, tokens, args) -> list[dict]:
     prompts = [tokens[i * 991 : i * 991 + args.capacity_len] for i in range(args.capacity_requests)]
     rows = []
@@ -178,6 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--shared-requests", type=int, default=32)
     parser.add_argument("--system-len", type=int, default=1000)
     parser.add_argument("--question-len", type=int, default=50)
+    parser.add_argument("--pressure", type=float, default=0.25, help="pool size as a share of the total demand")
     parser.add_argument("--capacity-requests", type=int, default=16)
     parser.add_argument("--capacity-len", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=2)
@@ -191,7 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
     tokens = encode(text)
     results = {"model": args.model, "text": source, "args": vars(args)}
     for workload in args.workloads:
-        results[workload] = {"mixed": mixed, "shared": shared, "capacity": capacity}[workload](model, tokens, args)
+        run = {"mixed": mixed, "shared": shared, "capacity": capacity, "pressure": pressure}[workload]
+        results[workload] = run(model, tokens, args)
     common.write_json(f"{args.out}.json", results)
     return results
 

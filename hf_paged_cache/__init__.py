@@ -22,7 +22,9 @@ from .eviction import (
 )
 from .inspection import GroupLayout, block_layout, cache_bytes, kept_positions
 from .memory import CacheMetrics, estimate_kv_bytes, kv_bytes_per_token
+from .pool_compaction import Fragmentation
 from .scoring import perplexity
+from .swap import SwapSpace, SwapStats
 
 # `attn_implementation="paged"` works as soon as the package is imported (registering is idempotent).
 register_paged_attention()
@@ -36,6 +38,7 @@ __all__ = [
     "CacheFileError",
     "CacheMetrics",
     "EvictionPolicy",
+    "Fragmentation",
     "GenerationOutput",
     "GroupLayout",
     "H2O",
@@ -47,6 +50,8 @@ __all__ = [
     "RandomEviction",
     "SnapKV",
     "StreamingLLM",
+    "SwapSpace",
+    "SwapStats",
     "TOVA",
     "block_layout",
     "cache_bytes",

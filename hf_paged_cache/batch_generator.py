@@ -8,6 +8,12 @@ Everything `PagedCache` offers applies per request: quantized blocks (more reque
 per-request budget), sliding-window and hybrid models. Prefix caching (`prefix_cache.py`) lets a request
 start from the blocks of an earlier one with the same leading tokens.
 
+Under memory pressure (a running request cannot get its next block, or the pools pass `swap_threshold`) the
+lowest-priority running requests are preempted: swapped to host blocks (`swap.py`) and swapped back before
+they run again, or dropped and queued again with their generated tokens as part of the prompt (recompute;
+the prefix cache may recover part of it) -- whichever `preemption` says, or the cheaper by an estimate.
+Priority is the victim policy: least recently scheduled first (`"lru"`), or the seeds' weighted score.
+
     outputs = generate_batch(model, [ids_a, ids_b], max_new_tokens=64, num_blocks=2048)
     outputs[0].generated_tokens
 """
@@ -30,8 +36,16 @@ from .block_pool import BlockPool
 from .cache import PagedCache
 from .config import PagedCacheConfig
 from .layers import PagedLayer, SharedKVLayer
+from .pool_compaction import Fragmentation, compact, device_pools, fragmentation
 from .prefix_cache import PrefixCache
+from .swap import SwapSpace
 
+
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+VICTIM_POLICIES = ("lru", "weighted")
+# Host copy speed assumed before the first swap is measured (bytes/s); `auto` preemption compares it with the
+# measured prefill speed.
+DEFAULT_COPY_RATE = 4e9
 
 _GENERATION_FIELDS = frozenset(GenerationConfig().to_dict()) - {f.name for f in dataclasses.fields(PagedCacheConfig)}
 
@@ -46,12 +60,38 @@ class BatchConfig:
         prefix_caching: reuse full blocks of earlier requests with the same leading tokens (full-precision
             caches without eviction; ignored otherwise, see `PrefixCache.supports`).
         progress: show a progress bar of finished requests.
+        preemption: what happens to a preempted request: `"swap"` (its blocks go to host memory and come back
+            before it runs again; recompute when the host pool is full), `"recompute"` (its blocks are dropped
+            and it is queued again with its generated tokens as part of its prompt), or `"auto"`: the cheaper
+            of the two by an estimate (bytes to copy both ways at the measured copy speed against tokens to
+            compute again at the measured prefill speed).
+        victim_policy: which running request is preempted first: `"lru"` (least recently scheduled; ties: the
+            latest admitted) or `"weighted"`, the seeds' score: access frequency x time decay (steps it was
+            scheduled in, each weighted `decay ** steps ago`) less `size_weight` x the share of the pool it holds
+            -- cold requests and large ones (which free the most blocks per preemption) go first.
+        swap_threshold: preempt before the pools run dry, as soon as more than this share of a pool is in use
+            (and admit or swap in only while it stays below); None: preempt only when a request cannot get its
+            next block.
+        swap_blocks: host blocks per device pool (None: as many as the device pool has).
+        swap_compression: a `quant` format ("fp8", "int4", ...) for host copies of full-precision blocks: fewer
+            host bytes and less copy traffic, at a small quality cost (they come back close, not bit-exact).
+        decay, size_weight: the weighted score's time decay per step and size weight.
+        compact_threshold: compact the pools (`pool_compaction.py`) after a step that leaves more than this share
+            of the ids below a pool's highest block in use free; None: only when `compact()` is called.
     """
 
     max_batch_tokens: int = 512
     max_num_seqs: int = 32
     prefix_caching: bool = True
     progress: bool = False
+    preemption: str = "auto"
+    victim_policy: str = "lru"
+    swap_threshold: float | None = None
+    swap_blocks: int | None = None
+    swap_compression: str | None = None
+    decay: float = 0.9
+    size_weight: float = 1.0
+    compact_threshold: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_num_seqs"):
@@ -61,6 +101,18 @@ class BatchConfig:
         for name in ("prefix_caching", "progress"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}")
+        for name, allowed in (("preemption", PREEMPTION_MODES), ("victim_policy", VICTIM_POLICIES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}")
+        for name in ("swap_threshold", "compact_threshold"):
+            value = getattr(self, name)
+            share = not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value <= 1
+            if value is not None and not share:
+                raise ValueError(f"`{name}` must be in (0, 1] (a share of the pool) or None, got {value!r}")
+        if not 0.0 < self.decay <= 1.0 or self.size_weight < 0:
+            raise ValueError(
+                f"`decay` must be in (0, 1] and `size_weight` >= 0, got {self.decay!r} and {self.size_weight!r}"
+            )
 
 
 @dataclass
@@ -93,7 +145,17 @@ class BatchMetrics:
     shared_blocks: int
     prompt_tokens: int  # of the requests admitted so far (cached or computed)
     prefix_hit_tokens: int
-    stalled: int  # running requests that waited this step for blocks
+    stalled: int  # requests waiting for blocks: swapped out, or running but not scheduled this step
+    preempted_swap: int = 0  # preemptions so far, by kind
+    preempted_recompute: int = 0
+    swap_out_blocks: int = 0  # swap traffic so far, each way
+    swap_out_bytes: int = 0
+    swap_in_blocks: int = 0
+    swap_in_bytes: int = 0
+    swap_seconds: float = 0.0  # time the steps stalled on swap copies so far (synchronous copies)
+    recomputed_tokens: int = 0  # tokens computed again after recompute preemptions (prefix hits excluded)
+    fragmentation: float = 0.0  # the largest share of free ids below a pool's highest block in use
+    compactions: int = 0  # so far
 
     @property
     def usage_ratio(self) -> float:
@@ -119,14 +181,20 @@ class _Request:
     cache: PagedCache | None = None
     fed: int = 0  # tokens in its cache
     keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
+    last_step: int = -1  # the step it was last scheduled in
+    hotness: float = 0.0  # steps it was scheduled in, each weighted decay ** (steps ago), as of `last_step`
+    peak: int = 0  # most tokens its cache ever held (tokens fed again below it are recomputed)
 
     @property
     def tokens(self) -> list[int]:
+        """What the model has seen or will see: the prompt, then the generated tokens (after a recompute
+        preemption all of them are fed again, as a prompt)."""
         return self.output.prompt_ids + self.output.generated_tokens
 
     @property
-    def prefilling(self) -> bool:
-        return self.fed < len(self.output.prompt_ids)
+    def pending(self) -> int:
+        """Tokens to feed before the next sample: a prompt's remaining tokens, or the last generated one."""
+        return len(self.tokens) - self.fed
 
 
 class BatchGenerator:
@@ -147,8 +215,16 @@ class BatchGenerator:
         self.sliding = [layer.is_sliding for layer in self.template.layers]
         cacheable = self.config.prefix_caching and self.template.options.sharing and PrefixCache.supports(self.template)
         self.prefix_cache = PrefixCache(self.template) if cacheable else None
+        self.swap = SwapSpace(self.template, self.config.swap_blocks, self.config.swap_compression)
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
+        self.swapped: deque[_Request] = deque()  # preempted to host memory, oldest first
+        self.preempted = {"swap": 0, "recompute": 0}
+        self.recomputed_tokens = 0
+        self.compactions = 0
+        self._waited = 0  # running requests that waited for blocks at the latest step
+        self._forward_seconds = 0.0  # measured prefill / decode speed, for `auto` preemption
+        self._forward_tokens = 0
         self.finished: deque[GenerationOutput] = deque()
         self.history: list[BatchMetrics] = []
         self._next_id = 0
@@ -187,7 +263,7 @@ class BatchGenerator:
 
     def cancel_request(self, request_id: int) -> bool:
         """Stop a queued or running request now and free its blocks; False if it already finished."""
-        for queue in (self.waiting, self.running):
+        for queue in (self.waiting, self.running, self.swapped):
             for request in list(queue):
                 if request.output.request_id == request_id:
                     queue.remove(request)
@@ -196,7 +272,7 @@ class BatchGenerator:
         return False
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def get_result(self) -> GenerationOutput | None:
         """The next finished request (running steps until one finishes); None when nothing is left."""
@@ -212,47 +288,183 @@ class BatchGenerator:
     # ------------------------------------------------------------------ one step
     @torch.no_grad()  # not inference_mode: the storage it allocates outlives the step
     def step(self) -> None:
-        """Schedule, run one packed forward, sample, retire finished requests."""
-        batch, stalled = self._schedule()
+        """Schedule (preempting under pressure), run one packed forward, sample, retire finished requests, swap in."""
+        if self.config.swap_threshold is not None:
+            self._relieve()
+        batch = self._schedule()
         if batch:
+            started = time.perf_counter()
             self._forward(batch)
-        elif self.running:
-            raise RuntimeError(
-                f"The pool is too small to continue any of the {len(self.running)} running requests (each needs a free "
-                "block for its next token): give a larger `num_blocks` / `max_memory`, or lower `max_num_seqs`"
-            )
-        self._record(sum(q for _, q in batch), stalled)
+            self._forward_seconds += time.perf_counter() - started
+            self._forward_tokens += sum(q for _, q in batch)
+        self._swap_in()  # with the blocks finished requests freed, a step ahead of running them
+        holes = _largest_hole_share(self.template)
+        if self.config.compact_threshold is not None and holes > self.config.compact_threshold:
+            self.compact()
+            holes = _largest_hole_share(self.template)
+        self._record(sum(q for _, q in batch), holes)
 
-    def _schedule(self) -> tuple[list[tuple[_Request, int]], int]:
-        budget, batch, taken, stalled = self.config.max_batch_tokens, [], {}, 0
-        for request in self.running:  # decode tokens first, then prompt chunks of admitted requests
-            q = 1 if not request.prefilling else min(len(request.output.prompt_ids) - request.fed, budget)
+    def _schedule(self) -> list[tuple[_Request, int]]:
+        """Running requests by priority (decode tokens before prompt chunks), each preempting the lowest-priority
+        unscheduled ones while its step does not fit; then new requests while the pools hold them."""
+        budget, batch, taken = self.config.max_batch_tokens, [], {}
+        self._waited = 0
+        queue = deque(sorted(self.running, key=lambda r: (r.pending == 1, self._priority(r)), reverse=True))
+        while queue:
+            request = queue.popleft()
+            q = min(request.pending, budget)
             if q == 0:
                 break
-            if self._fits(request.cache.step_demand(q), taken, headroom=0):
+            q = self._make_room(request, q, queue, taken, scheduled=bool(batch))
+            if q == 0:
+                self._waited += 1
+            else:
                 batch.append((request, q))
                 budget -= q
-            else:
-                stalled += 1
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                self._touch(request)
+        while self.waiting and not self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.cache is None:
                 request.cache = self.template.sibling()
                 if self.prefix_cache is not None:
-                    request.fed = request.output.prefix_hit_tokens = self.prefix_cache.attach(
-                        request.cache, request.output.prompt_ids)  # fmt: skip
-            q = min(len(request.output.prompt_ids) - request.fed, budget)
-            if not self._fits(request.cache.step_demand(q), taken, headroom=len(self.running)):
+                    request.fed = self.prefix_cache.attach(request.cache, request.tokens)
+            q = min(request.pending, budget)
+            demand = request.cache.step_demand(q)
+            if not (self._below_threshold(demand) and self._fits(demand, taken, headroom=len(self.running))):
                 if not self.running and not batch:  # even an empty pool cannot take its first chunk
                     self.waiting.popleft()
                     self._fail(request, q)
                     continue
+                # Its prefix hit took cached blocks out of the free queue that this step's requests may need.
+                self._drop_waiting_cache()
                 break
             self.running.append(self.waiting.popleft())
-            self._admitted_prompt_tokens += len(request.output.prompt_ids)
+            if request.peak == 0:  # its first admission (not a recompute)
+                request.output.prefix_hit_tokens = request.fed
+                self._admitted_prompt_tokens += len(request.output.prompt_ids)
+                if self.prefix_cache is not None:
+                    self.prefix_cache.stats.record(len(request.tokens), request.fed)
             batch.append((request, q))
             budget -= q
-        return batch, stalled
+            self._touch(request)
+        return batch
+
+    def _make_room(self, request: _Request, q: int, queue: deque[_Request], taken: dict[BlockPool, int],
+                   scheduled: bool) -> int:  # fmt: skip
+        """Tokens of `request` this step computes: `q` once the lowest-priority requests of `queue` are preempted
+        until its step fits. With none left to preempt and others running this step, a smaller prompt chunk
+        that fits, or none (it waits for their blocks: preempting itself would only bring it back to the same
+        shortage). A request that is short even alone fails."""
+        demand = request.cache.step_demand(q)
+        while not self._fits(demand, taken, headroom=0):
+            if queue:
+                self._preempt(queue.pop())
+            elif scheduled:
+                return self._largest_chunk(request, q - 1, taken)
+            elif self._drop_waiting_cache():  # a queued request's prefix hit held blocks; it attaches again later
+                continue
+            else:
+                self.running.remove(request)
+                self._fail(request, q)
+                return 0
+        return q
+
+    def _largest_chunk(self, request: _Request, most: int, taken: dict[BlockPool, int]) -> int:
+        """The most tokens (at most `most`, 0 if not even one) whose step fits, recorded in `taken`."""
+        low, high = 0, most
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self._fits(request.cache.step_demand(middle), dict(taken), headroom=0):
+                low = middle
+            else:
+                high = middle - 1
+        if low:
+            self._fits(request.cache.step_demand(low), taken, headroom=0)
+        return low
+
+    def _priority(self, request: _Request) -> tuple[float, int]:
+        """Higher is kept longer (the victim is the lowest): by the victim policy, ties to the earlier request."""
+        if self.config.victim_policy == "lru":
+            return request.last_step, -request.output.request_id
+        hot = request.hotness * self.config.decay ** (len(self.history) - request.last_step)
+        pools = self._pools()
+        share = _held_blocks(request.cache) / max(sum(pool.num_blocks for pool in pools), 1)
+        return hot - self.config.size_weight * share, -request.output.request_id
+
+    def _touch(self, request: _Request) -> None:
+        step = len(self.history)
+        request.hotness = request.hotness * self.config.decay ** (step - request.last_step) + 1.0
+        request.last_step = step
+
+    # ------------------------------------------------------------------ preemption
+    def _preempt(self, request: _Request) -> None:
+        """Swap `request` out or drop it for recompute (by `preemption`, the host pool's room and the estimate)."""
+        self.running.remove(request)
+        if self._swap_is_cheaper(request):
+            self.swap.swap_out(request.cache)
+            self.swapped.append(request)
+            self.preempted["swap"] += 1
+        else:
+            self._requeue(request)
+
+    def _requeue(self, request: _Request) -> None:
+        """Drop the request's blocks (device or host) and queue it first, to be computed again from its tokens."""
+        request.cache.reset()
+        request.cache, request.fed, request.keys = None, 0, []
+        self.waiting.appendleft(request)
+        self.preempted["recompute"] += 1
+
+    def _swap_is_cheaper(self, request: _Request) -> bool:
+        mode = self.config.preemption
+        if mode == "recompute" or request.fed == 0 or not self.swap.can_swap_out(request.cache):
+            return False
+        if mode == "swap":
+            return True
+        stats = self.swap.stats
+        copy_rate = (stats.out_bytes + stats.in_bytes) / stats.seconds if stats.seconds else DEFAULT_COPY_RATE
+        compute_rate = self._forward_tokens / max(self._forward_seconds, 1e-9)
+        return 2 * self.swap.swap_bytes(request.cache) / copy_rate < request.fed / compute_rate
+
+    def _swap_in(self) -> None:
+        """Swapped requests come back, oldest first, while the pools hold their blocks and a block of headroom for
+        every running request (and themselves). One that cannot come back even into an idle pool (its shared
+        blocks came back as copies) is recomputed instead."""
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            demand = self.swap.in_demand(request.cache)
+            if self._below_threshold(demand) and self._fits(demand, {}, headroom=len(self.running) + 1):
+                self.swap.swap_in(request.cache)
+                self.running.append(self.swapped.popleft())
+                self._touch(request)  # coming back counts as an access: it is not the next victim at once
+            elif not self.running:
+                self._requeue(self.swapped.popleft())
+            else:
+                break
+
+    def _relieve(self) -> None:
+        """`swap_threshold`: preempt the lowest-priority running requests while a pool is fuller than it."""
+        while len(self.running) > 1 and not self._below_threshold({}):
+            self._preempt(min(self.running, key=self._priority))
+
+    def _below_threshold(self, demand: dict[BlockPool, int]) -> bool:
+        """Whether every pool stays at or below `swap_threshold` after taking `demand` (always without one, and
+        when nothing runs: an idle generator takes whatever fits)."""
+        limit = self.config.swap_threshold
+        if limit is None or not self.running:
+            return True
+        return all(pool.num_used + demand.get(pool, 0) <= limit * pool.num_blocks for pool in self._pools())
+
+    def _pools(self) -> list[BlockPool]:
+        return [pool for pool, _kind in device_pools(self.template)]
+
+    def _drop_waiting_cache(self) -> bool:
+        """Let the next queued request's prefix hit go (its blocks back to the pool); False if it held none."""
+        if not self.waiting or self.waiting[0].cache is None:
+            return False
+        request = self.waiting[0]
+        request.cache.reset()
+        request.cache, request.fed = None, 0
+        return True
 
     def _fits(self, demand: dict[BlockPool, int], taken: dict[BlockPool, int], headroom: int) -> bool:
         """Whether the pools hold `demand` besides what this step already took (and `headroom` blocks more:
@@ -268,8 +480,8 @@ class BatchGenerator:
     def _fail(self, request: _Request, q: int) -> None:
         pools = {pool.num_blocks for pool in request.cache.step_demand(q)}
         request.output.error = (
-            f"request {request.output.request_id} ({len(request.output.prompt_ids)} prompt tokens) needs more blocks "
-            f"for its first {q} tokens than the whole pool holds ({sorted(pools)} blocks of "
+            f"request {request.output.request_id} ({len(request.tokens)} tokens, {request.fed} of them in its cache) "
+            f"needs more blocks for its next {q} tokens than the whole pool holds ({sorted(pools)} blocks of "
             f"{self.template.options.block_size}): give a larger `num_blocks` / `max_memory`, or a smaller "
             "`max_batch_tokens` so that prompts are computed in smaller chunks"
         )
@@ -288,10 +500,12 @@ class BatchGenerator:
         logits = self.model(input_ids=ids, position_ids=torch.tensor([positions], device=ids.device), cache=cache,
                             use_cache=True, logits_to_keep=torch.tensor(keep, device=ids.device)).logits[0]  # fmt: skip
         for index, (request, q) in enumerate(batch):
+            self.recomputed_tokens += max(min(request.fed + q, request.peak) - request.fed, 0)
             request.fed += q
+            request.peak = max(request.peak, request.fed)
             if self.prefix_cache is not None:
                 request.keys = self.prefix_cache.register(request.cache, request.tokens[: request.fed], request.keys)
-            if request.prefilling:
+            if request.pending:
                 continue
             token = _sample(logits[index].float(), request.sampling, request.generator)
             request.output.generated_tokens.append(token)
@@ -309,9 +523,10 @@ class BatchGenerator:
         if self._progress is not None:
             self._progress.update(1)
 
-    def _record(self, scheduled: int, stalled: int) -> None:
+    def _record(self, scheduled: int, holes: float) -> None:
         metrics = self.template.metrics()
         stats = self.prefix_cache.stats if self.prefix_cache is not None else None
+        swap = self.swap.stats
         self.history.append(BatchMetrics(
             step=len(self.history), seconds=time.perf_counter() - self._started, running=len(self.running),
             waiting=len(self.waiting), finished=self._done, tokens_scheduled=scheduled,
@@ -320,8 +535,20 @@ class BatchGenerator:
             blocks_total=metrics.blocks_total + metrics.quantized_blocks_total, kv_bytes=metrics.used_bytes,
             shared_blocks=metrics.shared_blocks,
             prompt_tokens=self._admitted_prompt_tokens,
-            prefix_hit_tokens=stats.hit_tokens if stats else 0, stalled=stalled,
+            prefix_hit_tokens=stats.hit_tokens if stats else 0, stalled=len(self.swapped) + self._waited,
+            preempted_swap=self.preempted["swap"], preempted_recompute=self.preempted["recompute"],
+            swap_out_blocks=swap.out_blocks, swap_out_bytes=swap.out_bytes, swap_in_blocks=swap.in_blocks,
+            swap_in_bytes=swap.in_bytes, swap_seconds=swap.seconds, recomputed_tokens=self.recomputed_tokens,
+            fragmentation=holes, compactions=self.compactions,
         ))  # fmt: skip
+
+    def compact(self, keep_free: int | None = None) -> tuple[dict[str, Fragmentation], dict[str, Fragmentation]]:
+        """Pack the blocks in use to the low end of every pool (`pool_compaction.compact`; with `keep_free`, shrink
+        each pool to its blocks in use plus that many). Returns the fragmentation before and after."""
+        before = fragmentation(self.template)
+        compact(self.template, self.prefix_cache, keep_free)
+        self.compactions += 1
+        return before, fragmentation(self.template)
 
     def metrics(self) -> BatchMetrics | None:
         """The latest snapshot (None before the first step)."""
@@ -370,6 +597,16 @@ def _check_model(template: PagedCache) -> None:
                 "serves models whose layers are full or sliding-window attention; use `model.generate` with a "
                 "`PagedCache` for this model"
             )
+
+
+def _largest_hole_share(template: PagedCache) -> float:
+    return max((f.hole_share for f in fragmentation(template).values()), default=0.0)
+
+
+def _held_blocks(cache: PagedCache) -> int:
+    """Blocks the rows of `cache` hold (full-precision and quantized; shared ones counted once per holder)."""
+    return sum(len(blocks) for group in cache.groups.values() for row in group.rows
+               for blocks in (row.blocks, row.quantized) if blocks is not None)  # fmt: skip
 
 
 def _sample(logits: torch.Tensor, sampling: dict, generator: torch.Generator | None) -> int:

@@ -128,6 +128,38 @@ class BlockPool:
                 self._append(block)
             self._ref[block] = count
 
+    def remap(self, mapping: Mapping[int, int]) -> None:
+        """Move every referenced block to `mapping[block]` (a one-to-one map of all of them; pool compaction, which
+        moves the contents). Every id starts a new lifetime (its epoch is bumped), so records of the old ids stop
+        matching; the free queue is rebuilt in id order, low ids first."""
+        used = [block for block in range(1, self.num_blocks + 1) if self._ref[block]]
+        targets = [mapping[block] for block in used if block in mapping]
+        distinct = len(set(targets)) == len(used) and all(0 < target <= self.num_blocks for target in targets)
+        if sorted(mapping) != used or not distinct:
+            raise ValueError("a remap must move every referenced block, and only those, to distinct ids of the pool")
+        references = {target: self._ref[block] for block, target in zip(used, targets)}
+        self._next[NULL_BLOCK] = self._prev[NULL_BLOCK] = NULL_BLOCK
+        self.num_free = 0
+        for block in range(1, self.num_blocks + 1):
+            self._ref[block] = references.get(block, 0)
+            self._epoch[block] += 1
+            if not self._ref[block]:
+                self._append(block)
+
+    def shrink(self, num_blocks: int) -> None:
+        """Drop the ids above `num_blocks`, which must all be free (compact the pool first)."""
+        valid = not isinstance(num_blocks, bool) and isinstance(num_blocks, int) and 0 <= num_blocks <= self.num_blocks
+        if not valid or any(self._ref[block] for block in range(num_blocks + 1, self.num_blocks + 1)):
+            raise ValueError(
+                f"cannot shrink the pool to {num_blocks} blocks: it has {self.num_blocks}, and blocks above "
+                f"{num_blocks} must be free (compact it first; {self.num_used} blocks are in use)"
+            )
+        for block in range(num_blocks + 1, self.num_blocks + 1):
+            self._remove(block)
+        del self._next[num_blocks + 1 :], self._prev[num_blocks + 1 :], self._ref[num_blocks + 1 :]
+        del self._epoch[num_blocks + 1 :]
+        self.num_blocks = num_blocks
+
     def _append(self, block: int) -> None:
         tail = self._prev[NULL_BLOCK]
         self._next[tail] = block
@@ -144,6 +176,6 @@ class BlockPool:
 
 
 def _check_count(value: int, name: str) -> None:
-    """A pool grows and never shrinks: block counts are ints >= 0 (an empty pool is grown before use)."""
+    """Block counts are ints >= 0 (an empty pool is grown before use); `grow` never shrinks a pool (`shrink` does)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"`{name}` must be an int >= 0 (a pool never shrinks), got {value!r}")

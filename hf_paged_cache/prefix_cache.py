@@ -37,6 +37,12 @@ class PrefixStats:
     prompt_tokens: int = 0
     hit_tokens: int = 0
 
+    def record(self, prompt_tokens: int, hit_tokens: int) -> None:
+        """One admitted request's lookup (a scheduler records each request once, however often it attached)."""
+        self.lookups += 1
+        self.prompt_tokens += prompt_tokens
+        self.hit_tokens += hit_tokens
+
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
@@ -61,8 +67,6 @@ class PrefixCache:
         left to compute); returns its length in tokens (0: nothing cached)."""
         bs = self.block_size
         keys = block_keys(prompt, bs, (len(prompt) - 1) // bs)
-        self.stats.lookups += 1
-        self.stats.prompt_tokens += len(prompt)
         for count in range(len(keys), 0, -1):
             found = {name: self._blocks(group, keys, count) for name, group in cache.groups.items()}
             if all(blocks is not None for blocks in found.values()):
@@ -71,7 +75,6 @@ class PrefixCache:
                         cache.groups[name].pool.take(block)
                     cache.groups[name].adopt(base, blocks, count * bs)
                 cache.sync_lengths()
-                self.stats.hit_tokens += count * bs
                 return count * bs
         return 0
 

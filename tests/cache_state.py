@@ -67,6 +67,19 @@ def row_state(cache: PagedCache) -> dict:
     return {"groups": state, "layers": contents, "eviction": cache_state(cache)["eviction"]}
 
 
+def stored_blocks(cache: PagedCache) -> list[torch.Tensor]:
+    """The contents of every block the cache's rows hold, in table order, every layer (full precision, then
+    the quantized fields): equal before and after an operation that moves blocks without changing them."""
+    out = []
+    for name, group in cache.groups.items():
+        for layer in cache._members[name]:
+            for row in group.rows:
+                out += [layer.key_blocks[row.blocks.ids].clone(), layer.value_blocks[row.blocks.ids].clone()]
+                if row.quantized is not None:
+                    out += [t[row.quantized.ids].clone() for t in (*layer.qkey.values(), *layer.qvalue.values())]
+    return out
+
+
 def _pool(pool) -> tuple | None:
     return None if pool is None else (pool.num_blocks, pool.num_free, list(pool._ref), list(pool._next))
 

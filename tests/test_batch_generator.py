@@ -153,11 +153,76 @@ def test_seeded_sampling_is_reproducible():
 def test_bad_knobs_and_unsupported_models_fail_clearly():
     with pytest.raises(ValueError, match="max_num_seqs"):
         BatchConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="preemption"):
+        BatchConfig(preemption="drop")
+    with pytest.raises(ValueError, match="victim_policy"):
+        BatchConfig(victim_policy="fifo")
+    with pytest.raises(ValueError, match="swap_threshold"):
+        BatchConfig(swap_threshold=1.5)
+    with pytest.raises(ValueError, match="swap_compression"):
+        BatchGenerator(_model("llama_gqa"), swap_compression="int3")
     with pytest.raises(ValueError, match="prompt_ids"):
         BatchGenerator(_model("llama_gqa")).add_request([])
     model = _model("gpt_neox")  # calls update() without attention kwargs
     with pytest.raises(RuntimeError, match="without attention kwargs"):
         generate_batch(model, _prompts((4,)), max_new_tokens=2)
+
+
+PRESSURE = (20, 33, 12, 41, 27, 18)  # with 12 new tokens in blocks of 4: 58 blocks in all, the largest 14
+
+
+def _unconstrained(name: str, prefix: int = 0, **options) -> tuple[tuple[int, ...], ...]:
+    outputs = generate_batch(_model(name), _prompts(PRESSURE, seed=9, prefix=prefix), max_new_tokens=12, block_size=4,
+                             max_batch_tokens=16, **options)  # fmt: skip
+    return tuple(tuple(o.generated_tokens) for o in outputs)
+
+
+@pytest.mark.parametrize("name,options", [
+    ("llama_gqa", {"preemption": "swap"}),
+    ("llama_gqa", {"preemption": "swap", "victim_policy": "weighted"}),
+    ("llama_gqa", {"preemption": "recompute"}),
+    ("llama_gqa", {"preemption": "auto", "swap_threshold": 0.8}),
+    # Recompute with prefix caching: requests that come back re-attach their own cached blocks.
+    ("gemma2", {"preemption": "recompute", "prefix_caching": True}),
+    ("llama_gqa", {"preemption": "swap", "quant": "int8", "residual_length": 4}),
+], ids=["swap-lru", "swap-weighted", "recompute", "auto-threshold", "recompute-prefix-gemma2",
+        "swap-int8"])  # fmt: skip
+def test_a_pool_for_a_quarter_of_the_demand_gives_the_unconstrained_outputs(name, options):
+    cache_options = {key: options[key] for key in ("quant", "residual_length") if key in options}
+    options = {"prefix_caching": False, **options}
+    generator = BatchGenerator(_model(name), max_new_tokens=12, block_size=4, max_batch_tokens=16, num_blocks=15,
+                               **options)  # fmt: skip
+    for prompt in _prompts(PRESSURE, seed=9):
+        generator.add_request(prompt)
+    outputs = generator.run()
+    assert tuple(tuple(o.generated_tokens) for o in outputs) == _unconstrained(name, **cache_options)
+    last = generator.metrics()
+    if options["preemption"] == "recompute":
+        assert last.preempted_recompute > 0 and last.preempted_swap == 0 and last.recomputed_tokens > 0
+        assert last.swap_out_blocks == 0
+    if options["preemption"] == "swap":
+        assert last.preempted_swap > 0 and last.swap_out_blocks > 0
+        assert last.swap_in_blocks == last.swap_out_blocks and last.swap_in_bytes == last.swap_out_bytes > 0
+    # Preempted, but not over and over: a request with nothing below it to preempt waits (or takes a smaller
+    # prompt chunk) instead of preempting itself into the same shortage at every step.
+    assert 0 < last.preempted_swap + last.preempted_recompute <= len(PRESSURE) and last.stalled == 0
+    assert any(m.stalled for m in generator.history)  # swapped out, or waiting for blocks while others ran
+    if options["prefix_caching"]:  # each request counted once in the hit rate, however often it attached
+        assert generator.prefix_cache.stats.lookups == len(PRESSURE)
+    assert generator.template.metrics().blocks_used == 0 and not generator.swapped
+
+
+def test_shared_prefix_blocks_survive_swapping():
+    model = _model("llama_gqa")
+    generator = BatchGenerator(model, max_new_tokens=12, block_size=4, max_batch_tokens=16, num_blocks=18,
+                               preemption="swap")  # fmt: skip
+    for prompt in _prompts(PRESSURE, seed=9, prefix=8):
+        generator.add_request(prompt)
+    outputs = generator.run()
+    assert tuple(tuple(o.generated_tokens) for o in outputs) == _unconstrained("llama_gqa", prefix=8)
+    last = generator.metrics()
+    assert last.preempted_swap > 0 and last.prefix_hit_tokens > 0
+    assert last.prompt_tokens == sum(len(o.prompt_ids) for o in outputs)
 
 
 @pytest.mark.slow

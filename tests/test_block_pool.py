@@ -159,3 +159,28 @@ def test_an_empty_pool_hands_out_nothing_until_it_grows():
     assert pool.allocate(2) == [1, 2] and pool.num_free == 0
     with pytest.raises(ValueError, match="num_blocks"):
         BlockPool(-1)
+
+
+def test_remap_moves_references_bumps_every_epoch_and_shrink_drops_free_ids_at_the_end():
+    pool = BlockPool(6)
+    a, b, c = pool.allocate(3)
+    pool.fork([c])
+    pool.free([a])
+    epochs = [pool.epoch(block) for block in range(7)]
+    with pytest.raises(ValueError, match="every referenced block"):
+        pool.remap({b: 1})  # c is missing
+    pool.remap({b: 1, c: 2})
+    assert [pool.ref_count(block) for block in range(1, 7)] == [1, 2, 0, 0, 0, 0] and pool.num_free == 4
+    assert all(pool.epoch(block) == epochs[block] + 1 for block in range(1, 7))
+    assert pool.allocate(1) == [3]  # the free queue is rebuilt low ids first
+    with pytest.raises(ValueError, match="must be free"):
+        pool.shrink(2)
+    before = _pool_state(pool)
+    for bad in (-1, 7, True):
+        with pytest.raises(ValueError, match="cannot shrink"):
+            pool.shrink(bad)
+    assert _pool_state(pool) == before
+    pool.shrink(4)
+    assert pool.num_blocks == 4 and pool.num_free == 1 and pool.allocate(1) == [4]
+    with pytest.raises(ValueError, match="only 0 are free"):
+        pool.allocate(1)

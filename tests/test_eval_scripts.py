@@ -235,3 +235,30 @@ def test_perplexity_script_smollm2(tmp_path):
     assert 3 < rows[0]["perplexity"] < 100  # trained weights (random ones give ~50,000)
     assert rows[1]["perplexity"] == pytest.approx(rows[0]["perplexity"], rel=1e-4)
     assert rows[0]["kv_bytes_per_token"] == 46_080
+
+
+# ---------------------------------------------------------------------------------------------- serving
+def test_serving_pressure_workload_tiny(tmp_path):
+    out = tmp_path / "serving"
+    _run("serving.py", "--model", "tiny-llama", "--workloads", "pressure", "--requests", "8", "--min-len", "20",
+         "--max-len", "120", "--new-tokens", "8", "--max-batch-tokens", "64", "--threads", "1",
+         "--out", str(out))  # fmt: skip
+    rows = json.loads(out.with_suffix(".json").read_text())["pressure"]
+    assert [row["system"] for row in rows][0] == "unconstrained" and len(rows) == 6
+    assert all(row["identical"] == 8 and row["tokens_per_s"] > 0 for row in rows[:-1])  # fp8 copies: close only
+    constrained = rows[1:]
+    assert all(row["pool_blocks"] == round(0.25 * row["demand_blocks"]) for row in constrained)
+    assert all(row["preempted_swap"] + row["preempted_recompute"] > 0 for row in constrained)
+    assert constrained[2]["preempted_swap"] == 0 and constrained[2]["recomputed_tokens"] > 0
+    assert constrained[0]["swap_out_bytes"] == constrained[0]["swap_in_bytes"] > 0
+    assert 0 < constrained[4]["swap_out_bytes"] / constrained[4]["swap_out_blocks"] < 0.3 * (
+        constrained[0]["swap_out_bytes"] / constrained[0]["swap_out_blocks"])  # fmt: skip
+
+
+def test_swap_quality_tiny(tmp_path):
+    out = tmp_path / "swap"
+    _run("swap_quality.py", "--model", "tiny-llama", "--prefill", "64", "--tokens", "32", "--threads", "1",
+         "--out", str(out))  # fmt: skip
+    rows = {row["copies"]: row for row in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert abs(rows["none"]["delta_pct"]) < 1e-3 and rows["none"]["host_bytes_vs_exact"] == 1.0
+    assert rows["int4"]["host_bytes_vs_exact"] < rows["fp8"]["host_bytes_vs_exact"] < 0.3
