@@ -81,8 +81,10 @@ class BlockPool:
         """
         if sum(counts) > self.num_free:
             raise ValueError(f"asked for {sum(counts)} blocks but only {self.num_free} are free")
-        start, length = self._longest_free_stretch()
-        if not counts or length < sum(counts):
+        if not counts:
+            return []
+        start, length = self._longest_free_stretch()  # O(num_blocks): only when some run starts
+        if length < sum(counts):
             return [self.allocate(count) for count in counts]
         gap = (length - sum(counts)) // (len(counts) + (start > 1))
         start += gap if start > 1 else 0
