@@ -3,9 +3,9 @@
 `register_paged_attention()` registers it (and its mask function) with transformers; then
 `from_pretrained(..., attn_implementation="paged")` or `model.set_attn_implementation("paged")`
 selects it. CUDA tensors go to the Triton kernels of `hf_paged_cache.kernels` (the cache's `backend`
-option decides); everything else runs
-the torch path below, which reads a single row's blocks as a view when they form one contiguous run
-(no copy of the history per step) and gathers them through the block tables otherwise.
+option decides); everything else runs the layer's torch path (`PagedLayer.attend`), which attends row by
+row over views of each row's runs of blocks (no copy of the history per step when a row's blocks form
+one run).
 """
 
 from __future__ import annotations
@@ -66,10 +66,8 @@ def _attend_blocks(query: torch.Tensor, paged_kv: PagedKV, mask: torch.Tensor | 
     """Attention of `query` `[batch, heads, q, head_dim]` over the blocks `paged_kv` names: `[batch, q, heads, d]`."""
     if paged_kv.uses_kernels and (mask is None or paged_kv.plan.padding_exact):
         out = _kernel_attention(query, paged_kv, scale, softcap)
-    elif paged_kv.layer.is_quantized:  # the torch path decodes the quantized history chunk by chunk
+    else:  # the torch path: row by row over views of the blocks (a quantized layer decodes its history too)
         out = paged_kv.layer.attend(query, paged_kv.plan, mask, scale, softcap).transpose(1, 2)
-    else:
-        out = attend(query, *paged_kv.read(mask, query.shape[2]), scale, softcap).transpose(1, 2)
     paged_kv.finish(query, mask, scale, softcap)  # eviction statistics and triggers, if any
     return out
 

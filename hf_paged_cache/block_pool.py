@@ -85,6 +85,44 @@ class BlockPool:
             previous = block
         return blocks
 
+    def allocate_runs(self, counts: list[int]) -> list[list[int]]:
+        """Take one run of consecutive blocks per count, spread with equal gaps over the longest free stretch.
+
+        Rows of a batch grow together, one block each every `block_size` steps; packed end to end, each
+        row's next block would be the next row's first and their runs would interleave. The gaps let every
+        run grow in place; a stretch that follows a block in use (maybe the end of another run) keeps a gap
+        before the first run too. Counts that do not fit the stretch together come from `allocate`.
+        """
+        if sum(counts) > self.num_free:
+            raise ValueError(f"asked for {sum(counts)} blocks but only {self.num_free} are free")
+        if not counts:
+            return []
+        start, length = self._longest_free_stretch()  # O(num_blocks): only when some run starts
+        if length < sum(counts):
+            return [self.allocate(count) for count in counts]
+        gap = (length - sum(counts)) // (len(counts) + (start > 1))
+        start += gap if start > 1 else 0
+        runs = []
+        for count in counts:
+            runs.append(list(range(start, start + count)))
+            start += count + gap
+        for block in (block for run in runs for block in run):
+            self._remove(block)
+            self._ref[block] = 1
+            self._epoch[block] += 1
+        return runs
+
+    def _longest_free_stretch(self) -> tuple[int, int]:
+        """(first id, length) of the longest stretch of consecutive free ids (the first such one)."""
+        best, run_start = (1, 0), None
+        for block in range(1, self.num_blocks + 2):
+            if block <= self.num_blocks and self._ref[block] == 0:
+                run_start = block if run_start is None else run_start
+            elif run_start is not None:
+                best = max(best, (run_start, block - run_start), key=lambda stretch: stretch[1])
+                run_start = None
+        return best
+
     def fork(self, blocks: Iterable[int]) -> None:
         """Add one reference to each block (a second table now points at it)."""
         blocks = list(blocks)

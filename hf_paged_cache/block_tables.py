@@ -41,7 +41,6 @@ class StepPlan:
     read_start: list[int]  # per row: first stored index to read
     read_stop: list[int]  # per row: stored tokens after the step (exclusive end of the read)
     new_tokens: list[int]  # per row: stored new tokens of this step
-    run_start: list[int | None]  # per row: first block id when the read is one contiguous run, else None
     padding_exact: bool  # every stored token is a real one (no padding was stored)
     tables: BlockTables
     # Per row, the logical position of slot 0 of the first full-precision block (virtual after an
@@ -68,6 +67,11 @@ class StepPlan:
     def slots(self, row: int, first: int, count: int) -> torch.Tensor:
         """Slots of the row's stored tokens [first, first + count)."""
         return self.tables.slots(row, first, count)
+
+    def runs(self) -> list[list[tuple[int, int, int]]]:
+        """Per row, its read range cut where the block ids stop being consecutive: (first column of the
+        logical read range, first slot, tokens), in order (see `BlockTables.read_runs`)."""
+        return self.cached("runs", lambda: self.tables.read_runs(self))
 
     def _build(self, name: str) -> torch.Tensor:
         if name in ("write_slots", "write_tokens"):
@@ -284,7 +288,6 @@ class BlockTables:
             read_start=read_start,
             read_stop=read_stop,
             new_tokens=list(new_tokens),
-            run_start=[self._run_start(index, a, b) for index, (a, b) in enumerate(zip(read_start, read_stop))],
             padding_exact=self.padding_exact,
             tables=self,
             base=self.base,
@@ -325,18 +328,26 @@ class BlockTables:
                 self.rows[index].base += drop * bs
         cow_src, cow_dst = [], []
         for index, (stored, _held, new) in enumerate(growth):
-            if index in mirrors:
-                continue
-            row = self.rows[index]
-            if new and stored % bs and self._shared_beyond_mirrors(index, mirrors):
-                old, fresh = row.blocks.replace_last()
+            if index not in mirrors and new and stored % bs and self._shared_beyond_mirrors(index, mirrors):
+                old, fresh = self.rows[index].blocks.replace_last()
                 cow_src.append(old)
                 cow_dst.append(fresh)
-            extra = ceil_div(stored + new, bs) - len(row.blocks)
-            if extra > 0:
-                row.blocks.extend(extra)
+        self._extend_rows([0 if index in mirrors else ceil_div(stored + new, bs) - len(self.rows[index].blocks)
+                           for index, (stored, _held, new) in enumerate(growth)])  # fmt: skip
         if cow_src:
             copy_blocks(cow_src, cow_dst)
+
+    def _extend_rows(self, extras: list[int]) -> None:
+        """Give each row its `extras` new blocks. A row whose next block is free continues its run; the rows
+        that cannot (every row of a new batch) start runs spread over the longest free stretch, so that rows
+        growing together keep out of each other's way and stay readable as views (`read_runs`)."""
+        starting = [index for index, (row, extra) in enumerate(zip(self.rows, extras))
+                    if extra > 0 and not row.blocks.can_continue()]  # fmt: skip
+        for index, extra in enumerate(extras):
+            if extra > 0 and index not in starting:
+                self.rows[index].blocks.extend(extra)
+        for index, run in zip(starting, self.pool.allocate_runs([extras[index] for index in starting])):
+            self.rows[index].blocks.append_fresh(run)
 
     def slots(self, row: int, first: int, count: int) -> torch.Tensor:
         """Slots of the row's full-precision stored tokens [first, first + count)."""
@@ -344,18 +355,32 @@ class BlockTables:
         blocks = torch.tensor(self.rows[row].blocks.ids, dtype=torch.long)[stored // self.block_size]
         return blocks * self.block_size + stored % self.block_size
 
-    def _run_start(self, row: int, start: int, stop: int) -> int | None:
-        if stop <= start:
-            return None
-        first, blocks = start // self.block_size, self.rows[row].blocks
-        return blocks.ids[first] if first >= blocks.run_from else None
-
     def first_run_block(self, row: int) -> int | None:
         """The first block id when all of the row's full-precision blocks form one run, else None."""
         blocks = self.rows[row].blocks
         return blocks.ids[0] if blocks.ids and blocks.run_from == 0 else None
 
     # ------------------------------------------------------------------ reading
+    def read_runs(self, plan: StepPlan) -> list[list[tuple[int, int, int]]]:
+        """Per row, the stored range [read_start, read_stop) as runs of consecutive slots: (column in the
+        logical read range [kv_offset, new_len), first slot, tokens). Each run is one contiguous stretch
+        per head of the head-major storage, so a reader takes views of it instead of gathering slots.
+        Stored index `s` stands at column `base + s - kv_offset` (virtual after a compaction)."""
+        bs, runs = self.block_size, []
+        for row, start, stop, base in zip(self.rows, plan.read_start, plan.read_stop, plan.base):
+            ids, row_runs, index = row.blocks.ids, [], start
+            while index < stop:
+                block = end = index // bs
+                if block >= row.blocks.run_from:  # consecutive from here to the end
+                    end = ceil_div(stop, bs) - 1
+                while (end + 1) * bs < stop and ids[end + 1] == ids[end] + 1:
+                    end += 1
+                count = min((end + 1) * bs, stop) - index
+                row_runs.append((base + index - plan.kv_offset, ids[block] * bs + index % bs, count))
+                index += count
+            runs.append(row_runs)
+        return runs
+
     def block_read(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each row's read range as whole blocks, in stored order: (block ids `[rows, width]`, null-padded;
         the logical position of every slot of them `[rows, width * block_size]`; whether that slot is in

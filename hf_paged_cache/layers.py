@@ -18,12 +18,13 @@ from transformers.cache_utils import CacheLayerMixin
 from .block_tables import BlockTables, StepPlan
 from .kernels.layout import allocate_kv_blocks
 from .paged_states import paged_only
-from .torch_attention import causal_mask
+from .torch_attention import attend, attention, causal_mask, zero_unattended
 
 if TYPE_CHECKING:
     from .config import PagedCacheConfig
 
 PAGED_KV_KWARG = "paged_kv"
+MAX_RUNS = 8  # a row's read cut into more runs of blocks than this is gathered slot by slot
 # (plan, query, mask, scale, softcap): what runs after a layer's attention (eviction), bound by the cache.
 AfterAttention = Callable[[StepPlan, torch.Tensor, "torch.Tensor | None", float, "float | None"], None]
 
@@ -49,10 +50,6 @@ class PagedKV:
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of logical positions [kv_offset, new_len) of every row, `[batch, kv_heads, n, head_dim]`."""
         return self.layer.gather(self.plan)
-
-    def read(self, mask: torch.Tensor | None, q_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """K/V and the matching mask for the torch attention (see `PagedLayer.read_with_mask`)."""
-        return self.layer.read_with_mask(self.plan, mask, q_len)
 
     def finish(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None) -> None:
         """Called by the attention once this layer's output is computed."""
@@ -258,26 +255,25 @@ class PagedLayer(CacheLayerMixin):
             blocks.view(-1, *blocks.shape[2:]).index_copy_(0, slots, rows)
 
     # ------------------------------------------------------------------ reading
-    def row_view(self, plan: StepPlan, row: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Row `row`'s readable K/V as views `[kv_heads, tokens, head_dim]` when its blocks are one run."""
-        start_block = plan.run_start[row]
-        if start_block is None:
-            return None
-        bs = self.tables.block_size
-        start, stop = plan.read_start[row], plan.read_stop[row]
-        first = start // bs
-        count = -(-stop // bs) - first
-        offset = start - first * bs
-        views = []
-        for blocks in (self.key_blocks, self.value_blocks):
-            flat = blocks[start_block : start_block + count].view(-1, *blocks.shape[2:])
-            views.append(flat[offset : offset + stop - start].transpose(0, 1))
-        return views[0], views[1]
+    def row_kv(self, plan: StepPlan, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `row`'s stored read range as K/V `[kv_heads, tokens, head_dim]`: views of the storage when
+        its blocks form one run, else one copy (`_row_pieces`)."""
+        pieces = [self._row_pieces(blocks, plan, row) for blocks in (self.key_blocks, self.value_blocks)]
+        keys, values = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1) for parts in pieces)
+        return keys, values
 
-    @staticmethod
-    def _reads_one_view(plan: StepPlan) -> bool:
-        """Whether the step reads one row whose stored range is exactly the logical read range."""
-        return len(plan.read_start) == 1 and plan.new_len - plan.kv_offset == plan.read_stop[0] - plan.read_start[0]
+    def _row_pieces(self, blocks: torch.Tensor, plan: StepPlan, row: int) -> list[torch.Tensor]:
+        """Row `row`'s stored read range of `blocks` as `[kv_heads, n_i, head_dim]` pieces in order: views of
+        its runs (`StepPlan.runs`), or one slot-by-slot gather when it is cut into more than `MAX_RUNS`
+        runs (one index beats many small copies)."""
+        runs = plan.runs()[row]
+        if len(runs) > MAX_RUNS:
+            start, stop = plan.read_start[row], plan.read_stop[row]
+            slots = plan.cached(("row_slots", row, self.device),
+                                lambda: plan.slots(row, start, stop - start).to(self.device))  # fmt: skip
+            return [blocks.view(-1, *blocks.shape[2:]).index_select(0, slots).transpose(0, 1)]
+        flat = _heads_first(blocks)
+        return [flat[:, slot : slot + count] for _column, slot, count in runs]
 
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V at the given slots (any shape `S`), as `[*S[:-1], kv_heads, S[-1], head_dim]`."""
@@ -288,33 +284,61 @@ class PagedLayer(CacheLayerMixin):
         return out[0], out[1]
 
     def gather(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V for logical positions [kv_offset, new_len) of every row; padding reads as zeros.
+        """K/V for logical positions [kv_offset, new_len) of every row, `[batch, kv_heads, n, head_dim]`;
+        padding reads as zeros. A single unpadded row whose blocks form one run comes back as a strided view
+        of the storage (no copy); otherwise one `torch.cat` per tensor of every row's padding and runs
+        (head-major underneath, like the storage)."""
+        runs = plan.runs()
+        if len(runs) == 1 and len(runs[0]) == 1 and runs[0][0][0] == 0:
+            keys, values = self.row_kv(plan, 0)
+            return keys.unsqueeze(0), values.unsqueeze(0)
+        total, out = plan.new_len - plan.kv_offset, []
+        for blocks in (self.key_blocks, self.value_blocks):
+            heads, dim = blocks.shape[2], blocks.shape[3]
+            zeros = plan.cached(("zeros", heads, dim, blocks.dtype, self.device),
+                                lambda: blocks.new_zeros(heads, total, dim))  # fmt: skip
+            pieces = []
+            for row, row_runs in enumerate(runs):
+                pieces.append(zeros[:, : row_runs[0][0] if row_runs else total])
+                pieces += self._row_pieces(blocks, plan, row) if row_runs else []
+            out.append(torch.cat(pieces, dim=1).view(heads, len(runs), total, dim).transpose(0, 1))
+        return out[0], out[1]
 
-        A single row whose blocks form one run comes back as a strided view of the storage: no copy.
+    def attend(
+        self, query: torch.Tensor, plan: StepPlan, mask: torch.Tensor | None, scale: float, softcap: float | None
+    ) -> torch.Tensor:
+        """The `"paged"` attention's torch path over this layer, `[batch, heads, q, head_dim]`.
+
+        Row by row, over the row's own stored tokens (`row_kv`: views when its blocks form one run) with
+        the model's mask columns for them, so rows of a ragged batch neither copy their history nor
+        attend over each other's padding. Compacted rows go by each token's logical position
+        (`read_with_mask`).
         """
-        if self._reads_one_view(plan):
-            view = self.row_view(plan, 0)
-            if view is not None:
-                return view[0].unsqueeze(0), view[1].unsqueeze(0)
-        return self.read_slots(plan.tensor("read_slots", self.device))
-
+        q_len = query.shape[2]
+        if plan.tables.compacted:
+            return attend(query, *self.read_with_mask(plan, mask, q_len), scale, softcap)
+        if mask is None and q_len > 1:
+            mask = causal_mask(q_len, plan.new_len - plan.kv_offset, query.device)
+        out = []
+        for row, runs in enumerate(plan.runs()):
+            if not runs:  # nothing stored in range: a fully masked row, zeroed below
+                out.append(query.new_zeros(1, query.shape[1], q_len, self.value_dim))
+                continue
+            row_mask = None if mask is None else mask[row if mask.shape[0] > 1 else 0, None, :, :, runs[0][0] :]
+            keys, values = self.row_kv(plan, row)
+            out.append(attention(query[row : row + 1], keys[None], values[None], row_mask, scale, softcap))
+        # The columns before a row's first run are its padding, hidden by the model's mask: the whole mask
+        # tells which query rows see no key at all.
+        return zero_unattended(torch.cat(out), mask)
 
     def read_with_mask(
         self, plan: StepPlan, mask: torch.Tensor | None, q_len: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """K/V of the step's read range and the boolean mask `[b, 1, q, n]` (or None) that goes with them,
-        for the `"paged"` attention, which needs no alignment of rows by position.
-
-        A single uncompacted row whose blocks form one run is a view with the model's mask. Otherwise
-        every row's range is read as whole blocks in stored order (`BlockTables.block_read`) and the mask
-        is the model's, taken at each slot's logical position, hiding slots outside the row's range. A
-        compacted row stores its survivors in front of its virtual `base` (`Row.base`), so they stand at
-        positions the model's mask shows.
+        """K/V of the step's read range as whole blocks in stored order (`BlockTables.block_read`) and the
+        boolean mask `[b, 1, q, n]` that goes with them: the model's mask taken at each slot's logical
+        position, hiding slots outside the row's range. A compacted row stores its survivors in front of
+        its virtual `base` (`Row.base`), so they stand at positions the model's mask shows.
         """
-        if self._reads_one_view(plan) and not plan.tables.compacted:
-            view = self.row_view(plan, 0)
-            if view is not None:
-                return view[0].unsqueeze(0), view[1].unsqueeze(0), mask
         ids, positions, valid = plan.cached(("block_read", self.device),
                                             lambda: tuple(t.to(self.device) for t in plan.tables.block_read(plan)))
         keys, values = (_gather_blocks(blocks, ids) for blocks in (self.key_blocks, self.value_blocks))
@@ -431,6 +455,12 @@ class SharedKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         pass
+
+
+def _heads_first(blocks: torch.Tensor) -> torch.Tensor:
+    """Storage `[num_blocks, block_size, kv_heads, d]` (head-major underneath) as the view `[kv_heads, slots, d]`:
+    consecutive slots of a head are contiguous memory."""
+    return blocks.permute(2, 0, 1, 3).flatten(1, 2)
 
 
 def _gather_blocks(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 from .block_tables import QuantizedBlockTables, StepPlan
 from .layers import PagedLayer, PagedSlidingLayer, storage_field
 from .quantization import KVFormat
-from .torch_attention import OnlineSoftmax, attend, causal_mask, visible_columns
+from .torch_attention import OnlineSoftmax, causal_mask, visible_columns
 
 CHUNK_TOKENS = 2048  # quantized tokens dequantized at a time by the paged read (a bounded transient)
 
@@ -201,7 +201,7 @@ class QuantizedLayer(PagedLayer):
         """
         batch, _heads, q_len, _ = query.shape
         if not self._reads_quantized(plan):
-            return attend(query, *self.read_with_mask(plan, mask, q_len), scale, softcap)
+            return super().attend(query, plan, mask, scale, softcap)
         width = plan.new_len - plan.kv_offset
         if mask is None:
             mask = causal_mask(q_len, width, query.device)
@@ -214,10 +214,7 @@ class QuantizedLayer(PagedLayer):
                 softmax.update(keys, values, visible_columns(row_mask, first - plan.kv_offset, keys.shape[1]))
             start, stop = plan.read_start[row], plan.read_stop[row]
             if stop > start:
-                view = self.row_view(plan, row)
-                if view is None:
-                    slots = plan.slots(row, start, stop - start)
-                    view = self.read_slots(slots.to(self.device))
+                view = self.row_kv(plan, row)
                 first = plan.base[row] + start - plan.kv_offset
                 softmax.update(view[0].float(), view[1].float(), row_mask[:, first : first + stop - start])
             out.append(softmax.result())

@@ -32,12 +32,20 @@ class BlockList:
     def extend(self, count: int) -> list[int]:
         """Allocate `count` blocks at the end, continuing the run where the pool allows."""
         fresh = self.pool.allocate(count, after=self.ids[-1] if self.ids else None)
+        self.append_fresh(fresh)
+        return fresh
+
+    def can_continue(self) -> bool:
+        """Whether the block after the last one is free (an empty list starts anywhere: no)."""
+        return bool(self.ids) and self.pool.is_free(self.ids[-1] + 1)
+
+    def append_fresh(self, fresh: list[int]) -> None:
+        """Append blocks allocated for this table (reference already taken), marking where the run breaks."""
         first = len(self.ids)
         self.ids.extend(fresh)
         for index in range(max(first, 1), len(self.ids)):  # the run may break inside `fresh` too
             if self.ids[index] != self.ids[index - 1] + 1:
                 self.run_from = index
-        return fresh
 
     def replace_last(self) -> tuple[int, int]:
         """Copy-on-write of the last block: a fresh block takes its place (the caller copies the contents);

@@ -52,6 +52,12 @@ def attend(
     q_len, n = query.shape[2], key.shape[2]
     if mask is None and q_len > 1:
         mask = causal_mask(q_len, n, query.device)
+    return zero_unattended(attention(query, key, value, mask, scale, softcap), mask)
+
+
+def attention(query, key, value, mask: torch.Tensor | None, scale: float, softcap: float | None) -> torch.Tensor:
+    """`attend` without its last step: query rows that see no key are left as SDPA makes them (NaN), so a
+    caller attending in parts fixes them once (`zero_unattended`). `mask` None means no masking."""
     key, value = key.to(query.dtype), value.to(query.dtype)
     if softcap is None:
         out = F.scaled_dot_product_attention(
@@ -63,9 +69,12 @@ def attend(
                             scale, softcap)
             for b in range(query.shape[0])
         ])  # fmt: skip
-    if mask is not None:
-        out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
     return out
+
+
+def zero_unattended(out: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """`out` `[b, heads, q, d]` with the query rows that `mask` `[b, 1, q, n]` lets see no key set to 0."""
+    return out if mask is None else out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
 
 
 def _softcapped_row(query, key, value, visible, scale: float, softcap: float) -> torch.Tensor:

@@ -34,6 +34,19 @@ class BlockPoolMachine(RuleBasedStateMachine):
         if blocks and continues_run:
             assert blocks[0] == after + 1, "did not continue the run although the next block was free"
 
+    @rule(counts=st.lists(st.integers(0, 3), max_size=4))
+    def allocate_runs(self, counts):
+        if sum(counts) > self.pool.num_free:
+            with pytest.raises(ValueError):
+                self.pool.allocate_runs(counts)
+            return
+        runs = self.pool.allocate_runs(counts)
+        assert [len(run) for run in runs] == counts
+        for block in (block for run in runs for block in run):
+            assert block != NULL_BLOCK and block not in self.refs, "handed out a block that is in use"
+            self.refs[block] = 1
+            self.owned.append(block)
+
     @precondition(lambda self: self.owned)
     @rule(data=st.data())
     def fork(self, data):
@@ -117,6 +130,23 @@ def test_allocation_continues_a_run_when_the_next_block_is_free():
     assert pool.allocate(1, after=a[-1]) == [5]  # 3 is taken, so the head of the queue
 
 
+def test_runs_of_a_batch_are_spread_with_equal_gaps_so_each_can_grow_in_place():
+    assert BlockPool(10).allocate_runs([2, 2]) == [[1, 2], [6, 7]]  # (10 - 4) // 2 = 3 free after each run
+    pool = BlockPool(20)
+    pool.allocate(2)  # 1, 2: the longest free stretch, 3..20, follows a block in use: a gap before the runs too
+    assert pool.allocate_runs([3, 1, 2]) == [[6, 7, 8], [12], [16, 17]]  # (18 - 6) // 4 = 3
+    assert pool.allocate(3, after=8) == [9, 10, 11] and pool.allocate(1, after=12) == [13]
+
+
+def test_runs_that_do_not_fit_one_stretch_come_from_the_queue():
+    pool = BlockPool(6)
+    pool.allocate(6)
+    pool.free([2, 5])
+    with pytest.raises(ValueError, match="only 2 are free"):
+        pool.allocate_runs([2, 1])
+    assert pool.allocate_runs([1, 1]) == [[2], [5]] and pool.num_free == 0
+
+
 def test_shared_block_returns_to_the_pool_only_with_its_last_reference():
     pool = BlockPool(2)
     (block,) = pool.allocate(1)
@@ -184,3 +214,12 @@ def test_remap_moves_references_bumps_every_epoch_and_shrink_drops_free_ids_at_t
     assert pool.num_blocks == 4 and pool.num_free == 1 and pool.allocate(1) == [4]
     with pytest.raises(ValueError, match="only 0 are free"):
         pool.allocate(1)
+
+
+def test_every_way_of_allocating_bumps_the_epoch():
+    """Epochs tell a reused id from the block it was (prefix cache, sealed copies): no allocation may skip it."""
+    pool = BlockPool(12)
+    before = [pool.epoch(block) for block in range(13)]
+    taken = [*pool.allocate(2), *(block for run in pool.allocate_runs([2, 3]) for block in run)]
+    assert all(pool.epoch(block) == before[block] + 1 for block in taken)
+    assert all(pool.epoch(block) == before[block] for block in range(1, 13) if block not in taken)

@@ -1,0 +1,41 @@
+"""`PagedLayer` reads: rows cut into several runs of blocks, or gathered slot by slot, read like DynamicCache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import MODELS_BY_NAME, PAD_ID, padded_batch
+from transformers import DynamicCache
+
+from hf_paged_cache import PagedCache, layers
+
+PADS = (0, 3, 7)
+NEW_TOKENS = 16
+BLOCK_SIZE = 2
+
+
+def _generate(model, attn: str, cache):
+    input_ids, attention_mask = padded_batch(PADS, 12)
+    model.set_attn_implementation(attn)
+    with torch.no_grad():
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, pad_token_id=PAD_ID,
+                              max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                              return_dict_in_generate=True, output_logits=True)  # fmt: skip
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("max_runs", [0, 8])
+@pytest.mark.parametrize("attn", ["sdpa", "paged"])
+def test_rows_cut_into_runs_read_like_dynamic_cache(attn, max_runs, monkeypatch):
+    """A pool with no room to spare: every row's run breaks as it grows, so rows are read from several runs
+    (`max_runs` 8) or, past `MAX_RUNS`, slot by slot (0)."""
+    monkeypatch.setattr(layers, "MAX_RUNS", max_runs)
+    model, _config = MODELS_BY_NAME["llama_gqa"].build()
+    stored = [12 - pad + NEW_TOKENS - 1 for pad in PADS]
+    cache = PagedCache(model.config, block_size=BLOCK_SIZE, num_blocks=sum(-(-n // BLOCK_SIZE) for n in stored))
+    expected, actual = _generate(model, "sdpa", DynamicCache(config=model.config)), _generate(model, attn, cache)
+    assert torch.equal(actual.sequences, expected.sequences)
+    for want, got in zip(expected.logits, actual.logits):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    tables = cache.layers[0].tables
+    assert max(len(runs) for runs in tables.read_runs(tables.plan)) > 1
