@@ -36,6 +36,7 @@ from .block_pool import BlockPool
 from .cache import PagedCache
 from .config import PagedCacheConfig
 from .layers import PagedLayer, SharedKVLayer
+from .memory import kv_bytes_per_token
 from .pool_compaction import Fragmentation, compact, device_pools, fragmentation
 from .prefix_cache import PrefixCache
 from .swap import SwapSpace
@@ -209,7 +210,7 @@ class BatchGenerator:
         self.generation_config = copy.deepcopy(generation_config or model.generation_config)
         self.generation_config.update(**generation)
         model.set_attn_implementation(ATTENTION_NAME)
-        self.template = PagedCache(model.config, PagedCacheConfig(**options))
+        self.template = PagedCache(model.config, _pools_up_front(PagedCacheConfig(**options), model))
         _check_model(self.template)
         self.growable = self.template.options.growable
         self.sliding = [layer.is_sliding for layer in self.template.layers]
@@ -585,6 +586,20 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]],
     for prompt in prompts:
         generator.add_request(prompt)
     return generator.run()
+
+
+def _pools_up_front(options: PagedCacheConfig, model: PreTrainedModel) -> PagedCacheConfig:
+    """A `max_memory` budget as `num_blocks`: a cache sizes `max_memory` pools at its first step, which would give
+    every request pools of its own; the requests must share the template's from the start."""
+    if options.max_memory is None:
+        return options
+    per_block = kv_bytes_per_token(model.config, options.dtype or model.dtype) * options.block_size
+    if options.max_memory // per_block < 2:
+        raise ValueError(
+            f"`max_memory`={options.max_memory} bytes cannot hold two blocks of every layer ({2 * per_block} bytes): "
+            "raise `max_memory` or lower `block_size`"
+        )
+    return dataclasses.replace(options, max_memory=None, num_blocks=options.max_memory // per_block - 1)
 
 
 def _check_model(template: PagedCache) -> None:

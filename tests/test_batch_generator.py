@@ -143,6 +143,17 @@ def test_sharing_off_still_serves_from_one_pool():
     assert max(m.running for m in generator.history) < 3  # admission saw the one pool fill up
 
 
+def test_a_max_memory_budget_is_one_pool_shared_by_all_requests():
+    model = _model("llama_gqa")
+    generator = BatchGenerator(model, max_new_tokens=4, block_size=4, max_memory="40KiB")
+    pool = generator.template.groups["full_attention"].pool
+    assert pool is not None and generator.template.options.num_blocks == pool.num_blocks
+    for prompt in _prompts((14, 14, 14), seed=10):
+        generator.add_request(prompt)
+    outputs = generator.run()
+    assert all(len(o.generated_tokens) == 4 for o in outputs)
+
+
 def test_seeded_sampling_is_reproducible():
     model = _model("llama_gqa")
     prompts = _prompts((7, 9), seed=8)
