@@ -161,11 +161,26 @@ class BlockTables:
         return any(row.kept_positions is not None for row in self.rows)
 
     def stored_positions(self, row: int) -> torch.Tensor:
-        """Logical position of each stored token of the row, in stored order (int64 `[stored_count]`)."""
+        """Logical position of each stored token of the row, in stored order: int64 `[stored_count]`, or
+        `[kv_heads, stored_count]` when a per-head eviction left each head its own survivors."""
         count, kept = self.stored_count(row), self.rows[row].kept_positions
         if kept is None:
             return torch.arange(self.length - count, self.length)
-        return torch.cat([kept, torch.arange(self.length - (count - len(kept)), self.length)])
+        since = torch.arange(self.length - (count - kept.shape[-1]), self.length)  # stored since the compaction
+        return torch.cat([kept, since.expand(*kept.shape[:-1], -1)], dim=-1)
+
+    def stored_before(self, row: int, position: int) -> int:
+        """Stored tokens of the row at logical positions before `position`: the same in every KV head, or a
+        crop there would leave heads of different lengths, and this raises."""
+        counts = (self.stored_positions(row) < position).sum(dim=-1).flatten().unique()
+        if len(counts) > 1:
+            safe = int(self.rows[row].kept_positions.max()) + 1
+            raise RuntimeError(
+                f"Cannot crop the {self.name} layers to {position} tokens: row {row} was evicted per head and its KV "
+                f"heads keep different numbers of tokens before position {position}. Crop to {safe} or more, or "
+                "evict with `per_head=False`."
+            )
+        return int(counts[0]) if len(counts) else 0
 
     # ------------------------------------------------------------------ planning a step
     def read_offset(self, length: int) -> int:
@@ -478,6 +493,10 @@ class BlockTables:
         """Raise (changing nothing) if cropping to `new_len` would need tokens that were already dropped."""
         needed_from = self.read_offset(new_len)
         for index, row in enumerate(self.rows):
+            if row.kept_positions is not None:  # evicted (full attention only): its survivors are what it has
+                if new_len > 0:
+                    self.stored_before(index, new_len)  # per-head rows: raises if the heads would differ
+                continue
             first = self.first_stored(index)
             if first > row.pads and needed_from < first:
                 raise RuntimeError(
@@ -507,9 +526,8 @@ class BlockTables:
     def _crop_compacted(self, index: int, new_len: int) -> None:
         """Crop a compacted row: its survivors up to `new_len`, by stored index (`base` is virtual)."""
         row = self.rows[index]
-        positions = self.stored_positions(index)
-        keep = int((positions < new_len).sum())
-        row.kept_positions = positions[: min(keep, len(row.kept_positions))]
+        positions, keep = self.stored_positions(index), self.stored_before(index, new_len)
+        row.kept_positions = positions[..., : min(keep, row.kept_positions.shape[-1])]
         row.base = new_len - (keep - self.stored_count(index) + self.stored_tokens(index))
 
     def release(self) -> None:
@@ -612,7 +630,7 @@ class QuantizedBlockTables(BlockTables):
         blocks are dropped; none is re-quantized); anywhere else it raises, changing nothing."""
         for index, row in enumerate(self.rows):
             if row.kept_positions is not None and new_len > 0:
-                if int((self.stored_positions(index) < new_len).sum()) < self.quantized_tokens(index):
+                if self.stored_before(index, new_len) < self.quantized_tokens(index):
                     raise RuntimeError(
                         f"Cannot crop the {self.name} layers to {new_len} tokens: row {index} was compacted by "
                         "eviction and the crop would reach into its quantized blocks; crop fewer tokens."

@@ -52,7 +52,8 @@ def block_layout(cache: PagedCache) -> dict[str, GroupLayout]:
 
 def kept_positions(cache: PagedCache, layer_idx: int, row: int = 0) -> torch.Tensor:
     """Logical positions (int64, ascending) of the tokens `layer_idx` stores for `row`: every position of
-    the row without eviction, the survivors (plus the tokens stored since) after an eviction."""
+    the row without eviction, the survivors (plus the tokens stored since) after an eviction; `[kv_heads, n]`,
+    one row per KV head, after a per-head eviction (`per_head=True`)."""
     layer = cache.layers[layer_idx] if 0 <= layer_idx < len(cache.layers) else None
     if not isinstance(layer, PagedLayer):
         raise ValueError(f"layer_idx={layer_idx}: not a paged attention layer of this {len(cache.layers)}-layer cache")

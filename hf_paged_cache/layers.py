@@ -372,12 +372,14 @@ class PagedLayer(CacheLayerMixin):
         return torch.cat(chunks, dim=1) if chunks else torch.zeros(self.kv_shape[0], 0, self.kv_shape[1])
 
     def move_tokens(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
-        """Copy K/V from slots `sources` to slots `targets` (eviction's compaction): all reads first."""
+        """Copy K/V from slots `sources` `[1 or kv_heads, k]` (one row per head for per-head eviction) to slots
+        `targets` `[k]` (eviction's compaction): all reads first."""
         self._fit_pool()  # compaction may have grown the pool for fresh copy-on-write blocks
         src, dst = sources.to(self.device), targets.to(self.device)
         for blocks in (self.key_blocks, self.value_blocks):
-            flat = blocks.view(-1, *blocks.shape[2:])
-            flat.index_copy_(0, dst, flat.index_select(0, src))
+            flat = _heads_first(blocks)  # [kv_heads, slots, d], a view of the storage
+            index = src.expand(flat.shape[0], -1)[..., None].expand(-1, -1, flat.shape[-1])
+            flat[:, dst] = flat.gather(1, index)
 
 
 class PagedSlidingLayer(PagedLayer):

@@ -121,12 +121,13 @@ def _save_group(group: BlockTables, used: list[int], qused: list[int], prefix: s
             "pads": row.pads, "base": row.base, "blocks": len(row.blocks), "run_from": row.blocks.run_from,
             "quantized": len(row.quantized) if quantized else None,
             "quantized_run_from": row.quantized.run_from if quantized else None,
-            "kept": None if row.kept_positions is None else len(row.kept_positions),
+            "kept": None if row.kept_positions is None else row.kept_positions.shape[-1],
+            "kept_heads": None if row.kept_positions is None or row.kept_positions.dim() == 1 else len(row.kept_positions),
         })  # fmt: skip
     tensors[f"{prefix}.blocks"] = _ids([dense[block] for row in group.rows for block in row.blocks.ids])
     if quantized:
         tensors[f"{prefix}.quantized"] = _ids([qdense[block] for row in group.rows for block in row.quantized.ids])
-    kept = [row.kept_positions.cpu() for row in group.rows if row.kept_positions is not None]
+    kept = [row.kept_positions.cpu().flatten() for row in group.rows if row.kept_positions is not None]
     if kept:
         tensors[f"{prefix}.kept"] = torch.cat(kept)
     return {
@@ -416,7 +417,7 @@ def _restore_group(group: BlockTables, saved: dict, tensors: dict[str, torch.Ten
         count = saved["quantized_blocks"]
         qblocks = _ids_of(tensors, f"{prefix}.quantized", sum(row["quantized"] for row in rows), count)
         qslots = _allocate(group.qpool, qblocks, count, f"{group.name} (quantized)", growable)
-    kept_counts = [row["kept"] or 0 for row in rows]
+    kept_counts = [(row["kept"] or 0) * (row.get("kept_heads") or 1) for row in rows]
     kept = _tensor(tensors, f"{prefix}.kept", (sum(kept_counts),), torch.long) if sum(kept_counts) else None
     group.rows, fp_from, q_from, kept_from = [], 0, 0, 0
     for row in rows:
@@ -429,8 +430,10 @@ def _restore_group(group: BlockTables, saved: dict, tensors: dict[str, torch.Ten
             q_from += row["quantized"]
         positions = None
         if row["kept"] is not None:
-            positions = kept[kept_from : kept_from + row["kept"]].clone()
-            kept_from += row["kept"]
+            heads = row.get("kept_heads")  # per-head eviction: one row of positions per KV head
+            positions = kept[kept_from : kept_from + row["kept"] * (heads or 1)].clone()
+            positions = positions if heads is None else positions.view(heads, row["kept"])
+            kept_from += positions.numel()
         group.rows.append(Row(row["pads"], row["base"], fp, sealed, positions))
     group.length, group.record_past, group.padding_exact = saved["length"], saved["record_past"], saved["padding_exact"]
     return slots, qslots

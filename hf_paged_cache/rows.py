@@ -111,7 +111,8 @@ class Row:
       eviction it is virtual: `length - stored tokens`, so new tokens keep their positions);
     - `blocks`: the full-precision blocks; `quantized`: the sealed blocks before them (or None);
     - `kept_positions`: logical positions of the tokens that survived the last compaction (None: never
-      compacted); tokens stored since then follow contiguously.
+      compacted), `[n]`, or `[kv_heads, n]` after a per-head eviction (each head keeps as many tokens);
+      tokens stored since then follow contiguously.
     """
 
     pads: int

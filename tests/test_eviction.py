@@ -12,7 +12,7 @@ import pytest
 import torch
 from cache_state import cache_state
 from tiny_models import MODELS, MODELS_BY_NAME, PAD_ID, VOCAB, padded_batch
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
 
 from hf_paged_cache import (
     H2O,
@@ -27,7 +27,7 @@ from hf_paged_cache import (
     pyramid_budgets,
 )
 from hf_paged_cache import torch_attention
-from hf_paged_cache.eviction import choose_kept
+from hf_paged_cache.eviction import choose_kept, choose_kept_per_head
 
 BLOCK = 4
 BUDGET = 16
@@ -125,10 +125,11 @@ def test_choose_kept_protects_sinks_and_window_drops_padding_and_keeps_units_who
 
 
 # ---------------------------------------------------------------------------------------------- invariants
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per_head"])
 @pytest.mark.parametrize("name", POLICIES)
-def test_rows_stay_within_budget_plus_a_block_and_evicted_blocks_return(name):
+def test_rows_stay_within_budget_plus_a_block_and_evicted_blocks_return(name, per_head):
     model = _model()
-    cache = PagedCache(model.config, block_size=BLOCK, eviction=POLICIES[name]())
+    cache = PagedCache(model.config, block_size=BLOCK, eviction=POLICIES[name](per_head=per_head))
     input_ids, attention_mask = padded_batch((0, 5), 30, seed=1)
 
     def check(cache):
@@ -138,10 +139,10 @@ def test_rows_stay_within_budget_plus_a_block_and_evicted_blocks_return(name):
                 real = group.length - group.pads[row]
                 budget = cache.options.eviction.budget_for(real, index)
                 assert group.stored_count(row) <= budget + BLOCK
-                positions = group.stored_positions(row)
-                assert positions[-1] == group.length - 1 and bool((positions.diff() > 0).all())
-                assert bool((positions[: min(SINKS, len(positions))] == group.pads[row] + torch.arange(SINKS)).all())
-                assert bool((positions[-WINDOW:] == torch.arange(group.length - WINDOW, group.length)).all())
+                for positions in group.stored_positions(row).view(-1, group.stored_count(row)):  # each KV head's
+                    assert positions[-1] == group.length - 1 and bool((positions.diff() > 0).all())
+                    assert bool((positions[:SINKS] == group.pads[row] + torch.arange(SINKS)).all())
+                    assert bool((positions[-WINDOW:] == torch.arange(group.length - WINDOW, group.length)).all())
             held = sum(-(-len(table) * BLOCK // BLOCK) for table in group.tables)
             assert group.pool.num_used == held  # no block leaked, none double-counted
 
@@ -388,6 +389,148 @@ def test_kernel_statistics_equal_the_torch_path(policy):
             torch.testing.assert_close(kernel_stats[row, :, :count], torch_stats[row, :, :count], atol=1e-4, rtol=1e-4)
 
 
+# ---------------------------------------------------------------------------------------------- per head
+def test_choose_kept_per_head_keeps_each_heads_best_and_the_same_count():
+    policy = H2O(budget=8, sinks=2, window=2, per_head=True)
+    positions = torch.arange(3, 19)  # 16 stored tokens; the first 4 (padding 3, 4 and sinks 5, 6) are sealed
+    scores = torch.rand(2, 16, generator=torch.Generator().manual_seed(0))
+    scores[1, 4:] = scores[1, 4:].flip(0)  # the heads rank the full-precision tokens differently
+    shared = choose_kept(scores.mean(0), positions, 5, 19, 8, policy, [4] + [1] * 12)
+    keep = choose_kept_per_head(scores, positions, 5, 19, policy, shared, split=4)
+    assert keep.shape == (2, 16) and keep.sum(1).tolist() == [int(shared.sum())] * 2
+    assert torch.equal(keep[:, :4], shared[:4].expand(2, -1))  # the sealed unit: decided for both heads
+    for head in range(2):
+        tail = keep[head, 4:]
+        assert tail[-2:].all()  # the recent window
+        free = torch.ones(12, dtype=torch.bool)
+        free[-2:] = False
+        chosen, dropped = scores[head, 4:][free & tail], scores[head, 4:][free & ~tail]
+        assert chosen.min() >= dropped.max()  # the head's own best
+    assert not torch.equal(keep[0], keep[1])
+
+
+def _per_head_reference(model, input_ids: torch.Tensor, kept: list[dict[int, torch.Tensor]]) -> torch.Tensor:
+    """Logits of a full DynamicCache whose decode steps read, in each layer and KV head, only the positions
+    `kept[step][layer]` (`[kv_heads, n]`) plus the new token: a per-head 4D mask over the whole history."""
+    current: dict[int, torch.Tensor] = {}
+
+    def masked_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        heads, kv_heads = query.shape[1], key.shape[1]
+        key, value = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value))
+        if query.shape[2] > 1:  # the prompt: plain causality, nothing evicted yet
+            mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool).tril()
+        else:
+            visible = torch.zeros(kv_heads, key.shape[2], dtype=torch.bool)
+            visible.scatter_(1, current[module.layer_idx], True)
+            visible[:, -1] = True
+            mask = visible.repeat_interleave(heads // kv_heads, dim=0)[None, :, None, :]
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("per_head_reference", masked_sdpa)
+    model.set_attn_implementation("per_head_reference")
+    cache, length, outputs = DynamicCache(config=model.config), input_ids.shape[1], []
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, cache=cache).logits
+        outputs.append(logits[:, -1])
+        for step_kept in kept:
+            current.clear()
+            current.update(step_kept)
+            token = logits[:, -1:].argmax(-1)
+            logits = model(input_ids=token, position_ids=torch.tensor([[length]]), cache=cache).logits
+            outputs.append(logits[:, -1])
+            length += 1
+    return torch.stack(outputs, dim=1)
+
+
+@pytest.mark.parametrize("name", ["keynorm", "tova", "snapkv"])
+def test_per_head_logits_equal_a_dense_reference_with_a_per_head_mask(name):
+    """Each KV head attends exactly over its own survivors: the logits equal a full cache read through a
+    per-head mask that hides, head by head, exactly the tokens the cache evicted."""
+    model = _model()
+    input_ids = torch.randint(3, VOCAB, (1, 29), generator=torch.Generator().manual_seed(8))
+    cache = PagedCache(model.config, block_size=BLOCK, eviction=POLICIES[name](per_head=True))
+    kept = []
+
+    def record(cache):
+        kept.append({index: layer.tables.stored_positions(0).expand(layer.kv_shape[0], -1)
+                     for index, layer in cache.evictor.layers.items()})  # fmt: skip
+
+    got = _decode(model, cache, input_ids, torch.ones_like(input_ids), 12, record)
+    assert any(not torch.equal(positions[0], positions[1]) for positions in kept[-1].values())  # heads differ
+    expected = _per_head_reference(model, input_ids, kept[:-1])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_per_head_streaming_llm_keeps_what_head_shared_streaming_llm_keeps():
+    model = _model()
+    input_ids, attention_mask = padded_batch((0, 3), 27, seed=9)
+    results = {}
+    for per_head in (False, True):
+        cache = PagedCache(model.config, block_size=BLOCK, eviction=POLICIES["streaming"](per_head=per_head))
+        logits = _decode(model, cache, input_ids, attention_mask, 10)
+        positions = [group.stored_positions(row) for group in _full_groups(cache) for row in range(2)]
+        results[per_head] = logits, positions, cache.metrics().kv_bytes
+    (logits, positions, used), (head_logits, head_positions, head_used) = results[False], results[True]
+    torch.testing.assert_close(head_logits, logits)
+    assert used == head_used
+    for shared, per_head in zip(positions, head_positions):
+        assert per_head.dim() == 2 and torch.equal(per_head, shared.expand_as(per_head))
+
+
+def test_per_head_eviction_frees_as_many_blocks_as_head_shared():
+    model = _model()
+    input_ids, attention_mask = padded_batch((0, 5), 30, seed=1)
+    used = {}
+    for per_head in (False, True):
+        cache = PagedCache(model.config, block_size=BLOCK, eviction=POLICIES["h2o"](per_head=per_head))
+        _decode(model, cache, input_ids, attention_mask, 9)
+        used[per_head] = [group.pool.num_used for group in _full_groups(cache)]
+    assert used[True] == used[False]
+
+
+def test_per_head_crop_that_would_split_heads_raises_and_changes_nothing():
+    model = _model()
+    input_ids = torch.randint(3, VOCAB, (1, 29), generator=torch.Generator().manual_seed(8))
+    cache = PagedCache(model.config, block_size=BLOCK, eviction=POLICIES["keynorm"](per_head=True))
+    _decode(model, cache, input_ids, torch.ones_like(input_ids), 3)
+    before = cache_state(cache)
+    with pytest.raises(RuntimeError, match="evicted per head"):
+        cache.crop(-20)  # to 12 tokens: inside the per-head survivors
+    assert cache_state(cache) == before
+    cache.crop(-1)  # into the tokens stored since the eviction: every head alike
+    assert cache.get_seq_length() == 31
+    shared = PagedCache(model.config, block_size=BLOCK, eviction=POLICIES["keynorm"]())
+    _decode(model, shared, input_ids, torch.ones_like(input_ids), 3)
+    shared.crop(-20)  # a head-shared evicted row crops anywhere (its survivors before position 12 stay)
+    assert shared.get_seq_length() == 12
+
+
+@pytest.mark.parametrize("name", ["keynorm", "h2o"])
+def test_per_head_kernels_equal_the_torch_path(name):
+    """The Triton kernels (interpreted on CPU) read per-head survivors like the torch path: every head has
+    the same stored length, so the kernels need no per-head lengths; only what the slots hold differs."""
+    model = _model()
+    input_ids, attention_mask = padded_batch((0, 3), 21, seed=7)
+    logits = {}
+    for backend in ("torch", "triton"):
+        cache = PagedCache(model.config, block_size=BLOCK, eviction=POLICIES[name](per_head=True), backend=backend)
+        logits[backend] = _decode(model, cache, input_ids, attention_mask, 6)
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
+
+
+def test_per_head_survives_save_and_load(tmp_path):
+    model = _model()
+    input_ids = torch.randint(3, VOCAB, (1, 29), generator=torch.Generator().manual_seed(8))
+    cache = PagedCache(model.config, block_size=BLOCK, eviction=POLICIES["keynorm"](per_head=True))
+    _decode(model, cache, input_ids, torch.ones_like(input_ids), 3)
+    cache.save(tmp_path / "cache.safetensors")
+    loaded = PagedCache.load(tmp_path / "cache.safetensors", model.config)
+    assert loaded.options.eviction.per_head
+    for group, twin in zip(_full_groups(cache), _full_groups(loaded)):
+        assert torch.equal(group.stored_positions(0), twin.stored_positions(0))
+
+
 # ---------------------------------------------------------------------------------------------- everywhere
 @pytest.mark.parametrize("entry", MODELS, ids=lambda entry: entry.name)
 def test_eviction_with_quantization_and_beam_search_on_every_architecture(entry):
@@ -395,7 +538,8 @@ def test_eviction_with_quantization_and_beam_search_on_every_architecture(entry)
     if not entry.passes_attention_kwargs:
         pytest.skip(f"{entry.name} calls update() without attention kwargs: it cannot read an evicted cache")
     input_ids, attention_mask = padded_batch((0, 3), 24, seed=6)
-    cache = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=4, eviction=POLICIES["tova"]())
+    policy = POLICIES["tova"](per_head=entry.name.endswith("gqa"))  # per-head eviction composes too
+    cache = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=4, eviction=policy)
     model.set_attn_implementation("paged")
     with torch.no_grad():
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, max_new_tokens=8,

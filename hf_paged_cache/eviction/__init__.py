@@ -14,6 +14,7 @@ from .policies import (
     SnapKV,
     StreamingLLM,
     choose_kept,
+    choose_kept_per_head,
     pyramid_budgets,
 )
 from .attention_stats import AttentionStats
@@ -36,5 +37,6 @@ __all__ = [
     "StreamingLLM",
     "TOVA",
     "choose_kept",
+    "choose_kept_per_head",
     "pyramid_budgets",
 ]

@@ -62,11 +62,12 @@ class AttentionStats:
             self.scores = grown
 
     def compact(self, row: int, keep: torch.Tensor) -> None:
-        """Reorder the row's scores like its tokens after a compaction."""
+        """Reorder the row's scores like its tokens after a compaction (`keep`: `[n]`, or `[kv_heads, n]` per head)."""
         if self.scores is None:
             return
         scores = self.scores[row]
-        kept = scores[:, : keep.shape[0]][:, keep.to(scores.device)].clone()
+        heads, count = scores.shape[0], keep.shape[-1]
+        kept = scores[:, :count][keep.to(scores.device).expand(heads, count)].view(heads, -1)
         scores.zero_()
         scores[:, : kept.shape[1]] = kept
 

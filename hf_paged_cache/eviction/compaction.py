@@ -5,6 +5,11 @@ Units: a sealed quantized block is kept or dropped whole (its tokens share scale
 re-quantized, so no data moves); full-precision tokens are single units. The logical length never
 changes: the row's `base` becomes virtual (`length - stored tokens`), so new tokens keep their positions,
 and the true positions of the survivors are remembered in `Row.kept_positions`.
+
+Per-head eviction (`keep` of shape `[kv_heads, n]`): every head keeps as many tokens, so each head's
+survivors are moved to the front of the same blocks and the row stays one rectangle of slots; only the
+positions differ by head (`kept_positions` `[kv_heads, n]`). Sealed blocks are kept or dropped for all
+heads at once.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import torch
 from ..block_tables import BlockTables, ceil_div
 from ..errors import OutOfBlocksError
 
-TokenMover = Callable[[torch.Tensor, torch.Tensor], None]  # (source slots, target slots), all reads first
+# (source slots `[1 or kv_heads, k]`, target slots `[k]`): every head's token k moves to target k, all reads first
+TokenMover = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 def unit_sizes(group: BlockTables, row: int) -> list[int]:
@@ -30,7 +36,7 @@ def check_compact(group: BlockTables, keeps: dict[int, torch.Tensor], growable: 
     a fixed one raises, changing nothing."""
     fresh = 0
     for row, keep in keeps.items():
-        needed = ceil_div(int(keep[group.quantized_tokens(row) :].sum()), group.block_size)
+        needed = ceil_div(kept_per_head(keep[..., group.quantized_tokens(row) :]), group.block_size)
         fresh += sum(1 for block in group.rows[row].blocks.ids[:needed] if group.pool.ref_count(block) > 1)
     if fresh > group.pool.num_free:
         if not growable:
@@ -38,17 +44,24 @@ def check_compact(group: BlockTables, keeps: dict[int, torch.Tensor], growable: 
         group.pool.grow(fresh - group.pool.num_free)
 
 
+def kept_per_head(keep: torch.Tensor) -> int:
+    """Tokens each head keeps under `keep` (`[n]`, or `[kv_heads, n]` with the same count in every head)."""
+    return int(keep.sum(dim=-1).flatten()[0]) if keep.numel() else 0
+
+
 def compact(group: BlockTables, row: int, keep: torch.Tensor, move_tokens: TokenMover) -> int:
-    """Keep the row's stored tokens where `keep` (bool, stored order) is True; returns tokens evicted.
-    `move_tokens` moves K/V in every layer of the group."""
-    positions = group.stored_positions(row)
+    """Keep the row's stored tokens where `keep` (bool `[n]` in stored order, or `[kv_heads, n]` per head) is
+    True; returns the tokens evicted (per head). `move_tokens` moves K/V in every layer of the group."""
+    heads_keep = keep if keep.dim() == 2 else keep[None]
+    positions = group.stored_positions(row).expand(heads_keep.shape[0], -1)
     split = group.quantized_tokens(row)
     if split:
-        _drop_quantized(group, row, keep[:split])
-    _compact_full_precision(group, row, keep[split:], move_tokens)
-    group.rows[row].kept_positions = positions[keep]
+        _drop_quantized(group, row, heads_keep[0, :split])
+    _compact_full_precision(group, row, heads_keep[:, split:], move_tokens)
+    kept = positions[heads_keep].view(heads_keep.shape[0], -1)
+    group.rows[row].kept_positions = kept if keep.dim() == 2 else kept[0]
     group.plan = None
-    return int((~keep).sum())
+    return keep.shape[-1] - kept_per_head(keep)
 
 
 def _drop_quantized(group: BlockTables, row: int, keep: torch.Tensor) -> None:
@@ -60,19 +73,20 @@ def _drop_quantized(group: BlockTables, row: int, keep: torch.Tensor) -> None:
 
 
 def _compact_full_precision(group: BlockTables, row: int, keep: torch.Tensor, move_tokens: TokenMover) -> None:
-    """Move the surviving full-precision tokens, in order, to the front of the row's blocks (blocks shared
-    with other rows are not written: fresh ones take their survivors) and free the rest."""
+    """Move each head's surviving full-precision tokens (`keep` `[1 or kv_heads, m]`), in order, to the front
+    of the row's blocks (blocks shared with other rows are not written: fresh ones take their survivors) and
+    free the rest."""
     bs, blocks, pool = group.block_size, group.rows[row].blocks, group.pool
-    sources = keep.nonzero().flatten()
-    needed = ceil_div(len(sources), bs)
+    heads, count = keep.shape[0], kept_per_head(keep)
+    sources = keep.nonzero()[:, 1].view(heads, count)  # stored index of each head's survivors, in order
+    needed = ceil_div(count, bs)
     reusable = [block if pool.ref_count(block) == 1 else None for block in blocks.ids[:needed]]
     pool.free([block for block in blocks.ids if block not in reusable])
     targets = [block if block is not None else pool.allocate(1)[0] for block in reusable]
-    src = torch.tensor(blocks.ids, dtype=torch.long)[sources // bs] * bs + sources % bs if len(sources) else sources
-    dst = torch.tensor(targets, dtype=torch.long).repeat_interleave(bs)[: len(sources)] * bs
-    dst = dst + torch.arange(len(sources)) % bs
-    moved = src != dst
+    src = torch.tensor(blocks.ids, dtype=torch.long)[sources // bs] * bs + sources % bs if count else sources
+    dst = torch.tensor(targets, dtype=torch.long).repeat_interleave(bs)[:count] * bs + torch.arange(count) % bs
+    moved = (src != dst[None]).any(dim=0)
     if bool(moved.any()):
-        move_tokens(src[moved], dst[moved])
+        move_tokens(src[:, moved], dst[moved])
     blocks.replace(targets)
-    group.rows[row].base = group.length - len(sources)
+    group.rows[row].base = group.length - count

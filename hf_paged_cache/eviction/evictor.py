@@ -18,7 +18,7 @@ import torch
 from ..block_tables import BlockTables, StepPlan
 from ..distributed import reduce_scores
 from .compaction import check_compact, compact, unit_sizes
-from .policies import EvictionPolicy, ScoreInputs, choose_kept
+from .policies import EvictionPolicy, ScoreInputs, choose_kept, choose_kept_per_head
 from .attention_stats import AttentionStats
 
 if TYPE_CHECKING:
@@ -106,16 +106,25 @@ class Evictor:
         return evicted
 
     def _choose_kept(self, index: int, row: int, budget: int) -> torch.Tensor:
+        """The row's survivors: `[n]` for all heads, or `[kv_heads, n]` under a `per_head` policy."""
         layer = self.layers[index]
         group = layer.tables
-        positions = group.stored_positions(row)
+        positions = group.stored_positions(row)  # [kv_heads, n] once a per-head policy compacted the row
+        kv_heads, count = layer.kv_shape[0], positions.shape[-1]
         attention = None
         if self.policy.statistic is not None:
-            attention = self.stats[index].row(row, len(positions), layer.kv_shape[0])
+            attention = self.stats[index].row(row, count, kv_heads)
         inputs = ScoreInputs(positions, group.length, attention, lambda: layer.stored_keys(row).cpu())
-        scores = reduce_scores(self.policy.score(inputs), self.tp_size)  # the same on every tensor-parallel rank
-        return choose_kept(scores.cpu(), positions, group.rows[row].pads, group.length, budget, self.policy,
-                           unit_sizes(group, row))  # fmt: skip
+        scores = self.policy.score(inputs)
+        shared = reduce_scores(scores, self.tp_size)  # the same on every tensor-parallel rank
+        pads = group.rows[row].pads
+        head_positions = positions if positions.dim() == 1 else positions[0]  # protected tokens: same in every head
+        keep = choose_kept(shared.cpu(), head_positions, pads, group.length, budget, self.policy, unit_sizes(group, row))
+        if not self.policy.per_head:
+            return keep
+        # Each head (of this rank: under tensor parallelism a rank holds its own heads) by its own scores.
+        return choose_kept_per_head(scores.float().cpu().expand(kv_heads, count), positions, pads, group.length,
+                                    self.policy, keep, group.quantized_tokens(row))  # fmt: skip
 
     # ------------------------------------------------------------------ following whole-cache edits
     def reorder(self, order: list[int]) -> None:

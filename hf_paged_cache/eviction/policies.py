@@ -29,7 +29,8 @@ class ScoreInputs:
     keys: float32 `[kv_heads, n, head_dim]` (quantized tokens decoded), computed only when asked for.
     attention: float32 `[kv_heads, n]`, the policy's `statistic` (None when it needs none).
     positions: int64 `[n]`, the logical position of each stored token (after earlier evictions these
-    are no longer contiguous); `length` is the row's logical length.
+    are no longer contiguous), or `[kv_heads, n]` once a `per_head` policy compacted the row (each KV
+    head then stores its own survivors); `length` is the row's logical length.
     """
 
     positions: torch.Tensor
@@ -65,6 +66,9 @@ class EvictionPolicy:
         window: the most recent `window` tokens are never evicted.
         layer_budgets: optional per-layer multipliers of `budget`, one per layer of the model (index =
             layer index; e.g. `pyramid_budgets(num_layers)`); a layer's budget is rounded down.
+        per_head: each KV head keeps its own best tokens (scored by its own attention or keys) instead of
+            the tokens whose scores, averaged over the layer's heads, are best. Every head keeps the same
+            number, so memory is the same; sealed quantized blocks are still chosen for all heads at once.
 
     A budget in tokens below `sinks + window` (at any layer) is refused here; a ratio's budget of a short
     row is raised to `sinks + window`, since those tokens are never evicted.
@@ -74,10 +78,13 @@ class EvictionPolicy:
     sinks: int = 4
     window: int = 32
     layer_budgets: Sequence[float] | None = None
+    per_head: bool = False
 
     def __post_init__(self) -> None:
         name = type(self).__name__
         budget = self.budget
+        if not isinstance(self.per_head, bool):
+            raise ValueError(f"{name}: `per_head` must be True or False, got {self.per_head!r}")
         if isinstance(budget, bool) or not isinstance(budget, (int, float)):
             raise ValueError(f"{name}: `budget` must be a token count (int >= 1) or a ratio in (0, 1], got {budget!r}")
         if isinstance(budget, int) and budget < 1:
@@ -220,7 +227,7 @@ class RandomEviction(EvictionPolicy):
         self._generator = torch.Generator().manual_seed(self.seed)
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
-        return torch.rand(inputs.positions.shape[0], generator=self._generator)
+        return torch.rand(inputs.positions.shape[-1], generator=self._generator)
 
 
 def choose_kept(
@@ -258,3 +265,32 @@ def choose_kept(
     keep_units = unit_protected.clone()
     keep_units[order[fits]] = True
     return keep_units[unit]
+
+
+def choose_kept_per_head(
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    first_real: int,
+    length: int,
+    policy: EvictionPolicy,
+    shared: torch.Tensor,
+    split: int,
+) -> torch.Tensor:
+    """Boolean `[kv_heads, n]`: which stored tokens each KV head keeps (`per_head` policies).
+
+    `shared` is the head-shared choice (`choose_kept` on the heads' mean scores): it decides the sealed
+    quantized units before stored index `split` for every head, and how many full-precision tokens stay.
+    After `split` each head keeps its sinks and recent window plus its own best-scored tokens (`scores`
+    `[kv_heads, n]`), up to that count, so every head stores as many tokens as the others and the row's
+    blocks hold a rectangle of survivors.
+    """
+    heads, n = scores.shape
+    positions = positions.expand(heads, n)[:, split:]
+    real = positions >= first_real
+    protected = real & ((positions < first_real + policy.sinks) | (positions >= length - policy.window))
+    room = int(shared[split:].sum()) - protected.sum(dim=1)  # per head (the protected sets are the same)
+    ranked = scores[:, split:].float().masked_fill(~(real & ~protected), float("-inf"))
+    order = torch.argsort(ranked, dim=1, descending=True, stable=True)
+    taken = torch.arange(order.shape[1])[None, :] < room[:, None]
+    keep = protected | torch.zeros_like(protected).scatter_(1, order, taken)
+    return torch.cat([shared[:split].expand(heads, -1), keep], dim=1)
