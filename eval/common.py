@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from hf_paged_cache import H2O, TOVA, KeepRatio, KeyNorm, RandomEviction, SnapKV, StreamingLLM
+from hf_paged_cache import H2O, TOVA, KeepRatio, KeyDiff, KeyNorm, KeyNovelty, RandomEviction, SnapKV, StreamingLLM
 from hf_paged_cache.inspection import cache_bytes  # noqa: F401  (re-exported for the scripts)
 from hf_paged_cache.scoring import next_token_nll  # noqa: F401
 
@@ -48,7 +48,7 @@ DTYPES = {
 
 
 POLICIES = {"streaming": StreamingLLM, "h2o": H2O, "snapkv": SnapKV, "tova": TOVA, "keynorm": KeyNorm,
-            "keep_ratio": KeepRatio, "random": RandomEviction}  # fmt: skip
+            "keydiff": KeyDiff, "novelty": KeyNovelty, "keep_ratio": KeepRatio, "random": RandomEviction}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- cache specs

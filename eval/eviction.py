@@ -193,7 +193,7 @@ def answer(model, policy, prompt: dict, aware: bool, new_tokens: int, quant: str
 def task_passkey(model, encode, ids: torch.Tensor, args) -> dict:
     prompts = passkey_prompts(encode, args)
     cells = sorted({(p["length"], p["depth"]) for p in prompts})
-    runs = [(FULL, None)] + [(name, framing) for name in args.policies["passkey"] for framing in ("agnostic", "aware")]
+    runs = [(FULL, None)] + [(name, framing) for name in args.policies["passkey"] for framing in args.framings]
     rows, trials = [], []
     for name, framing in runs:
         start = time.perf_counter()
@@ -379,6 +379,8 @@ def main(argv: list[str] | None = None) -> dict:
                            nargs="+" if many else None, help=f"{full} / {quick}")  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=6, help="greedy tokens of a passkey answer")
     parser.add_argument("--quant", metavar="SPEC", help="passkey: quantize every cache (e.g. int2; default: none)")
+    parser.add_argument("--framings", nargs="+", choices=["agnostic", "aware"], default=["agnostic", "aware"],
+                        help="passkey: which framings to run (default both)")
     common.add_text_arguments(parser)
     args = parser.parse_args(argv)
 

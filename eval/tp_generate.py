@@ -119,6 +119,16 @@ def run_all(model, specs: list[common.CacheSpec], ids: torch.Tensor, new_tokens:
 PER_RANK = ("kv_bytes", "pool_bytes", "tokens_per_s", "tp_size", "metrics_kv_bytes", "metrics_total_kv_bytes")
 
 
+def kept_by_all(ranks: list[dict]):
+    """What the ranks keep together: with head-shared eviction every rank keeps the same positions (None if they
+    differ); with per-head eviction each rank keeps its own KV heads', joined here in rank (head) order."""
+    kept = [rank["kept"] for rank in ranks]
+    per_head = kept[0] is not None and any(row and isinstance(row[0], list) for group in kept[0] for row in group)
+    if not per_head:
+        return kept[0] if all(other == kept[0] for other in kept) else None
+    return [[sum((other[g][r] for other in kept), []) for r in range(len(group))] for g, group in enumerate(kept[0])]
+
+
 def compare(specs, per_rank: list[list[dict]], single: list[dict]) -> list[dict]:
     """One row per configuration: the ranks' results against the one-process run."""
     rows = []
@@ -128,7 +138,7 @@ def compare(specs, per_rank: list[list[dict]], single: list[dict]) -> list[dict]
         rows.append({
             "cache": spec.label,
             "tokens_equal": all(rank["tokens"] == reference["tokens"] for rank in ranks),
-            "kept_equal": all(rank["kept"] == reference["kept"] for rank in ranks),
+            "kept_equal": kept_by_all(ranks) == reference["kept"],
             "tokens_per_s": ranks[0]["tokens_per_s"],
             "single_tokens_per_s": reference["tokens_per_s"],
             "per_rank": [{key: rank[key] for key in PER_RANK} for rank in ranks],

@@ -117,12 +117,13 @@ def _save_group(group: BlockTables, used: list[int], qused: list[int], prefix: s
     qdense = {block: index for index, block in enumerate(qused)}
     rows = []
     for row in group.rows:
+        kept = row.kept_positions  # [n], or [kv_heads, n] after a per-head eviction
         rows.append({
             "pads": row.pads, "base": row.base, "blocks": len(row.blocks), "run_from": row.blocks.run_from,
             "quantized": len(row.quantized) if quantized else None,
             "quantized_run_from": row.quantized.run_from if quantized else None,
-            "kept": None if row.kept_positions is None else row.kept_positions.shape[-1],
-            "kept_heads": None if row.kept_positions is None or row.kept_positions.dim() == 1 else len(row.kept_positions),
+            "kept": None if kept is None else kept.shape[-1],
+            "kept_heads": None if kept is None or kept.dim() == 1 else kept.shape[0],
         })  # fmt: skip
     tensors[f"{prefix}.blocks"] = _ids([dense[block] for row in group.rows for block in row.blocks.ids])
     if quantized:

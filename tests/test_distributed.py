@@ -32,6 +32,7 @@ CACHES = {
     "streaming": f"paged:attn=paged,eviction=streaming,{EVICT}",
     "h2o": f"paged:attn=paged,eviction=h2o,{EVICT}",
     "random": f"paged:attn=paged,eviction=random,{EVICT}",  # seeded: the same on every rank, reduced all the same
+    "per_head": f"paged:attn=paged,eviction=keydiff,per_head=true,{EVICT}",  # each rank selects for its own heads
 }
 
 
@@ -61,7 +62,7 @@ def test_tensor_parallel_matches_one_process_with_half_the_bytes_per_rank(tmp_pa
         assert rows[name]["tokens"] == dynamic_tokens, name
     # max_memory is per rank: each rank fills the same 64 KiB with blocks of half the heads (twice the tokens).
     assert [rank["pool_bytes"] for rank in rows["max_memory"]["per_rank"]] == [64 * 1024] * 2
-    for name in ("streaming", "h2o", "random"):  # eviction ran, and every rank kept what one process kept
+    for name in ("streaming", "h2o", "random", "per_head"):  # eviction ran; the ranks kept what one process kept
         assert rows[name]["evicted_tokens"] > 0 and rows[name]["kept"] is not None, name
     plain = rows["plain"]["per_rank"]
     stored = PROMPT + NEW - 1  # the last generated token is never fed back

@@ -18,7 +18,9 @@ from hf_paged_cache import (
     H2O,
     TOVA,
     KeepRatio,
+    KeyDiff,
     KeyNorm,
+    KeyNovelty,
     OutOfBlocksError,
     PagedCache,
     RandomEviction,
@@ -27,7 +29,7 @@ from hf_paged_cache import (
     pyramid_budgets,
 )
 from hf_paged_cache import torch_attention
-from hf_paged_cache.eviction import choose_kept, choose_kept_per_head
+from hf_paged_cache.eviction import ScoreInputs, choose_kept, choose_kept_per_head
 
 BLOCK = 4
 BUDGET = 16
@@ -41,6 +43,8 @@ POLICIES = {
     "snapkv": lambda **kw: SnapKV(budget=BUDGET, sinks=SINKS, window=WINDOW, observation_window=4, **kw),
     "tova": lambda **kw: TOVA(budget=BUDGET, sinks=SINKS, window=WINDOW, **kw),
     "keynorm": lambda **kw: KeyNorm(budget=BUDGET, sinks=SINKS, window=WINDOW, **kw),
+    "keydiff": lambda **kw: KeyDiff(budget=BUDGET, sinks=SINKS, window=WINDOW, **kw),
+    "novelty": lambda **kw: KeyNovelty(budget=BUDGET, sinks=SINKS, window=WINDOW, **kw),
     "keep_ratio": lambda **kw: KeepRatio(budget=0.5, sinks=SINKS, window=WINDOW, **kw),
     "random": lambda **kw: RandomEviction(budget=BUDGET, sinks=SINKS, window=WINDOW, **kw),
 }
@@ -387,6 +391,33 @@ def test_kernel_statistics_equal_the_torch_path(policy):
         assert counts == kernel_counts
         for row, count in enumerate(counts):
             torch.testing.assert_close(kernel_stats[row, :, :count], torch_stats[row, :, :count], atol=1e-4, rtol=1e-4)
+
+
+def _rotate(keys: torch.Tensor, positions: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """A rotary embedding of `keys` `[n, d]` at `positions` (transformers' `rotate_half`, or GPT-J's pairs)."""
+    half = keys.shape[-1] // 2
+    angles = positions[:, None].float() * (10000.0 ** (-torch.arange(half) / half))[None]
+    cos, sin = angles.cos(), angles.sin()
+    first, second = (keys[:, 0::2], keys[:, 1::2]) if interleaved else keys.chunk(2, dim=-1)
+    rotated = (first * cos - second * sin, first * sin + second * cos)
+    return torch.stack(rotated, dim=-1).flatten(1) if interleaved else torch.cat(rotated, dim=-1)
+
+
+@pytest.mark.parametrize("rotary", ["half", "interleaved"])
+def test_key_novelty_finds_copies_wherever_the_rotary_embedding_put_them(rotary):
+    gen = torch.Generator().manual_seed(0)
+    phrase = torch.randn(4, 16, generator=gen)
+    fact = torch.randn(1, 16, generator=gen)
+    keys = torch.cat([phrase, phrase, fact, phrase])  # a phrase said three times, one fact in between
+    rotated = _rotate(keys, torch.arange(13) * 7 + 3, interleaved=rotary == "interleaved")
+    inputs = ScoreInputs(torch.arange(13), 13, None, lambda: rotated[None])
+    scores = KeyNovelty(budget=8, sinks=0, window=0, rotary=rotary).score(inputs)[0]
+    torch.testing.assert_close(scores[torch.arange(13) != 8], torch.full((12,), -1.0))  # each has an exact copy
+    assert scores[8] > -0.99  # the fact has none
+    raw = KeyNovelty(budget=8, sinks=0, window=0, rotary="none").score(inputs)[0]
+    assert bool((raw[torch.arange(13) != 8] > -0.99).any())  # compared as stored, the copies hide
+    with pytest.raises(ValueError, match="rotary"):
+        KeyNovelty(rotary="gptj")
 
 
 # ---------------------------------------------------------------------------------------------- per head

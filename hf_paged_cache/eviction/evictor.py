@@ -119,7 +119,8 @@ class Evictor:
         shared = reduce_scores(scores, self.tp_size)  # the same on every tensor-parallel rank
         pads = group.rows[row].pads
         head_positions = positions if positions.dim() == 1 else positions[0]  # protected tokens: same in every head
-        keep = choose_kept(shared.cpu(), head_positions, pads, group.length, budget, self.policy, unit_sizes(group, row))
+        keep = choose_kept(shared.cpu(), head_positions, pads, group.length, budget, self.policy,
+                           unit_sizes(group, row))  # fmt: skip
         if not self.policy.per_head:
             return keep
         # Each head (of this rank: under tensor parallelism a rank holds its own heads) by its own scores.

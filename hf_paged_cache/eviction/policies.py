@@ -201,6 +201,69 @@ class KeyNorm(EvictionPolicy):
 
 
 @dataclass
+class KeyDiff(EvictionPolicy):
+    """KeyDiff (Park et al. 2025): keep the keys least similar (cosine) to their KV head's mean key. Needs no
+    attention and no question: in repetitive text a distinctive token -- a name, a number -- stands apart
+    from the mean direction, so it survives before the question that will ask for it has been read."""
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        keys = F.normalize(inputs.keys, dim=-1)
+        anchor = F.normalize(keys.mean(dim=1, keepdim=True), dim=-1)
+        return -(keys * anchor).sum(dim=-1)
+
+
+ROTARY_PAIRINGS = ("half", "interleaved", "none")
+NOVELTY_CHUNK = 512  # keys compared at a time by `KeyNovelty` (bounds the `[heads, chunk, n]` similarities)
+
+
+@dataclass
+class KeyNovelty(EvictionPolicy):
+    """Keep the tokens least like any other stored token of their KV head: redundancy scoring (as in R-KV)
+    made blind to position. Keys are stored after the rotary embedding, which turns a repeated word's key
+    by an angle that depends on where it stands; the magnitude of each rotated channel pair does not
+    change, so tokens are compared by those magnitudes. Text that repeats (filler, boilerplate) finds a
+    near copy and goes first; a one-off fact -- a number, a name -- has none and stays, before any
+    question has asked for it (docs/BENCHMARKS.md: question-agnostic pass keys). Costs O(n^2) per
+    eviction and head.
+
+    rotary: how the model's rotary embedding pairs channels -- "half" (channel i with i + head_dim/2,
+    transformers' `rotate_half`: Llama, Qwen, Mistral, Gemma, GPT-NeoX), "interleaved" (2i with 2i+1,
+    GPT-J), "none" (no rotary embedding, e.g. GPT-2: raw keys are compared).
+    """
+
+    rotary: str = "half"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rotary not in ROTARY_PAIRINGS:
+            raise ValueError(f"KeyNovelty: `rotary` must be one of {ROTARY_PAIRINGS}, got {self.rotary!r}")
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        signature = F.normalize(rotary_magnitudes(inputs.keys, self.rotary), dim=-1)  # [kv_heads, n, m]
+        heads, count, _ = signature.shape
+        scores = torch.empty(heads, count)
+        for start in range(0, count, NOVELTY_CHUNK):
+            stop = min(start + NOVELTY_CHUNK, count)
+            similarity = signature[:, start:stop] @ signature.transpose(1, 2)  # [kv_heads, chunk, n]
+            rows = torch.arange(stop - start)
+            similarity[:, rows, rows + start] = float("-inf")  # a token is not its own copy
+            scores[:, start:stop] = -similarity.amax(dim=-1)
+        return scores
+
+
+def rotary_magnitudes(keys: torch.Tensor, rotary: str) -> torch.Tensor:
+    """`keys` `[..., head_dim]` as the magnitudes of their rotary channel pairs `[..., head_dim / 2]` (raw keys
+    for `rotary="none"`): the same for a key wherever the rotary embedding placed it."""
+    if rotary == "none":
+        return keys
+    if rotary == "half":
+        first, second = keys.chunk(2, dim=-1)
+    else:
+        first, second = keys[..., 0::2], keys[..., 1::2]
+    return torch.sqrt(first.square() + second.square())
+
+
+@dataclass
 class KeepRatio(EvictionPolicy):
     """Keep the fraction `budget` of tokens with the highest mean attention: the attention a token
     received, summed over the queries that saw it, divided by how many did."""
