@@ -182,7 +182,8 @@ def pressure(model, tokens, args) -> list[dict]:
                "preempted_swap": last.preempted_swap, "preempted_recompute": last.preempted_recompute,
                "swap_out_blocks": last.swap_out_blocks, "swap_out_bytes": last.swap_out_bytes,
                "swap_in_blocks": last.swap_in_blocks, "swap_in_bytes": last.swap_in_bytes,
-               "stall_seconds": last.swap_seconds, "recomputed_tokens": last.recomputed_tokens}  # fmt: skip
+               "stall_seconds": last.swap_stall_seconds, "copy_seconds": last.swap_copy_seconds,
+               "prefetched": last.swap_prefetched, "recomputed_tokens": last.recomputed_tokens}  # fmt: skip
         if options:
             row["vs_unconstrained"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
         print(row, flush=True)
