@@ -44,8 +44,10 @@ class Transfer:
     """One submitted copy; `done()` polls it without blocking, `wait()` blocks the host until it has completed (and
     its `finish` has run). Both retire every earlier transfer first: transfers complete in order."""
 
-    def __init__(self, stream: CopyStream, copy: Callable[[], None], finish: Callable[[], None] | None):
+    def __init__(self, stream: CopyStream, device: torch.device | None, copy: Callable[[], None],
+                 finish: Callable[[], None] | None):  # fmt: skip
         self._owner = stream
+        self.device = device
         self.copy = copy
         self.finish = finish
         self.completed = False
@@ -57,6 +59,11 @@ class Transfer:
 
     def wait(self) -> None:
         self._owner.retire(self)
+
+    def complete(self) -> None:
+        """Mark it completed and let go of its parts (and the staging buffers they hold)."""
+        self.completed = True
+        self.copy = self.finish = None
 
 
 class CopyStream:
@@ -76,7 +83,7 @@ class CopyStream:
         """Queue `copy` (then `finish`) for blocks on `device` (None: blocks on several devices, or none: run
         synchronously, after every copy queued before); returns its `Transfer`."""
         self.check(device)
-        transfer = Transfer(self, copy, finish)
+        transfer = Transfer(self, device, copy, finish)
         self.stats.transfers += 1
         if device is None:
             self.synchronize()
@@ -142,15 +149,17 @@ class CopyStream:
 
     # ------------------------------------------------------------------ helpers
     def _run(self, transfer: Transfer) -> None:
-        """Copy and finish on the host's time (sync and deferred modes): the caller waits for all of it."""
+        """Copy and finish on the host's time (sync and deferred modes): the caller waits for all of it (on CUDA the
+        copy is enqueued on the compute stream, which the host waits for before the finish reads its result)."""
         started = time.perf_counter()
         transfer.copy()
+        _drain(transfer.device)
         if transfer.finish is not None:
             transfer.finish()
         seconds = time.perf_counter() - started
         self.stats.copy_seconds += seconds
         self.stats.stall_seconds += seconds
-        transfer.completed = True
+        transfer.complete()
 
     def _launch(self, transfer: Transfer, device: torch.device) -> None:
         """Enqueue the copy on the side stream, after the compute stream's work so far (it wrote the source)."""
@@ -170,7 +179,7 @@ class CopyStream:
         self.stats.copy_seconds += start.elapsed_time(end) / 1e3
         if transfer.finish is not None:
             transfer.finish()
-        transfer.completed = True
+        transfer.complete()
 
     def _count_fence_stalls(self) -> None:
         """A fence stalled the compute stream for as long as the copy it waited for ended after it reached the
@@ -182,3 +191,13 @@ class CopyStream:
             else:
                 waiting.append((mark, end))
         self._fences = waiting
+
+
+def _drain(device: torch.device | None) -> None:
+    """Wait for the work queued on the compute stream of `device` (None: of every GPU, for blocks on several) so
+    that a copy's result can be read on the host."""
+    if device is None and torch.cuda.is_initialized():
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(index)
+    elif device is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
