@@ -263,6 +263,14 @@ def test_deferred_copies_keep_the_ordering_rules_and_the_outputs(options):
         assert sum(prefetched_during) > 0 and 0 < last.swap_prefetched <= last.preempted_swap
 
 
+def test_deferred_compressed_copies_match_synchronous_ones():
+    """fp8 host copies are lossy, so the reference is the same run with synchronous copies: encoding before the
+    copy out and decoding after the copy in do not depend on when the copies land."""
+    (_, deferred), (generator, sync) = (_pressure_run(swap_copies=copies, swap_compression="fp8")
+                                        for copies in ("deferred", "sync"))  # fmt: skip
+    assert deferred == sync and generator.metrics().preempted_swap > 0
+
+
 def test_without_the_fence_deferred_copies_change_the_outputs(monkeypatch):
     """The test above can fail: without the fence, forwards write freed blocks before their copy out read them and
     read swapped-in blocks before their copy in landed."""
