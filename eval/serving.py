@@ -158,11 +158,16 @@ PRESSURE_SYSTEMS = (
 )
 
 
+def pressure_pool(prompts, new_tokens: int, share: float, block_size: int = 16) -> tuple[int, int]:
+    """(pool blocks, demand): the demand is every request's prompt and new tokens in blocks; the pool `share` of it."""
+    demand = sum(-(-(len(prompt) + new_tokens) // block_size) for prompt in prompts)
+    return max(round(share * demand), 1), demand
+
+
 def pressure(model, tokens, args) -> list[dict]:
     prompts = mixed_prompts(tokens, args)
     block_size = 16
-    demand = sum(-(-(len(prompt) + args.new_tokens) // block_size) for prompt in prompts)
-    pool = max(round(args.pressure * demand), 1)
+    pool, demand = pressure_pool(prompts, args.new_tokens, args.pressure, block_size)
     rows, reference = [], None
     for label, options in (("unconstrained", {}), *PRESSURE_SYSTEMS):
         sized = {"num_blocks": pool, **options} if options else {}
@@ -182,7 +187,8 @@ def pressure(model, tokens, args) -> list[dict]:
                "preempted_swap": last.preempted_swap, "preempted_recompute": last.preempted_recompute,
                "swap_out_blocks": last.swap_out_blocks, "swap_out_bytes": last.swap_out_bytes,
                "swap_in_blocks": last.swap_in_blocks, "swap_in_bytes": last.swap_in_bytes,
-               "stall_seconds": last.swap_seconds, "recomputed_tokens": last.recomputed_tokens}  # fmt: skip
+               "stall_seconds": last.swap_stall_seconds, "copy_seconds": last.swap_copy_seconds,
+               "prefetched": last.swap_prefetched, "recomputed_tokens": last.recomputed_tokens}  # fmt: skip
         if options:
             row["vs_unconstrained"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
         print(row, flush=True)

@@ -9,9 +9,10 @@ per-request budget), sliding-window and hybrid models. Prefix caching (`prefix_c
 start from the blocks of an earlier one with the same leading tokens.
 
 Under memory pressure (a running request cannot get its next block, or the pools pass `swap_threshold`) the
-lowest-priority running requests are preempted: swapped to host blocks (`swap.py`) and swapped back before
-they run again, or dropped and queued again with their generated tokens as part of the prompt (recompute;
-the prefix cache may recover part of it) -- whichever `preemption` says, or the cheaper by an estimate.
+lowest-priority running requests are preempted: swapped to host blocks (`swap.py`) and swapped back a step
+before they run again (on CUDA the copy in overlaps that step's forward, on a side stream: `copy_stream.py`),
+or dropped and queued again with their generated tokens as part of the prompt (recompute; the prefix cache may
+recover part of it) -- whichever `preemption` says, or the cheaper by an estimate.
 Priority is the victim policy: least recently scheduled first (`"lru"`), or the seeds' weighted score.
 
     outputs = generate_batch(model, [ids_a, ids_b], max_new_tokens=64, num_blocks=2048)
@@ -35,6 +36,7 @@ from .batch_cache import PackedCache
 from .block_pool import BlockPool
 from .cache import PagedCache
 from .config import PagedCacheConfig
+from .copy_stream import COPY_MODES
 from .layers import PagedLayer, SharedKVLayer
 from .memory import kv_bytes_per_token
 from .pool_compaction import Fragmentation, compact, device_pools, fragmentation
@@ -76,6 +78,10 @@ class BatchConfig:
         swap_blocks: host blocks per device pool (None: as many as the device pool has).
         swap_compression: a `quant` format ("fp8", "int4", ...) for host copies of full-precision blocks: fewer
             host bytes and less copy traffic, at a small quality cost (they come back close, not bit-exact).
+        swap_copies: when swap copies run (`copy_stream.py`): `"auto"` (asynchronous on CUDA, synchronous
+            otherwise), `"sync"`, `"async"` (a CUDA side stream: copies overlap the forwards that do not need
+            them), or `"deferred"` (each copy waits until a step needs it: a check that outputs do not depend on
+            when copies land).
         decay, size_weight: the weighted score's time decay per step and size weight.
         compact_threshold: compact the pools (`pool_compaction.py`) after a step that leaves more than this share
             of the ids below a pool's highest block in use free; None: only when `compact()` is called.
@@ -90,6 +96,7 @@ class BatchConfig:
     swap_threshold: float | None = None
     swap_blocks: int | None = None
     swap_compression: str | None = None
+    swap_copies: str = "auto"
     decay: float = 0.9
     size_weight: float = 1.0
     compact_threshold: float | None = None
@@ -102,7 +109,8 @@ class BatchConfig:
         for name in ("prefix_caching", "progress"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}")
-        for name, allowed in (("preemption", PREEMPTION_MODES), ("victim_policy", VICTIM_POLICIES)):
+        for name, allowed in (("preemption", PREEMPTION_MODES), ("victim_policy", VICTIM_POLICIES),
+                              ("swap_copies", COPY_MODES)):  # fmt: skip
             if getattr(self, name) not in allowed:
                 raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}")
         for name in ("swap_threshold", "compact_threshold"):
@@ -153,7 +161,9 @@ class BatchMetrics:
     swap_out_bytes: int = 0
     swap_in_blocks: int = 0
     swap_in_bytes: int = 0
-    swap_seconds: float = 0.0  # time the steps stalled on swap copies so far (synchronous copies)
+    swap_stall_seconds: float = 0.0  # time the host or the compute stream waited for swap copies so far
+    swap_copy_seconds: float = 0.0  # time the swap copies took so far (overlapped with compute or not)
+    swap_prefetched: int = 0  # swap-ins copied while a forward they were not part of ran (a step ahead)
     recomputed_tokens: int = 0  # tokens computed again after recompute preemptions (prefix hits excluded)
     fragmentation: float = 0.0  # the largest share of free ids below a pool's highest block in use
     compactions: int = 0  # so far
@@ -216,11 +226,15 @@ class BatchGenerator:
         self.sliding = [layer.is_sliding for layer in self.template.layers]
         cacheable = self.config.prefix_caching and self.template.options.sharing and PrefixCache.supports(self.template)
         self.prefix_cache = PrefixCache(self.template) if cacheable else None
-        self.swap = SwapSpace(self.template, self.config.swap_blocks, self.config.swap_compression)
+        if self.config.swap_copies == "async" and model.device.type != "cuda":
+            raise ValueError(f"`swap_copies='async'` needs a model on CUDA, this one is on {model.device}: use 'auto'")
+        self.swap = SwapSpace(self.template, self.config.swap_blocks, self.config.swap_compression,
+                              self.config.swap_copies)  # fmt: skip
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.swapped: deque[_Request] = deque()  # preempted to host memory, oldest first
         self.preempted = {"swap": 0, "recompute": 0}
+        self.prefetched = 0  # swap-ins started while a forward they were not part of ran
         self.recomputed_tokens = 0
         self.compactions = 0
         self._waited = 0  # running requests that waited for blocks at the latest step
@@ -289,25 +303,39 @@ class BatchGenerator:
     # ------------------------------------------------------------------ one step
     @torch.no_grad()  # not inference_mode: the storage it allocates outlives the step
     def step(self) -> None:
-        """Schedule (preempting under pressure), run one packed forward, sample, retire finished requests, swap in."""
+        """Schedule (preempting under pressure), swap in the next requests to resume, run one packed forward,
+        sample, retire finished requests.
+
+        The copies follow `copy_stream.py`'s rules: the fence orders this forward after every copy so far (the
+        victims' device blocks may be reused by it; the requests swapped in at the previous step run in it), and
+        the swap-ins started after it are prefetches: their copies overlap this forward, they run from the next
+        step. With nothing running there is no forward to overlap: swapped requests come back first and run now."""
+        copies = self.swap.copies
+        copies.poll()
         if self.config.swap_threshold is not None:
             self._relieve()
-        batch = self._schedule()
+        if not self.running:
+            self._swap_in({}, prefetch=False)
+        batch, taken = self._schedule()
+        copies.fence()
+        self._swap_in(taken, prefetch=bool(batch))
+        if self.growable:  # a pool that grows reallocates its storage: a pending copy in would write the old one
+            copies.fence()
         if batch:
             started = time.perf_counter()
             self._forward(batch)
             self._forward_seconds += time.perf_counter() - started
             self._forward_tokens += sum(q for _, q in batch)
-        self._swap_in()  # with the blocks finished requests freed, a step ahead of running them
         holes = _largest_hole_share(self.template)
         if self.config.compact_threshold is not None and holes > self.config.compact_threshold:
             self.compact()
             holes = _largest_hole_share(self.template)
         self._record(sum(q for _, q in batch), holes)
 
-    def _schedule(self) -> list[tuple[_Request, int]]:
+    def _schedule(self) -> tuple[list[tuple[_Request, int]], dict[BlockPool, int]]:
         """Running requests by priority (decode tokens before prompt chunks), each preempting the lowest-priority
-        unscheduled ones while its step does not fit; then new requests while the pools hold them."""
+        unscheduled ones while its step does not fit; then new requests while the pools hold them. Returns the
+        batch and the blocks it takes per pool."""
         budget, batch, taken = self.config.max_batch_tokens, [], {}
         self._waited = 0
         queue = deque(sorted(self.running, key=lambda r: (r.pending == 1, self._priority(r)), reverse=True))
@@ -348,7 +376,7 @@ class BatchGenerator:
             batch.append((request, q))
             budget -= q
             self._touch(request)
-        return batch
+        return batch, taken
 
     def _make_room(self, request: _Request, q: int, queue: deque[_Request], taken: dict[BlockPool, int],
                    scheduled: bool) -> int:  # fmt: skip
@@ -421,20 +449,23 @@ class BatchGenerator:
             return False
         if mode == "swap":
             return True
-        stats = self.swap.stats
-        copy_rate = (stats.out_bytes + stats.in_bytes) / stats.seconds if stats.seconds else DEFAULT_COPY_RATE
+        stats, seconds = self.swap.stats, self.swap.copies.stats.copy_seconds
+        copy_rate = (stats.out_bytes + stats.in_bytes) / seconds if seconds else DEFAULT_COPY_RATE
         compute_rate = self._forward_tokens / max(self._forward_seconds, 1e-9)
         return 2 * self.swap.swap_bytes(request.cache) / copy_rate < request.fed / compute_rate
 
-    def _swap_in(self) -> None:
-        """Swapped requests come back, oldest first, while the pools hold their blocks and a block of headroom for
-        every running request (and themselves). One that cannot come back even into an idle pool (its shared
+    def _swap_in(self, taken: dict[BlockPool, int], prefetch: bool) -> None:
+        """Swapped requests come back, oldest first, while the pools hold their blocks besides this step's (`taken`)
+        and a block of headroom for every running request (and themselves); they run from the next step
+        (`prefetch`: a forward runs meanwhile). One that cannot come back even into an idle pool (its shared
         blocks came back as copies) is recomputed instead."""
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
             demand = self.swap.in_demand(request.cache)
-            if self._below_threshold(demand) and self._fits(demand, {}, headroom=len(self.running) + 1):
+            stepped = {pool: demand.get(pool, 0) + taken.get(pool, 0) for pool in demand.keys() | taken.keys()}
+            if self._below_threshold(stepped) and self._fits(demand, dict(taken), headroom=len(self.running) + 1):
                 self.swap.swap_in(request.cache)
+                self.prefetched += prefetch
                 self.running.append(self.swapped.popleft())
                 self._touch(request)  # coming back counts as an access: it is not the next victim at once
             elif not self.running:
@@ -527,7 +558,7 @@ class BatchGenerator:
     def _record(self, scheduled: int, holes: float) -> None:
         metrics = self.template.metrics()
         stats = self.prefix_cache.stats if self.prefix_cache is not None else None
-        swap = self.swap.stats
+        swap, copies = self.swap.stats, self.swap.copies.stats
         self.history.append(BatchMetrics(
             step=len(self.history), seconds=time.perf_counter() - self._started, running=len(self.running),
             waiting=len(self.waiting), finished=self._done, tokens_scheduled=scheduled,
@@ -539,13 +570,16 @@ class BatchGenerator:
             prefix_hit_tokens=stats.hit_tokens if stats else 0, stalled=len(self.swapped) + self._waited,
             preempted_swap=self.preempted["swap"], preempted_recompute=self.preempted["recompute"],
             swap_out_blocks=swap.out_blocks, swap_out_bytes=swap.out_bytes, swap_in_blocks=swap.in_blocks,
-            swap_in_bytes=swap.in_bytes, swap_seconds=swap.seconds, recomputed_tokens=self.recomputed_tokens,
+            swap_in_bytes=swap.in_bytes, swap_stall_seconds=copies.stall_seconds,
+            swap_copy_seconds=copies.copy_seconds, swap_prefetched=self.prefetched,
+            recomputed_tokens=self.recomputed_tokens,
             fragmentation=holes, compactions=self.compactions,
         ))  # fmt: skip
 
     def compact(self, keep_free: int | None = None) -> tuple[dict[str, Fragmentation], dict[str, Fragmentation]]:
         """Pack the blocks in use to the low end of every pool (`pool_compaction.compact`; with `keep_free`, shrink
         each pool to its blocks in use plus that many). Returns the fragmentation before and after."""
+        self.swap.copies.fence()  # a pending copy in writes the ids it was given, which compaction moves
         before = fragmentation(self.template)
         compact(self.template, self.prefix_cache, keep_free)
         self.compactions += 1

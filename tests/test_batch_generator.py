@@ -12,6 +12,7 @@ from transformers import DynamicCache
 
 from hf_paged_cache import PagedCache, StreamingLLM
 from hf_paged_cache.batch_generator import BatchConfig, BatchGenerator, generate_batch
+from hf_paged_cache.copy_stream import CopyStream
 from hf_paged_cache.smollm2 import load_smollm2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -172,6 +173,10 @@ def test_bad_knobs_and_unsupported_models_fail_clearly():
         BatchConfig(swap_threshold=1.5)
     with pytest.raises(ValueError, match="swap_compression"):
         BatchGenerator(_model("llama_gqa"), swap_compression="int3")
+    with pytest.raises(ValueError, match="swap_copies"):
+        BatchConfig(swap_copies="later")
+    with pytest.raises(ValueError, match="needs a model on CUDA"):
+        BatchGenerator(_model("llama_gqa"), swap_copies="async")
     with pytest.raises(ValueError, match="prompt_ids"):
         BatchGenerator(_model("llama_gqa")).add_request([])
     model = _model("gpt_neox")  # calls update() without attention kwargs
@@ -221,6 +226,73 @@ def test_a_pool_for_a_quarter_of_the_demand_gives_the_unconstrained_outputs(name
     if options["prefix_caching"]:  # each request counted once in the hit rate, however often it attached
         assert generator.prefix_cache.stats.lookups == len(PRESSURE)
     assert generator.template.metrics().blocks_used == 0 and not generator.swapped
+
+
+def _pressure_run(name: str = "llama_gqa", check=None, **options) -> tuple[BatchGenerator, tuple]:
+    """The pressure workload with the pool at a quarter of its demand; `check(generator, batch)` runs before every
+    forward."""
+    generator = BatchGenerator(_model(name), max_new_tokens=12, block_size=4, max_batch_tokens=16, num_blocks=15,
+                               prefix_caching=False, preemption="swap", **options)  # fmt: skip
+    if check is not None:
+        forward = generator._forward
+        generator._forward = lambda batch: (check(generator, batch), forward(batch))
+    for prompt in _prompts(PRESSURE, seed=9):
+        generator.add_request(prompt)
+    return generator, tuple(tuple(o.generated_tokens) for o in generator.run())
+
+
+@pytest.mark.parametrize("options", [{}, {"quant": "int8", "residual_length": 4}, {"swap_threshold": 0.8}],
+                         ids=["full", "int8", "threshold"])  # fmt: skip
+def test_deferred_copies_keep_the_ordering_rules_and_the_outputs(options):
+    """Each copy runs only when a fence or a wait needs it. At every forward no copy out is pending (the victims'
+    freed blocks may be written by it) and no request in the batch has a copy in pending; requests swapped in at
+    this step (a step ahead of running) may."""
+    prefetched_during = []
+
+    def check(generator, batch):
+        flights = [generator.swap.in_flight(r.cache) for r in [*generator.running, *generator.swapped]]
+        assert "out" not in flights and all(generator.swap.in_flight(r.cache) is None for r, _ in batch)
+        prefetched_during.append(flights.count("in"))
+
+    generator, outputs = _pressure_run(check=check, swap_copies="deferred", **options)
+    cache_options = {key: options[key] for key in ("quant", "residual_length") if key in options}
+    assert outputs == _unconstrained("llama_gqa", **cache_options)
+    last = generator.metrics()
+    assert last.swap_in_blocks == last.swap_out_blocks > 0 and last.swap_stall_seconds == last.swap_copy_seconds > 0
+    if "swap_threshold" not in options:  # at 80% of this pool, swapped requests come back only into an idle one
+        assert sum(prefetched_during) > 0 and 0 < last.swap_prefetched <= last.preempted_swap
+
+
+def test_deferred_compressed_copies_match_synchronous_ones():
+    """fp8 host copies are lossy, so the reference is the same run with synchronous copies: encoding before the
+    copy out and decoding after the copy in do not depend on when the copies land."""
+    (_, deferred), (generator, sync) = (_pressure_run(swap_copies=copies, swap_compression="fp8")
+                                        for copies in ("deferred", "sync"))  # fmt: skip
+    assert deferred == sync and generator.metrics().preempted_swap > 0
+
+
+def test_without_the_fence_deferred_copies_change_the_outputs(monkeypatch):
+    """The test above can fail: without the fence, forwards write freed blocks before their copy out read them and
+    read swapped-in blocks before their copy in landed."""
+    monkeypatch.setattr(CopyStream, "fence", lambda self: None)
+    generator, outputs = _pressure_run(swap_copies="deferred")
+    assert generator.metrics().preempted_swap > 0 and outputs != _unconstrained("llama_gqa")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="asynchronous copies need CUDA")
+def test_cuda_side_stream_copies_give_the_synchronous_outputs():
+    model, _config = MODELS_BY_NAME["llama_gqa"].build()  # not the cached CPU model: it moves to the GPU
+    model.to("cuda")
+    runs = {}
+    for copies in ("sync", "async"):
+        generator = BatchGenerator(model, max_new_tokens=12, block_size=4, max_batch_tokens=16, num_blocks=15,
+                                   prefix_caching=False, preemption="swap", swap_copies=copies)  # fmt: skip
+        for prompt in _prompts(PRESSURE, seed=9):
+            generator.add_request(prompt)
+        runs[copies] = ([o.generated_tokens for o in generator.run()], generator.metrics())
+    (sync, _), (overlapped, last) = runs["sync"], runs["async"]
+    assert overlapped == sync and last.preempted_swap > 0 and last.swap_prefetched > 0 and last.swap_copy_seconds > 0
+    assert generator.swap.copies.mode == "async"
 
 
 def test_shared_prefix_blocks_survive_swapping():

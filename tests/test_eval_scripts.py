@@ -255,6 +255,23 @@ def test_serving_pressure_workload_tiny(tmp_path):
         constrained[0]["swap_out_bytes"] / constrained[0]["swap_out_blocks"])  # fmt: skip
 
 
+def test_swap_overlap_tiny(tmp_path):
+    out = tmp_path / "overlap"
+    _run("swap_overlap.py", "--model", "tiny-llama", "--requests", "8", "--min-len", "20", "--max-len", "120",
+         "--new-tokens", "8", "--max-batch-tokens", "64", "--threads", "1", "--out", str(out))  # fmt: skip
+    result = json.loads(out.with_suffix(".json").read_text())
+    sync, overlapped = result["rows"]
+    expected = "async" if torch.cuda.is_available() else "deferred"
+    assert (sync["copies"], overlapped["copies"], result["summary"]["overlapping_mode"]) == ("sync", expected, expected)
+    assert sync["identical"] == overlapped["identical"] == 8
+    assert sync["pool_blocks"] == round(0.25 * sync["demand_blocks"])
+    for row in (sync, overlapped):
+        assert row["preempted_swap"] > 0 and row["swap_out_bytes"] == row["swap_in_bytes"] > 0
+    assert 0 < sync["stall_seconds"] == sync["copy_seconds"]  # synchronous copies: the host waits for all of each
+    assert overlapped["copy_seconds"] > 0 and overlapped["stall_seconds"] >= 0
+    assert result["summary"]["throughput_ratio"] == overlapped["tokens_per_s"] / sync["tokens_per_s"]
+
+
 def test_swap_quality_tiny(tmp_path):
     out = tmp_path / "swap"
     _run("swap_quality.py", "--model", "tiny-llama", "--prefill", "64", "--tokens", "32", "--threads", "1",

@@ -123,3 +123,49 @@ def test_compressed_swapping_stays_within_tolerance_and_quantized_blocks_move_as
         assert compressed.stats.in_bytes == compressed.stats.out_bytes == compressed.swap_bytes(cache)
     with pytest.raises(ValueError, match="valid formats"):
         SwapSpace(template, compression="int3")
+
+
+def test_deferred_copies_are_bit_exact_and_a_swap_in_waits_for_its_swap_out():
+    """Copies that land as late as the rules allow: the device blocks go back at once, the host reads a swap-out's
+    copy only after it completed, and a swap-in's blocks are usable after the fence."""
+    model = _model("llama_gqa")
+    tokens = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    template = PagedCache(model.config, block_size=4, num_blocks=20)
+    cache = template.fork()
+    _feed(model, cache, tokens[:18])
+    before = stored_blocks(cache)
+    space = SwapSpace(template, copies="deferred")
+    space.swap_out(cache)
+    assert space.in_flight(cache) == "out" and template.groups["full_attention"].pool.num_free == 20
+    space.swap_in(cache)  # waits for the swap-out (its copy reads the device blocks, still as they were)
+    assert space.in_flight(cache) == "in" and space.copies.in_flight == 1
+    space.copies.fence()
+    assert space.in_flight(cache) is None and all(torch.equal(a, b) for a, b in zip(stored_blocks(cache), before))
+    stats = space.copies.stats
+    assert stats.transfers == 2 and stats.stall_seconds == stats.copy_seconds > 0
+    with pytest.raises(ValueError, match="CUDA device"):  # checked before anything changes
+        SwapSpace(template, copies="async").swap_out(cache)
+    assert all(torch.equal(a, b) for a, b in zip(stored_blocks(cache), before))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="asynchronous copies need CUDA")
+@pytest.mark.parametrize("compression", [None, "fp8"])
+def test_cuda_side_stream_swaps_match_synchronous_ones(compression):
+    model, _config = MODELS_BY_NAME["llama_gqa"].build()  # not the cached CPU model: it moves to the GPU
+    model.to("cuda").set_attn_implementation("paged")
+    tokens = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    stored = []
+    for copies in ("sync", "async"):
+        template = PagedCache(model.config, block_size=4, num_blocks=20, device="cuda")
+        cache = template.fork()
+        with torch.no_grad():
+            model(input_ids=torch.tensor([tokens[:18]], device="cuda"), cache=cache)
+        space = SwapSpace(template, compression=compression, copies=copies)
+        space.swap_out(cache)
+        space.copies.fence()  # the compute stream may write the freed blocks only after the copy read them
+        _scribble(template)
+        space.swap_in(cache)
+        space.copies.fence()
+        stored.append([t.cpu() for t in stored_blocks(cache)])
+        assert space.copies.mode == copies
+    assert all(torch.equal(a, b) for a, b in zip(*stored))
