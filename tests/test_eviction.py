@@ -29,7 +29,7 @@ from hf_paged_cache import (
     pyramid_budgets,
 )
 from hf_paged_cache import torch_attention
-from hf_paged_cache.eviction import ScoreInputs, choose_kept, choose_kept_per_head
+from hf_paged_cache.eviction import ScoreInputs, choose_kept, choose_kept_per_head, novel_tokens
 
 BLOCK = 4
 BUDGET = 16
@@ -45,6 +45,7 @@ POLICIES = {
     "keynorm": lambda **kw: KeyNorm(budget=BUDGET, sinks=SINKS, window=WINDOW, **kw),
     "keydiff": lambda **kw: KeyDiff(budget=BUDGET, sinks=SINKS, window=WINDOW, **kw),
     "novelty": lambda **kw: KeyNovelty(budget=BUDGET, sinks=SINKS, window=WINDOW, **kw),
+    "keep_ratio_novel": lambda **kw: KeepRatio(budget=0.5, sinks=SINKS, window=WINDOW, protect_novel=0.25, **kw),
     "keep_ratio": lambda **kw: KeepRatio(budget=0.5, sinks=SINKS, window=WINDOW, **kw),
     "random": lambda **kw: RandomEviction(budget=BUDGET, sinks=SINKS, window=WINDOW, **kw),
 }
@@ -418,6 +419,24 @@ def test_key_novelty_finds_copies_wherever_the_rotary_embedding_put_them(rotary)
     assert bool((raw[torch.arange(13) != 8] > -0.99).any())  # compared as stored, the copies hide
     with pytest.raises(ValueError, match="rotary"):
         KeyNovelty(rotary="gptj")
+
+
+def test_novel_tokens_are_protected_before_the_policy_chooses():
+    policy = H2O(budget=8, sinks=2, window=2, protect_novel=0.25)
+    positions = torch.arange(3, 19)  # first real token at 5: stored indices 0, 1 are padding
+    novelty = torch.zeros(16)
+    novelty[[0, 2, 15]] = 9.0  # padding, a sink and the window: never counted among the novel
+    novelty[[6, 11]] = torch.tensor([2.0, 3.0])
+    novel = novel_tokens(novelty, positions, 5, 19, policy, count=2)
+    assert novel.nonzero().flatten().tolist() == [6, 11]
+    scores = torch.arange(16.0)  # the policy itself prefers the newest tokens
+    keep = choose_kept(scores, positions, 5, 19, 8, policy, [1] * 16, novel)
+    assert keep[[6, 11]].all() and int(keep.sum()) == 8
+    assert keep.nonzero().flatten().tolist() == [2, 3, 6, 11, 12, 13, 14, 15]
+    heads = novel_tokens(torch.stack([novelty, novelty.flip(0)]), positions, 5, 19, policy, count=2)
+    assert heads.sum(1).tolist() == [2, 2] and heads[1].nonzero().flatten().tolist() == [4, 13]
+    with pytest.raises(ValueError, match="protect_novel"):
+        H2O(protect_novel=1.0)
 
 
 # ---------------------------------------------------------------------------------------------- per head

@@ -17,6 +17,8 @@ from .policies import (
     StreamingLLM,
     choose_kept,
     choose_kept_per_head,
+    key_novelty,
+    novel_tokens,
     pyramid_budgets,
 )
 from .attention_stats import AttentionStats
@@ -42,5 +44,7 @@ __all__ = [
     "TOVA",
     "choose_kept",
     "choose_kept_per_head",
+    "key_novelty",
+    "novel_tokens",
     "pyramid_budgets",
 ]

@@ -18,7 +18,8 @@ import torch
 from ..block_tables import BlockTables, StepPlan
 from ..distributed import reduce_scores
 from .compaction import check_compact, compact, unit_sizes
-from .policies import EvictionPolicy, ScoreInputs, choose_kept, choose_kept_per_head
+from .policies import (EvictionPolicy, ScoreInputs, choose_kept, choose_kept_per_head, key_novelty,
+                       novel_tokens)
 from .attention_stats import AttentionStats
 
 if TYPE_CHECKING:
@@ -117,15 +118,24 @@ class Evictor:
         inputs = ScoreInputs(positions, group.length, attention, lambda: layer.stored_keys(row).cpu())
         scores = self.policy.score(inputs)
         shared = reduce_scores(scores, self.tp_size)  # the same on every tensor-parallel rank
-        pads = group.rows[row].pads
+        pads, length, split = group.rows[row].pads, group.length, group.quantized_tokens(row)
         head_positions = positions if positions.dim() == 1 else positions[0]  # protected tokens: same in every head
-        keep = choose_kept(shared.cpu(), head_positions, pads, group.length, budget, self.policy,
-                           unit_sizes(group, row))  # fmt: skip
+        novelty = key_novelty(inputs.keys, self.policy.rotary) if self.policy.protect_novel else None
+        novel = None
+        if novelty is not None:
+            novel = novel_tokens(reduce_scores(novelty, self.tp_size), head_positions, pads, length, self.policy,
+                                 int(self.policy.protect_novel * budget))  # fmt: skip
+        keep = choose_kept(shared.cpu(), head_positions, pads, length, budget, self.policy, unit_sizes(group, row),
+                           novel)  # fmt: skip
         if not self.policy.per_head:
             return keep
-        # Each head (of this rank: under tensor parallelism a rank holds its own heads) by its own scores.
-        return choose_kept_per_head(scores.float().cpu().expand(kv_heads, count), positions, pads, group.length,
-                                    self.policy, keep, group.quantized_tokens(row))  # fmt: skip
+        # Each head (of this rank: under tensor parallelism a rank holds its own heads) by its own scores; as many
+        # novel full-precision tokens per head as the shared choice protected there.
+        if novelty is not None:
+            novel = novel_tokens(novelty[:, split:], positions[..., split:], pads, length, self.policy,
+                                 int(novel[split:].sum()))  # fmt: skip
+        return choose_kept_per_head(scores.float().cpu().expand(kv_heads, count), positions, pads, length, self.policy,
+                                    keep, split, novel)  # fmt: skip
 
     # ------------------------------------------------------------------ following whole-cache edits
     def reorder(self, order: list[int]) -> None:

@@ -14,6 +14,7 @@ which queries it observes and how it folds their attention into a running score 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from .statistics import Accumulated, LastQuery, ObservationWindow, Statistic
+
+ROTARY_PAIRINGS = ("half", "interleaved", "none")
+NOVELTY_CHUNK = 512  # keys compared at a time by `key_novelty` (bounds the `[heads, chunk, n]` similarities)
 
 @dataclass
 class ScoreInputs:
@@ -38,7 +42,7 @@ class ScoreInputs:
     attention: torch.Tensor | None
     _keys: object = field(repr=False, default=None)  # a callable returning the keys
 
-    @property
+    @functools.cached_property
     def keys(self) -> torch.Tensor:
         return self._keys()
 
@@ -69,6 +73,13 @@ class EvictionPolicy:
         per_head: each KV head keeps its own best tokens (scored by its own attention or keys) instead of
             the tokens whose scores, averaged over the layer's heads, are best. Every head keeps the same
             number, so memory is the same; sealed quantized blocks are still chosen for all heads at once.
+        protect_novel: the fraction of the budget that first goes to the most novel tokens -- those whose
+            keys have no near copy anywhere in the row (`key_novelty`) -- protected like sinks, before the
+            policy's own scores choose the rest. A one-off fact in repetitive text survives a compression
+            made before the question asking for it is read (0 disables).
+        rotary: how the model's rotary embedding pairs key channels, for `key_novelty`: "half" (channel i
+            with i + head_dim/2, transformers' `rotate_half`: Llama, Qwen, Mistral, Gemma, GPT-NeoX),
+            "interleaved" (2i with 2i+1, GPT-J), or "none" (no rotary embedding, e.g. GPT-2).
 
     A budget in tokens below `sinks + window` (at any layer) is refused here; a ratio's budget of a short
     row is raised to `sinks + window`, since those tokens are never evicted.
@@ -79,12 +90,19 @@ class EvictionPolicy:
     window: int = 32
     layer_budgets: Sequence[float] | None = None
     per_head: bool = False
+    protect_novel: float = 0.0
+    rotary: str = "half"
 
     def __post_init__(self) -> None:
         name = type(self).__name__
         budget = self.budget
         if not isinstance(self.per_head, bool):
             raise ValueError(f"{name}: `per_head` must be True or False, got {self.per_head!r}")
+        if isinstance(self.protect_novel, bool) or not isinstance(self.protect_novel, (int, float)) \
+                or not 0.0 <= self.protect_novel < 1.0:
+            raise ValueError(f"{name}: `protect_novel` is a fraction of the budget in [0, 1), got {self.protect_novel!r}")
+        if self.rotary not in ROTARY_PAIRINGS:
+            raise ValueError(f"{name}: `rotary` must be one of {ROTARY_PAIRINGS}, got {self.rotary!r}")
         if isinstance(budget, bool) or not isinstance(budget, (int, float)):
             raise ValueError(f"{name}: `budget` must be a token count (int >= 1) or a ratio in (0, 1], got {budget!r}")
         if isinstance(budget, int) and budget < 1:
@@ -212,43 +230,33 @@ class KeyDiff(EvictionPolicy):
         return -(keys * anchor).sum(dim=-1)
 
 
-ROTARY_PAIRINGS = ("half", "interleaved", "none")
-NOVELTY_CHUNK = 512  # keys compared at a time by `KeyNovelty` (bounds the `[heads, chunk, n]` similarities)
-
-
 @dataclass
 class KeyNovelty(EvictionPolicy):
-    """Keep the tokens least like any other stored token of their KV head: redundancy scoring (as in R-KV)
-    made blind to position. Keys are stored after the rotary embedding, which turns a repeated word's key
-    by an angle that depends on where it stands; the magnitude of each rotated channel pair does not
-    change, so tokens are compared by those magnitudes. Text that repeats (filler, boilerplate) finds a
-    near copy and goes first; a one-off fact -- a number, a name -- has none and stays, before any
-    question has asked for it (docs/BENCHMARKS.md: question-agnostic pass keys). Costs O(n^2) per
-    eviction and head.
-
-    rotary: how the model's rotary embedding pairs channels -- "half" (channel i with i + head_dim/2,
-    transformers' `rotate_half`: Llama, Qwen, Mistral, Gemma, GPT-NeoX), "interleaved" (2i with 2i+1,
-    GPT-J), "none" (no rotary embedding, e.g. GPT-2: raw keys are compared).
-    """
-
-    rotary: str = "half"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.rotary not in ROTARY_PAIRINGS:
-            raise ValueError(f"KeyNovelty: `rotary` must be one of {ROTARY_PAIRINGS}, got {self.rotary!r}")
+    """Keep the tokens least like any other stored token of their KV head (`key_novelty`): redundancy
+    scoring, as in R-KV, made blind to position. Text that repeats (filler, boilerplate) finds a near copy
+    and goes first; a one-off fact -- a number, a name -- has none and stays, before any question has asked
+    for it (docs/BENCHMARKS.md: question-agnostic pass keys). Set `rotary` to the model's pairing."""
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
-        signature = F.normalize(rotary_magnitudes(inputs.keys, self.rotary), dim=-1)  # [kv_heads, n, m]
-        heads, count, _ = signature.shape
-        scores = torch.empty(heads, count)
-        for start in range(0, count, NOVELTY_CHUNK):
-            stop = min(start + NOVELTY_CHUNK, count)
-            similarity = signature[:, start:stop] @ signature.transpose(1, 2)  # [kv_heads, chunk, n]
-            rows = torch.arange(stop - start)
-            similarity[:, rows, rows + start] = float("-inf")  # a token is not its own copy
-            scores[:, start:stop] = -similarity.amax(dim=-1)
-        return scores
+        return key_novelty(inputs.keys, self.rotary)
+
+
+def key_novelty(keys: torch.Tensor, rotary: str) -> torch.Tensor:
+    """Per KV head and token, minus the largest cosine similarity of its key to any other token's: `[kv_heads, n]`
+    from `keys` `[kv_heads, n, head_dim]` (higher = more novel). Keys are stored after the rotary embedding,
+    which turns a repeated word's key by an angle that depends on where it stands; the magnitude of each
+    rotated channel pair does not change, so tokens are compared by those magnitudes (`rotary_magnitudes`).
+    O(n^2) per head, `NOVELTY_CHUNK` keys at a time."""
+    signature = F.normalize(rotary_magnitudes(keys, rotary), dim=-1)  # [kv_heads, n, m]
+    heads, count, _ = signature.shape
+    scores = torch.empty(heads, count)
+    for start in range(0, count, NOVELTY_CHUNK):
+        stop = min(start + NOVELTY_CHUNK, count)
+        similarity = signature[:, start:stop] @ signature.transpose(1, 2)  # [kv_heads, chunk, n]
+        rows = torch.arange(stop - start)
+        similarity[:, rows, rows + start] = float("-inf")  # a token is not its own copy
+        scores[:, start:stop] = -similarity.amax(dim=-1)
+    return scores
 
 
 def rotary_magnitudes(keys: torch.Tensor, rotary: str) -> torch.Tensor:
@@ -293,6 +301,24 @@ class RandomEviction(EvictionPolicy):
         return torch.rand(inputs.positions.shape[-1], generator=self._generator)
 
 
+def protection(positions: torch.Tensor, first_real: int, length: int, policy: EvictionPolicy):
+    """(real, protected) for stored tokens at `positions`: which are not padding, and which are never evicted
+    (the first `sinks` real tokens and the most recent `window`)."""
+    real = positions >= first_real
+    return real, real & ((positions < first_real + policy.sinks) | (positions >= length - policy.window))
+
+
+def novel_tokens(novelty: torch.Tensor, positions: torch.Tensor, first_real: int, length: int,
+                 policy: EvictionPolicy, count: int) -> torch.Tensor:  # fmt: skip
+    """Boolean, shaped like `novelty` (`[n]`, or `[kv_heads, n]` for each head's own): the `count` most novel
+    real tokens besides the ones protected anyway (`protection`), protected too (`protect_novel`)."""
+    real, protected = protection(positions.expand_as(novelty), first_real, length, policy)
+    candidates = real & ~protected
+    count = min(count, int(candidates.sum(dim=-1).min()))
+    top = novelty.float().masked_fill(~candidates, float("-inf")).topk(count, dim=-1).indices
+    return torch.zeros_like(candidates).scatter_(-1, top, True)
+
+
 def choose_kept(
     scores: torch.Tensor,
     positions: torch.Tensor,
@@ -301,19 +327,22 @@ def choose_kept(
     budget: int,
     policy: EvictionPolicy,
     unit_sizes: list[int],
+    novel: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Boolean `[n]`: which stored tokens of a row survive.
 
     Tokens come in units that are kept or evicted whole (a quantized block: its tokens share scales and
     are never re-quantized; a full-precision token: itself); `unit_sizes` lists them in stored order.
-    Padding (positions before `first_real`) always goes; sinks and the recent window always stay; the
-    other units are taken by descending mean score while they fit the budget.
+    Padding (positions before `first_real`) always goes; sinks, the recent window and the `novel` tokens
+    (`novel_tokens`, if given) always stay; the other units are taken by descending mean score while they
+    fit the budget.
     """
     scores = scores.float()
     if scores.dim() == 2:
         scores = scores.mean(0)
-    real = positions >= first_real
-    protected = real & ((positions < first_real + policy.sinks) | (positions >= length - policy.window))
+    real, protected = protection(positions, first_real, length, policy)
+    if novel is not None:
+        protected = protected | novel
     sizes = torch.tensor(unit_sizes)
     unit = torch.repeat_interleave(torch.arange(len(unit_sizes)), sizes)
     def per_unit(values: torch.Tensor) -> torch.Tensor:  # sum over each unit's tokens
@@ -338,20 +367,22 @@ def choose_kept_per_head(
     policy: EvictionPolicy,
     shared: torch.Tensor,
     split: int,
+    novel: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Boolean `[kv_heads, n]`: which stored tokens each KV head keeps (`per_head` policies).
 
     `shared` is the head-shared choice (`choose_kept` on the heads' mean scores): it decides the sealed
     quantized units before stored index `split` for every head, and how many full-precision tokens stay.
-    After `split` each head keeps its sinks and recent window plus its own best-scored tokens (`scores`
-    `[kv_heads, n]`), up to that count, so every head stores as many tokens as the others and the row's
-    blocks hold a rectangle of survivors.
+    After `split` each head keeps its sinks, recent window and `novel` tokens (`[kv_heads, n - split]`, as
+    many in every head, if given) plus its own best-scored tokens (`scores` `[kv_heads, n]`), up to that
+    count, so every head stores as many tokens as the others and the row's blocks hold a rectangle of
+    survivors.
     """
     heads, n = scores.shape
-    positions = positions.expand(heads, n)[:, split:]
-    real = positions >= first_real
-    protected = real & ((positions < first_real + policy.sinks) | (positions >= length - policy.window))
-    room = int(shared[split:].sum()) - protected.sum(dim=1)  # per head (the protected sets are the same)
+    real, protected = protection(positions.expand(heads, n)[:, split:], first_real, length, policy)
+    if novel is not None:
+        protected = protected | novel
+    room = int(shared[split:].sum()) - protected.sum(dim=1)  # per head (the protected counts are the same)
     ranked = scores[:, split:].float().masked_fill(~(real & ~protected), float("-inf"))
     order = torch.argsort(ranked, dim=1, descending=True, stable=True)
     taken = torch.arange(order.shape[1])[None, :] < room[:, None]
