@@ -73,6 +73,7 @@ class EvictionPolicy:
         per_head: each KV head keeps its own best tokens (scored by its own attention or keys) instead of
             the tokens whose scores, averaged over the layer's heads, are best. Every head keeps the same
             number, so memory is the same; sealed quantized blocks are still chosen for all heads at once.
+            Default: True for H2O, SnapKV and KeepRatio, False for the others (chosen by measurement).
         protect_novel: the fraction of the budget that first goes to the most novel tokens -- those whose
             keys have no near copy anywhere in the row (`key_novelty`) -- protected like sinks, before the
             policy's own scores choose the rest. A one-off fact in repetitive text survives a compression
@@ -165,6 +166,7 @@ class H2O(EvictionPolicy):
     sums favour the oldest tokens (docs/BENCHMARKS.md, decode-time eviction)."""
 
     decay: float | None = None
+    per_head: bool = True  # measured better per head (docs/BENCHMARKS.md); so are SnapKV and KeepRatio
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -185,6 +187,7 @@ class SnapKV(EvictionPolicy):
     pooled over `kernel_size` neighbouring tokens, per KV head."""
 
     observation_window: int = 32
+    per_head: bool = True
     kernel_size: int = 5
 
     @property
@@ -277,6 +280,7 @@ class KeepRatio(EvictionPolicy):
     received, summed over the queries that saw it, divided by how many did."""
 
     budget: int | float = 0.5
+    per_head: bool = True
 
     @property
     def statistic(self) -> Statistic:
