@@ -64,6 +64,7 @@ channel (eval/quant_probe.py), and through the cache int2 went from +164% to +10
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -81,6 +82,7 @@ __all__ = [
     "KVFormat",
     "KernelFormat",
     "QuantFormat",
+    "hadamard",
     "pack_codes",
     "parse_kv_format",
     "unpack_codes",
@@ -126,6 +128,27 @@ def unpack_codes(packed: Tensor, bits: int, out: Tensor | None = None) -> Tensor
     for k in range(per_byte):
         out[..., k * m : (k + 1) * m] = (packed >> (k * bits)) & mask if k else packed & mask
     return out
+
+
+def hadamard(x: Tensor) -> Tensor:
+    """`x` times the normalized Hadamard matrix (Sylvester's, divided by sqrt(d)) along its last dim d, a power
+    of two: symmetric and orthogonal, so it is its own inverse and `hadamard(q) . hadamard(k) == q . k`.
+
+    A butterfly of log2(d) rounds of neighbour sums and differences (then one multiply), the same float32
+    operations in the same order as the seal kernel's (`kernels.dequantize.hadamard`), so both rotate a
+    block bit-identically before quantizing it.
+    """
+    d = x.shape[-1]
+    for _ in range(d.bit_length() - 1):  # after log2(d) rounds of (a + b, a - b), Sylvester's ordering
+        a, b = x.unflatten(-1, (d // 2, 2)).unbind(-1)
+        x = torch.cat([a + b, a - b], -1)
+    return x * (1.0 / math.sqrt(d))
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_matrix(d: int, device: torch.device) -> Tensor:
+    """The float32 `[d, d]` matrix of `hadamard`: one matmul undoes the rotation of many decoded tokens."""
+    return hadamard(torch.eye(d, device=device))
 
 
 def _head_major_float(codes: Tensor, head_dim: int) -> Tensor:
@@ -211,6 +234,8 @@ class KernelFormat:
     token (`per_token`) or per block (then shared by all of the block's tokens). `scale_bits` 8 (integer
     codes with a zero point, per block only): scales are uint8 numbers of steps of a float16 unit stored
     after the KV head's zero points (the zero field holds groups + 1 values, see `IntN`).
+    `rotate`: the codes encode each token's head vector times the normalized Hadamard matrix
+    (`hadamard`; head_dim a power of two), which readers undo (see `IntN.rotate`).
     """
 
     bits: int
@@ -220,6 +245,7 @@ class KernelFormat:
     per_token: bool
     group: int
     scale_bits: int = 16
+    rotate: bool = False
 
 
 # --------------------------------------------------------------------------------------------------
@@ -382,6 +408,13 @@ class IntN(QuantFormat):
     `zero[..., groups]` (`scale[..., groups]` is then unused), so both fields share their strides.
     Rounding the scale up to a whole step costs at most one step (<= 1/255 of the largest scale).
 
+    `rotate=True`: each token's head vector is rotated by the normalized Hadamard matrix (`hadamard`) before
+    it is quantized, and decoded vectors are rotated back by the same (self-inverse) matrix. The rotation
+    spreads an outlier channel's energy over all channels, so a token's values share one range without
+    one channel setting it; it is fixed, so it stores nothing. Codes, scales and zero points describe the
+    rotated vectors (readers that know it, like the Triton kernels, may rotate queries and attention
+    outputs instead of every decoded token). head_dim must be a power of two.
+
     Default `group_size` (None): the fewest channels, dividing head_dim, such that one (scale, zero) pair
     covers at least `ELEMENTS_PER_SCALE` = 64 elements, so metadata costs at most 1/32 of float16:
     "token": 64 channels (head_dim if smaller); "channel": ceil(64 / block_size) channels, i.e. 4 at
@@ -406,6 +439,7 @@ class IntN(QuantFormat):
     axis: str = "token"
     group_size: int | None = None
     scale_bits: int = 16
+    rotate: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (2, 4):
@@ -421,6 +455,8 @@ class IntN(QuantFormat):
                 f"IntN scale_bits must be 16, or 8 with axis='channel' (one unit per block and KV head), got "
                 f"{self.scale_bits!r} with axis={self.axis!r}"
             )
+        if not isinstance(self.rotate, bool):
+            raise ValueError(f"IntN rotate must be a bool, got {self.rotate!r}")
 
     @property
     def needs_full_block(self) -> bool:  # type: ignore[override]
@@ -430,6 +466,11 @@ class IntN(QuantFormat):
         """Channels per (scale, zero) for this head_dim and block size (see the class docstring)."""
         if head_dim % (8 // self.bits):
             raise ValueError(f"head_dim {head_dim} must be a multiple of {8 // self.bits} to pack {self.bits}-bit codes")
+        if self.rotate and head_dim & (head_dim - 1):
+            raise ValueError(
+                f"{self!r}: rotate=True needs a power-of-two head_dim (a Hadamard rotation), got head_dim {head_dim}; "
+                "use rotate=False (the spec without 'r', e.g. 'K2V2' instead of 'int2')"
+            )
         if self.group_size is not None:
             group = min(self.group_size, head_dim)
             if head_dim % group:
@@ -451,13 +492,15 @@ class IntN(QuantFormat):
         return KernelFormat(
             bits=self.bits, exponent_bits=0, zero_point=True, qmax=float((1 << self.bits) - 1),
             per_token=self.axis == "token", group=self.group(head_dim, block_size), scale_bits=self.scale_bits,
+            rotate=self.rotate,
         )  # fmt: skip
 
     def _encode(self, x: Tensor) -> dict[str, Tensor]:
         # token: x is [..., heads, head_dim], reduce over each group's channels;
         # channel: x is [n, block, heads, head_dim], reduce over the group's channels and the block's tokens.
-        block_size = x.shape[1] if self.axis == "channel" else 1
-        grouped = x.unflatten(-1, (-1, self.group(x.shape[-1], block_size)))  # [..., heads, groups, group]
+        group = self.group(x.shape[-1], x.shape[1] if self.axis == "channel" else 1)  # checks head_dim first
+        x = hadamard(x) if self.rotate else x
+        grouped = x.unflatten(-1, (-1, group))  # [..., heads, groups, group]
         dims = (-1,) if self.axis == "token" else (1, -1)
         codes, scale, zero, unit = _affine_encode(grouped, dims, self.bits, (-2,) if self.scale_bits == 8 else None)
         if self.axis == "channel":
@@ -479,7 +522,12 @@ class IntN(QuantFormat):
         if 1 < scale.shape[-1] < codes.shape[-1]:  # several groups: expand the (small) metadata per channel
             group = codes.shape[-1] // scale.shape[-1]
             scale, zero = scale.repeat_interleave(group, -1), zero.repeat_interleave(group, -1)
-        return codes.mul_(scale.float()).add_(zero.float())
+        decoded = codes.mul_(scale.float()).add_(zero.float())
+        if not self.rotate:
+            return decoded
+        # Rotated back head by head: the head-major [heads, n, block, head_dim] is contiguous, and so is the product.
+        heads_first = decoded.permute(2, 0, 1, 3) @ _hadamard_matrix(decoded.shape[-1], decoded.device)
+        return heads_first.permute(1, 2, 0, 3)
 
 
 _FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -570,30 +618,43 @@ class KVFormat:
         return self.bytes_per_token(kv_heads, head_dim, block_size) / (4 * kv_heads * head_dim)
 
 
-_SPEC_CHOICES = "'int8', 'int4', 'int2', 'fp8', 'fp8_e4m3', 'fp8_e5m2', or 'K<bits>V<bits>' with bits 2, 4 or 8 (e.g. 'K4V2', 'K8V4')"
+_SPEC_CHOICES = (
+    "'int8', 'int4', 'int2', 'fp8', 'fp8_e4m3', 'fp8_e5m2', or 'K<bits>V<bits>' with bits 2, 4 or 8, an 'r' after "
+    "2 or 4 bits for a Hadamard-rotated side (e.g. 'K4V2', 'K8V4', 'K2rV2r')"
+)
 
 
-def _key_format(bits: int) -> QuantFormat:
+def _key_format(bits: int, rotate: bool) -> QuantFormat:
     # Strict per-channel keys, 8-bit scales keeping int2 within 0.19x: see the module docstring.
-    return Int8() if bits == 8 else IntN(bits, axis="channel", group_size=1, scale_bits=8)
+    return Int8() if bits == 8 else IntN(bits, axis="channel", group_size=1, scale_bits=8, rotate=rotate)
 
 
-def _value_format(bits: int) -> QuantFormat:
-    return Int8() if bits == 8 else IntN(bits, axis="token")
+def _value_format(bits: int, rotate: bool) -> QuantFormat:
+    return Int8() if bits == 8 else IntN(bits, axis="token", rotate=rotate)
 
 
 def parse_kv_format(spec: str) -> KVFormat:
-    """"int8" | "int4" | "int2" | "fp8" (= "fp8_e4m3") | "fp8_e5m2" | "K<b>V<b>" (b in 2, 4, 8), any case.
+    """"int8" | "int4" | "int2" | "fp8" (= "fp8_e4m3") | "fp8_e5m2" | "K<b>[r]V<b>[r]" (b in 2, 4, 8), any case.
 
-    intN and K<b>V<b>: 8 bits -> `Int8`; 4 / 2 bits -> `IntN` per channel for keys, per token for values.
-    fp8 -> `FP8` with per-token scales on both sides. Anything else raises a ValueError listing the choices.
+    intN and K<b>V<b>: 8 bits -> `Int8`; 4 / 2 bits -> `IntN` per channel for keys, per token for values,
+    Hadamard-rotated (`IntN.rotate`) where the side's bits are followed by "r" (2 or 4 bits only). "int2" is
+    "K2rV2r": rotating both sides is what brings 2-bit keys and values within reach of full precision
+    (docs/BENCHMARKS.md); "int4" is "K4V4". fp8 -> `FP8` with per-token scales on both sides. Anything else
+    raises a ValueError listing the choices.
     """
     text = spec.strip().lower() if isinstance(spec, str) else None
     if text in ("fp8", "fp8_e4m3", "fp8_e5m2"):
         fp8 = FP8("e5m2" if text == "fp8_e5m2" else "e4m3")
         return KVFormat(key=fp8, value=fp8)
-    match = re.fullmatch(r"int([248])|k([248])v([248])", text or "")
+    if text == "int2":
+        text = "k2rv2r"
+    match = re.fullmatch(r"int([248])|k(?:([24])(r?)|(8))v(?:([24])(r?)|(8))", text or "")
     if match is None:
         raise ValueError(f"unknown KV cache quantization format {spec!r}; valid formats: {_SPEC_CHOICES}")
-    key_bits, value_bits = (match.group(1),) * 2 if match.group(1) else match.group(2, 3)
-    return KVFormat(key=_key_format(int(key_bits)), value=_value_format(int(value_bits)))
+    if match.group(1):
+        key_bits = value_bits = int(match.group(1))
+        key_rotate = value_rotate = False
+    else:
+        key_bits, value_bits = int(match.group(2) or match.group(4)), int(match.group(5) or match.group(7))
+        key_rotate, value_rotate = match.group(3) == "r", match.group(6) == "r"
+    return KVFormat(key=_key_format(key_bits, key_rotate), value=_value_format(value_bits, value_rotate))
