@@ -142,7 +142,7 @@ def hadamard(x: Tensor) -> Tensor:
     for _ in range(d.bit_length() - 1):  # after log2(d) rounds of (a + b, a - b), Sylvester's ordering
         a, b = x.unflatten(-1, (d // 2, 2)).unbind(-1)
         x = torch.cat([a + b, a - b], -1)
-    return x * (1.0 / math.sqrt(d))
+    return x * d**-0.5  # the float32 of the same double as the kernel's constant
 
 
 @functools.lru_cache(maxsize=None)
@@ -413,7 +413,8 @@ class IntN(QuantFormat):
     spreads an outlier channel's energy over all channels, so a token's values share one range without
     one channel setting it; it is fixed, so it stores nothing. Codes, scales and zero points describe the
     rotated vectors (readers that know it, like the Triton kernels, may rotate queries and attention
-    outputs instead of every decoded token). head_dim must be a power of two.
+    outputs instead of every decoded token). head_dim must be a power of two. A rotated value can be up to
+    sqrt(head_dim) times the largest input; beyond the float16 range it is clamped like any input.
 
     Default `group_size` (None): the fewest channels, dividing head_dim, such that one (scale, zero) pair
     covers at least `ELEMENTS_PER_SCALE` = 64 elements, so metadata costs at most 1/32 of float16:
