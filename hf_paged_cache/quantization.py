@@ -639,16 +639,17 @@ def parse_kv_format(spec: str) -> KVFormat:
 
     intN and K<b>V<b>: 8 bits -> `Int8`; 4 / 2 bits -> `IntN` per channel for keys, per token for values,
     Hadamard-rotated (`IntN.rotate`) where the side's bits are followed by "r" (2 or 4 bits only). "int2" is
-    "K2rV2r": rotating both sides is what brings 2-bit keys and values within reach of full precision
-    (docs/BENCHMARKS.md); "int4" is "K4V4". fp8 -> `FP8` with per-token scales on both sides. Anything else
-    raises a ValueError listing the choices.
+    "K2V2r": rotated values halve the error of 2-bit values, while rotating strict per-channel keys gains
+    nothing and lost pass keys on SmolLM2-135M (docs/BENCHMARKS.md); "int4" is "K4V4" (rotation measured no
+    consistent gain there). fp8 -> `FP8` with per-token scales on both sides. Anything else raises a
+    ValueError listing the choices.
     """
     text = spec.strip().lower() if isinstance(spec, str) else None
     if text in ("fp8", "fp8_e4m3", "fp8_e5m2"):
         fp8 = FP8("e5m2" if text == "fp8_e5m2" else "e4m3")
         return KVFormat(key=fp8, value=fp8)
     if text == "int2":
-        text = "k2rv2r"
+        text = "k2v2r"
     match = re.fullmatch(r"int([248])|k(?:([24])(r?)|(8))v(?:([24])(r?)|(8))", text or "")
     if match is None:
         raise ValueError(f"unknown KV cache quantization format {spec!r}; valid formats: {_SPEC_CHOICES}")

@@ -425,7 +425,7 @@ ROTATED_KEYS = {bits: IntN(bits, "channel", group_size=1, scale_bits=8, rotate=T
         ("int8", Int8(), Int8()),
         ("INT8", Int8(), Int8()),
         ("int4", STRICT_KEYS[4], IntN(4, "token")),
-        ("Int2", ROTATED_KEYS[2], IntN(2, "token", rotate=True)),  # = K2rV2r
+        ("Int2", STRICT_KEYS[2], IntN(2, "token", rotate=True)),  # = K2V2r
         ("K2V2", STRICT_KEYS[2], IntN(2, "token")),
         ("k2rV2R", ROTATED_KEYS[2], IntN(2, "token", rotate=True)),
         ("K4V2r", STRICT_KEYS[4], IntN(2, "token", rotate=True)),

@@ -137,10 +137,10 @@ def test_paged_read_matches_gather_read():
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "paged"])
-@pytest.mark.parametrize("spec", ["int2", "K2V2"])
+@pytest.mark.parametrize("spec", ["int2", "K2rV2r", "K2V2"])
 def test_rotated_blocks_read_like_attention_over_their_round_trip(spec, attn):
     """A decode step over sealed blocks gives the logits of a DynamicCache whose K/V of the same blocks went
-    through the format's own quantize / dequantize (rotated back, for int2's Hadamard-rotated sides): the
+    through the format's own quantize / dequantize (rotated back, for Hadamard-rotated sides): the
     rotation is undone exactly where the cache reads. One layer, so the prompt's K/V are the same in both."""
     model, config = _make(transformers.LlamaForCausalLM, transformers.LlamaConfig(**_common(num_hidden_layers=1)))
     prompt = torch.randint(3, VOCAB, (1, 13), generator=torch.Generator().manual_seed(0))

@@ -21,9 +21,9 @@ _CASES = [
     # (key format, value format, cache dtype, head_dim, block_size)
     ("int8", None, torch.float32, 64, 16),
     ("int4", None, torch.float16, 128, 32),
-    ("int2", None, torch.bfloat16, 64, 32),  # both sides Hadamard-rotated
+    ("int2", None, torch.bfloat16, 64, 32),  # Hadamard-rotated values
     ("K2rV4", None, torch.float32, 128, 16),  # rotated keys beyond the float16 range, plain values
-    ("K4V2r", None, torch.float16, 64, 16),
+    ("K2rV2r", None, torch.float16, 64, 16),
     ("fp8_e4m3", None, torch.float16, 64, 16),
     ("fp8_e5m2", None, torch.float32, 128, 16),
     ("K4V2", None, torch.float32, 64, 32),
