@@ -60,6 +60,11 @@ scale shared by even 2 adjacent key channels costs 2-bit keys +134% perplexity a
 channel (eval/quant_probe.py), and through the cache int2 went from +164% to +10.7%, int4 from +0.97% to
 +0.44% (docs/BENCHMARKS.md). Keys + values at head dim 64: int2 0.188x at block 16 (0.164x at 32), int4
 0.313x (0.289x at 32, 0.277x at 64).
+
+"int2" also rotates its values by a fixed Hadamard matrix (`IntN.rotate`, spec "K2V2r"): at the same bytes
+that took int2 from +10.7% to +5.8%, and its pass-key retrieval from 5/6 and 4/6 to 6/6 and 5/6 (question
+with the context / read token by token). Rotating the per-channel keys too ("K2rV2r") read +4.5% but kept
+only 1 pass key of 6 read token by token, so keys are not rotated by default.
 """
 
 from __future__ import annotations
