@@ -89,6 +89,7 @@ __all__ = [
     "QuantFormat",
     "hadamard",
     "pack_codes",
+    "rotate_heads",
     "parse_kv_format",
     "unpack_codes",
 ]
@@ -152,9 +153,17 @@ def hadamard(x: Tensor) -> Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _hadamard_matrix(d: int, device: torch.device) -> Tensor:
-    """The float32 `[d, d]` matrix of `hadamard`: one matmul undoes the rotation of many decoded tokens."""
+    """The float32 `[d, d]` matrix of `hadamard`: one matmul rotates many vectors."""
     return hadamard(torch.eye(d, device=device))
 
+
+def rotate_heads(x: Tensor) -> Tensor:
+    """`hadamard` of float32 `x [..., head_dim]` as one matmul (rotating, or rotating back: the same), keeping
+    a head-major layout head-major (`[n, block, heads, d]` viewed from a contiguous `[heads, n, block, d]`)."""
+    matrix = _hadamard_matrix(x.shape[-1], x.device)
+    if x.dim() == 4 and x.permute(2, 0, 1, 3).is_contiguous():
+        return (x.permute(2, 0, 1, 3) @ matrix).permute(1, 2, 0, 3)
+    return x @ matrix
 
 def _head_major_float(codes: Tensor, head_dim: int) -> Tensor:
     """An uninitialised float32 `[n, block, heads, head_dim]` laid out head-major in memory (a permuted
@@ -269,6 +278,7 @@ class QuantFormat:
     """
 
     needs_full_block: bool = False
+    rotate: bool = False  # codes encode head vectors times the normalized Hadamard matrix (see `IntN.rotate`)
 
     def fields(self, block_size: int, kv_heads: int, head_dim: int) -> FieldSpec:
         raise NotImplementedError
@@ -341,13 +351,21 @@ class QuantFormat:
 
     @torch.no_grad()
     def dequantize(
-        self, fields: dict[str, Tensor], blocks: BlockIds | slice, dtype: torch.dtype = torch.float32
+        self,
+        fields: dict[str, Tensor],
+        blocks: BlockIds | slice,
+        dtype: torch.dtype = torch.float32,
+        rotated: bool = False,
     ) -> Tensor:
         """Blocks `blocks` (ids, or a slice of consecutive ids) of the pool `fields`, decoded:
-        `[number of blocks, block_size, kv_heads, head_dim]`."""
+        `[number of blocks, block_size, kv_heads, head_dim]`. A rotated format's vectors are rotated back,
+        unless `rotated` (a reader that rotates its queries and outputs instead takes them as stored)."""
         if not isinstance(blocks, slice):  # a slice reads views of the pool; ids gather copies
             blocks = _as_ids(blocks, next(iter(fields.values())).device)
-        return self._decode({name: tensor[blocks] for name, tensor in fields.items()}).to(dtype)
+        decoded = self._decode({name: tensor[blocks] for name, tensor in fields.items()})
+        if self.rotate and not rotated:
+            decoded = rotate_heads(decoded)
+        return decoded.to(dtype)
 
     def _encode(self, x: Tensor) -> dict[str, Tensor]:
         raise NotImplementedError
@@ -528,12 +546,7 @@ class IntN(QuantFormat):
         if 1 < scale.shape[-1] < codes.shape[-1]:  # several groups: expand the (small) metadata per channel
             group = codes.shape[-1] // scale.shape[-1]
             scale, zero = scale.repeat_interleave(group, -1), zero.repeat_interleave(group, -1)
-        decoded = codes.mul_(scale.float()).add_(zero.float())
-        if not self.rotate:
-            return decoded
-        # Rotated back head by head: the head-major [heads, n, block, head_dim] is contiguous, and so is the product.
-        heads_first = decoded.permute(2, 0, 1, 3) @ _hadamard_matrix(decoded.shape[-1], decoded.device)
-        return heads_first.permute(1, 2, 0, 3)
+        return codes.mul_(scale.float()).add_(zero.float())
 
 
 _FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}

@@ -21,6 +21,7 @@ from hf_paged_cache.quantization import (
     hadamard,
     pack_codes,
     parse_kv_format,
+    rotate_heads,
     unpack_codes,
 )
 
@@ -504,6 +505,18 @@ def test_rotation_lowers_the_error_of_per_token_groups_with_outlier_channels():
     for bits in (2, 4):
         assert error(IntN(bits, "token", rotate=True)) < 0.5 * error(IntN(bits, "token"))
     assert error(IntN(2, "channel", 1, 8, rotate=True)) > 0.95 * error(IntN(2, "channel", 1, 8))
+
+
+@pytest.mark.parametrize("fmt", ROTATED + [IntN(2, "token")], ids=repr)
+def test_rotated_reads_are_the_stored_vectors(fmt):
+    """`dequantize(rotated=True)` returns a rotated format's vectors as stored, which `rotate_heads` turns
+    into the ordinary read (a format without rotation ignores the flag)."""
+    x = torch.randn(3, 16, 2, 64, generator=torch.Generator().manual_seed(1))
+    _, pool = roundtrip(fmt, x)
+    stored = fmt.dequantize(pool, [1, 2, 3], rotated=True)
+    expected = fmt.dequantize(pool, [1, 2, 3])
+    torch.testing.assert_close(rotate_heads(stored) if fmt.rotate else stored, expected, atol=1e-5, rtol=1e-5)
+    assert fmt.rotate or torch.equal(stored, expected)
 
 
 def test_rotation_stores_nothing_and_needs_a_power_of_two_head_dim():
