@@ -89,8 +89,8 @@ __all__ = [
     "QuantFormat",
     "hadamard",
     "pack_codes",
-    "rotate_heads",
     "parse_kv_format",
+    "rotate_heads",
     "unpack_codes",
 ]
 
@@ -164,6 +164,7 @@ def rotate_heads(x: Tensor) -> Tensor:
     if x.dim() == 4 and x.permute(2, 0, 1, 3).is_contiguous():
         return (x.permute(2, 0, 1, 3) @ matrix).permute(1, 2, 0, 3)
     return x @ matrix
+
 
 def _head_major_float(codes: Tensor, head_dim: int) -> Tensor:
     """An uninitialised float32 `[n, block, heads, head_dim]` laid out head-major in memory (a permuted
@@ -643,6 +644,9 @@ _SPEC_CHOICES = (
 )
 
 
+_INT_SPECS = {"int8": "k8v8", "int4": "k4v4", "int2": "k2v2r"}  # see `parse_kv_format`
+
+
 def _key_format(bits: int, rotate: bool) -> QuantFormat:
     # Strict per-channel keys, 8-bit scales keeping int2 within 0.19x: see the module docstring.
     return Int8() if bits == 8 else IntN(bits, axis="channel", group_size=1, scale_bits=8, rotate=rotate)
@@ -666,15 +670,12 @@ def parse_kv_format(spec: str) -> KVFormat:
     if text in ("fp8", "fp8_e4m3", "fp8_e5m2"):
         fp8 = FP8("e5m2" if text == "fp8_e5m2" else "e4m3")
         return KVFormat(key=fp8, value=fp8)
-    if text == "int2":
-        text = "k2v2r"
-    match = re.fullmatch(r"int([248])|k(?:([24])(r?)|(8))v(?:([24])(r?)|(8))", text or "")
+    text = _INT_SPECS.get(text, text)
+    match = re.fullmatch(r"k(?:([24])(r?)|(8))v(?:([24])(r?)|(8))", text or "")
     if match is None:
         raise ValueError(f"unknown KV cache quantization format {spec!r}; valid formats: {_SPEC_CHOICES}")
-    if match.group(1):
-        key_bits = value_bits = int(match.group(1))
-        key_rotate = value_rotate = False
-    else:
-        key_bits, value_bits = int(match.group(2) or match.group(4)), int(match.group(5) or match.group(7))
-        key_rotate, value_rotate = match.group(3) == "r", match.group(6) == "r"
-    return KVFormat(key=_key_format(key_bits, key_rotate), value=_value_format(value_bits, value_rotate))
+    key_bits, key_rotate, key8, value_bits, value_rotate, value8 = match.groups()
+    return KVFormat(
+        key=_key_format(int(key_bits or key8), key_rotate == "r"),
+        value=_value_format(int(value_bits or value8), value_rotate == "r"),
+    )
