@@ -27,6 +27,12 @@ Exactness against ``fmt.quantize`` (``hf_paged_cache.quantization``), the refere
 Metadata is written first; after a CTA barrier (which also orders global memory within the CTA) the
 codes are computed plane by plane (the planar packing of ``pack_codes``) from the metadata read back,
 so each channel uses exactly the stored float16 values whatever its group.
+
+Rotated formats (``ROTATE``, ``IntN.rotate``): the tile is rotated in registers right after it is loaded,
+by the butterfly of the reference (``dequantize.hadamard``: the same float32 operations in the same order,
+so the rotated tile, and with it every metadata value and code, is the reference's). The rotated tile
+exists nowhere else, so its codes are computed for all channels at once and folded into the planes,
+instead of plane by plane from the cache.
 """
 
 from __future__ import annotations
