@@ -5,9 +5,10 @@ per scored token), which takes minutes per format. This probe takes seconds: eac
 the whole sequence is cut into blocks of `block_size` tokens, every full block goes through the format's own
 `quantize` / `dequantize`, and perplexity is taken over the sequence in one forward. Without a residual
 window it overstates the damage (int2 at block 64: +145% here, +16.7% in eval/perplexity.py), so use it to
-rank formats and transforms, not to judge a target. Two transforms that the library does not ship can be
-tried around a format: `rot` (a Hadamard rotation of the head dimension before quantizing, undone after)
-and `clip` (per scale group, the range shrunk by the ratio of `CLIP_RATIOS` with the least squared error).
+rank formats and transforms, not to judge a target. Two transforms can be tried around a format: `rot` (the
+Hadamard rotation of the head dimension before quantizing, undone after: what `IntN(rotate=True)` ships)
+and `clip` (per scale group, the range shrunk by the ratio of `CLIP_RATIOS` with the least squared error;
+not shipped).
 
     python eval/quant_probe.py --tokens 1024 --probes "K2c4" "K2c1" "V2t64" "V2t64+rot" "K2c1s8,V2t64"
 
@@ -32,19 +33,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from hf_paged_cache.quantization import IntN  # noqa: E402
+from hf_paged_cache.quantization import IntN, hadamard  # noqa: E402
 
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 SIDE = re.compile(r"([KV])([24])([ct])(\d+)(s8)?((?:\+rot|\+clip)*)")
-
-
-def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """Orthonormal Walsh-Hadamard transform of the last dim (a power of two); its own inverse."""
-    d = x.shape[-1]
-    for _ in range(int(math.log2(d))):  # pairs of neighbours: after log2(d) rounds, Sylvester's ordering
-        a, b = x.unflatten(-1, (d // 2, 2)).unbind(-1)
-        x = torch.cat([a + b, a - b], -1)
-    return x / math.sqrt(d)
 
 
 def roundtrip(fmt: IntN, blocks: torch.Tensor) -> torch.Tensor:

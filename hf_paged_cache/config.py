@@ -81,7 +81,8 @@ class PagedCacheConfig:
             Quantized layers run the kernels too (dequantizing in registers). "triton" without CUDA and
             without the interpreter fails here.
         quant: KV quantization of every attention layer: None (full precision) or a format spec of
-            `parse_kv_format`: "int8", "int4", "int2", "fp8" / "fp8_e4m3", "fp8_e5m2", "K4V2", "K8V4", ...
+            `parse_kv_format`: "int8", "int4", "int2", "fp8" / "fp8_e4m3", "fp8_e5m2", "K4V2", "K8V4", ...;
+            "r" after a side's 2 or 4 bits rotates it (Hadamard): "int2" is "K2V2r".
         quant_layers: `{layer index: spec or None}`, overriding `quant` and `full_precision_layers` for
             those layers.
         full_precision_layers: keep the first N layers in full precision (unless `quant_layers` says otherwise).

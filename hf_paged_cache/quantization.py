@@ -60,10 +60,16 @@ scale shared by even 2 adjacent key channels costs 2-bit keys +134% perplexity a
 channel (eval/quant_probe.py), and through the cache int2 went from +164% to +10.7%, int4 from +0.97% to
 +0.44% (docs/BENCHMARKS.md). Keys + values at head dim 64: int2 0.188x at block 16 (0.164x at 32), int4
 0.313x (0.289x at 32, 0.277x at 64).
+
+"int2" also rotates its values by a fixed Hadamard matrix (`IntN.rotate`, spec "K2V2r"): at the same bytes
+that took int2 from +10.7% to +5.8%, and its pass-key retrieval from 5/6 and 4/6 to 6/6 and 5/6 (question
+with the context / read token by token). Rotating the per-channel keys too ("K2rV2r") read +4.5% but kept
+only 1 pass key of 6 read token by token, so keys are not rotated by default.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -81,8 +87,10 @@ __all__ = [
     "KVFormat",
     "KernelFormat",
     "QuantFormat",
+    "hadamard",
     "pack_codes",
     "parse_kv_format",
+    "rotate_heads",
     "unpack_codes",
 ]
 
@@ -126,6 +134,36 @@ def unpack_codes(packed: Tensor, bits: int, out: Tensor | None = None) -> Tensor
     for k in range(per_byte):
         out[..., k * m : (k + 1) * m] = (packed >> (k * bits)) & mask if k else packed & mask
     return out
+
+
+def hadamard(x: Tensor) -> Tensor:
+    """`x` times the normalized Hadamard matrix (Sylvester's, divided by sqrt(d)) along its last dim d, a power
+    of two: symmetric and orthogonal, so it is its own inverse and `hadamard(q) . hadamard(k) == q . k`.
+
+    A butterfly of log2(d) rounds of neighbour sums and differences (then one multiply), the same float32
+    operations in the same order as the seal kernel's (`kernels.dequantize.hadamard`), so both rotate a
+    block bit-identically before quantizing it.
+    """
+    d = x.shape[-1]
+    for _ in range(d.bit_length() - 1):  # after log2(d) rounds of (a + b, a - b), Sylvester's ordering
+        a, b = x.unflatten(-1, (d // 2, 2)).unbind(-1)
+        x = torch.cat([a + b, a - b], -1)
+    return x * d**-0.5  # the float32 of the same double as the kernel's constant
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_matrix(d: int, device: torch.device) -> Tensor:
+    """The float32 `[d, d]` matrix of `hadamard`: one matmul rotates many vectors."""
+    return hadamard(torch.eye(d, device=device))
+
+
+def rotate_heads(x: Tensor) -> Tensor:
+    """`hadamard` of float32 `x [..., head_dim]` as one matmul (rotating, or rotating back: the same), keeping
+    a head-major layout head-major (`[n, block, heads, d]` viewed from a contiguous `[heads, n, block, d]`)."""
+    matrix = _hadamard_matrix(x.shape[-1], x.device)
+    if x.dim() == 4 and x.permute(2, 0, 1, 3).is_contiguous():
+        return (x.permute(2, 0, 1, 3) @ matrix).permute(1, 2, 0, 3)
+    return x @ matrix
 
 
 def _head_major_float(codes: Tensor, head_dim: int) -> Tensor:
@@ -211,6 +249,8 @@ class KernelFormat:
     token (`per_token`) or per block (then shared by all of the block's tokens). `scale_bits` 8 (integer
     codes with a zero point, per block only): scales are uint8 numbers of steps of a float16 unit stored
     after the KV head's zero points (the zero field holds groups + 1 values, see `IntN`).
+    `rotate`: the codes encode each token's head vector times the normalized Hadamard matrix
+    (`hadamard`; head_dim a power of two), which readers undo (see `IntN.rotate`).
     """
 
     bits: int
@@ -220,6 +260,7 @@ class KernelFormat:
     per_token: bool
     group: int
     scale_bits: int = 16
+    rotate: bool = False
 
 
 # --------------------------------------------------------------------------------------------------
@@ -238,6 +279,7 @@ class QuantFormat:
     """
 
     needs_full_block: bool = False
+    rotate: bool = False  # codes encode head vectors times the normalized Hadamard matrix (see `IntN.rotate`)
 
     def fields(self, block_size: int, kv_heads: int, head_dim: int) -> FieldSpec:
         raise NotImplementedError
@@ -310,13 +352,21 @@ class QuantFormat:
 
     @torch.no_grad()
     def dequantize(
-        self, fields: dict[str, Tensor], blocks: BlockIds | slice, dtype: torch.dtype = torch.float32
+        self,
+        fields: dict[str, Tensor],
+        blocks: BlockIds | slice,
+        dtype: torch.dtype = torch.float32,
+        rotated: bool = False,
     ) -> Tensor:
         """Blocks `blocks` (ids, or a slice of consecutive ids) of the pool `fields`, decoded:
-        `[number of blocks, block_size, kv_heads, head_dim]`."""
+        `[number of blocks, block_size, kv_heads, head_dim]`. A rotated format's vectors are rotated back,
+        unless `rotated` (a reader that rotates its queries and outputs instead takes them as stored)."""
         if not isinstance(blocks, slice):  # a slice reads views of the pool; ids gather copies
             blocks = _as_ids(blocks, next(iter(fields.values())).device)
-        return self._decode({name: tensor[blocks] for name, tensor in fields.items()}).to(dtype)
+        decoded = self._decode({name: tensor[blocks] for name, tensor in fields.items()})
+        if self.rotate and not rotated:
+            decoded = rotate_heads(decoded)
+        return decoded.to(dtype)
 
     def _encode(self, x: Tensor) -> dict[str, Tensor]:
         raise NotImplementedError
@@ -382,6 +432,14 @@ class IntN(QuantFormat):
     `zero[..., groups]` (`scale[..., groups]` is then unused), so both fields share their strides.
     Rounding the scale up to a whole step costs at most one step (<= 1/255 of the largest scale).
 
+    `rotate=True`: each token's head vector is rotated by the normalized Hadamard matrix (`hadamard`) before
+    it is quantized, and decoded vectors are rotated back by the same (self-inverse) matrix. The rotation
+    spreads an outlier channel's energy over all channels, so a token's values share one range without
+    one channel setting it; it is fixed, so it stores nothing. Codes, scales and zero points describe the
+    rotated vectors (readers that know it, like the Triton kernels, may rotate queries and attention
+    outputs instead of every decoded token). head_dim must be a power of two. A rotated value can be up to
+    sqrt(head_dim) times the largest input; beyond the float16 range it is clamped like any input.
+
     Default `group_size` (None): the fewest channels, dividing head_dim, such that one (scale, zero) pair
     covers at least `ELEMENTS_PER_SCALE` = 64 elements, so metadata costs at most 1/32 of float16:
     "token": 64 channels (head_dim if smaller); "channel": ceil(64 / block_size) channels, i.e. 4 at
@@ -406,6 +464,7 @@ class IntN(QuantFormat):
     axis: str = "token"
     group_size: int | None = None
     scale_bits: int = 16
+    rotate: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (2, 4):
@@ -421,6 +480,8 @@ class IntN(QuantFormat):
                 f"IntN scale_bits must be 16, or 8 with axis='channel' (one unit per block and KV head), got "
                 f"{self.scale_bits!r} with axis={self.axis!r}"
             )
+        if not isinstance(self.rotate, bool):
+            raise ValueError(f"IntN rotate must be a bool, got {self.rotate!r}")
 
     @property
     def needs_full_block(self) -> bool:  # type: ignore[override]
@@ -430,6 +491,11 @@ class IntN(QuantFormat):
         """Channels per (scale, zero) for this head_dim and block size (see the class docstring)."""
         if head_dim % (8 // self.bits):
             raise ValueError(f"head_dim {head_dim} must be a multiple of {8 // self.bits} to pack {self.bits}-bit codes")
+        if self.rotate and head_dim & (head_dim - 1):
+            raise ValueError(
+                f"{self!r}: rotate=True needs a power-of-two head_dim (a Hadamard rotation), got head_dim {head_dim}; "
+                "use rotate=False (the spec without 'r', e.g. 'K2V2' instead of 'int2')"
+            )
         if self.group_size is not None:
             group = min(self.group_size, head_dim)
             if head_dim % group:
@@ -451,13 +517,15 @@ class IntN(QuantFormat):
         return KernelFormat(
             bits=self.bits, exponent_bits=0, zero_point=True, qmax=float((1 << self.bits) - 1),
             per_token=self.axis == "token", group=self.group(head_dim, block_size), scale_bits=self.scale_bits,
+            rotate=self.rotate,
         )  # fmt: skip
 
     def _encode(self, x: Tensor) -> dict[str, Tensor]:
         # token: x is [..., heads, head_dim], reduce over each group's channels;
         # channel: x is [n, block, heads, head_dim], reduce over the group's channels and the block's tokens.
-        block_size = x.shape[1] if self.axis == "channel" else 1
-        grouped = x.unflatten(-1, (-1, self.group(x.shape[-1], block_size)))  # [..., heads, groups, group]
+        group = self.group(x.shape[-1], x.shape[1] if self.axis == "channel" else 1)  # checks head_dim first
+        x = hadamard(x) if self.rotate else x
+        grouped = x.unflatten(-1, (-1, group))  # [..., heads, groups, group]
         dims = (-1,) if self.axis == "token" else (1, -1)
         codes, scale, zero, unit = _affine_encode(grouped, dims, self.bits, (-2,) if self.scale_bits == 8 else None)
         if self.axis == "channel":
@@ -570,30 +638,44 @@ class KVFormat:
         return self.bytes_per_token(kv_heads, head_dim, block_size) / (4 * kv_heads * head_dim)
 
 
-_SPEC_CHOICES = "'int8', 'int4', 'int2', 'fp8', 'fp8_e4m3', 'fp8_e5m2', or 'K<bits>V<bits>' with bits 2, 4 or 8 (e.g. 'K4V2', 'K8V4')"
+_SPEC_CHOICES = (
+    "'int8', 'int4', 'int2', 'fp8', 'fp8_e4m3', 'fp8_e5m2', or 'K<bits>V<bits>' with bits 2, 4 or 8, an 'r' after "
+    "2 or 4 bits for a Hadamard-rotated side (e.g. 'K4V2', 'K8V4', 'K2rV2r')"
+)
 
 
-def _key_format(bits: int) -> QuantFormat:
+_INT_SPECS = {"int8": "k8v8", "int4": "k4v4", "int2": "k2v2r"}  # see `parse_kv_format`
+
+
+def _key_format(bits: int, rotate: bool) -> QuantFormat:
     # Strict per-channel keys, 8-bit scales keeping int2 within 0.19x: see the module docstring.
-    return Int8() if bits == 8 else IntN(bits, axis="channel", group_size=1, scale_bits=8)
+    return Int8() if bits == 8 else IntN(bits, axis="channel", group_size=1, scale_bits=8, rotate=rotate)
 
 
-def _value_format(bits: int) -> QuantFormat:
-    return Int8() if bits == 8 else IntN(bits, axis="token")
+def _value_format(bits: int, rotate: bool) -> QuantFormat:
+    return Int8() if bits == 8 else IntN(bits, axis="token", rotate=rotate)
 
 
 def parse_kv_format(spec: str) -> KVFormat:
-    """"int8" | "int4" | "int2" | "fp8" (= "fp8_e4m3") | "fp8_e5m2" | "K<b>V<b>" (b in 2, 4, 8), any case.
+    """"int8" | "int4" | "int2" | "fp8" (= "fp8_e4m3") | "fp8_e5m2" | "K<b>[r]V<b>[r]" (b in 2, 4, 8), any case.
 
-    intN and K<b>V<b>: 8 bits -> `Int8`; 4 / 2 bits -> `IntN` per channel for keys, per token for values.
-    fp8 -> `FP8` with per-token scales on both sides. Anything else raises a ValueError listing the choices.
+    intN and K<b>V<b>: 8 bits -> `Int8`; 4 / 2 bits -> `IntN` per channel for keys, per token for values,
+    Hadamard-rotated (`IntN.rotate`) where the side's bits are followed by "r" (2 or 4 bits only). "int2" is
+    "K2V2r": rotated values halve the error of 2-bit values, while rotating strict per-channel keys gains
+    nothing and lost pass keys on SmolLM2-135M (docs/BENCHMARKS.md); "int4" is "K4V4" (rotation measured no
+    consistent gain there). fp8 -> `FP8` with per-token scales on both sides. Anything else raises a
+    ValueError listing the choices.
     """
     text = spec.strip().lower() if isinstance(spec, str) else None
     if text in ("fp8", "fp8_e4m3", "fp8_e5m2"):
         fp8 = FP8("e5m2" if text == "fp8_e5m2" else "e4m3")
         return KVFormat(key=fp8, value=fp8)
-    match = re.fullmatch(r"int([248])|k([248])v([248])", text or "")
+    text = _INT_SPECS.get(text, text)
+    match = re.fullmatch(r"k(?:([24])(r?)|(8))v(?:([24])(r?)|(8))", text or "")
     if match is None:
         raise ValueError(f"unknown KV cache quantization format {spec!r}; valid formats: {_SPEC_CHOICES}")
-    key_bits, value_bits = (match.group(1),) * 2 if match.group(1) else match.group(2, 3)
-    return KVFormat(key=_key_format(int(key_bits)), value=_value_format(int(value_bits)))
+    key_bits, key_rotate, key8, value_bits, value_rotate, value8 = match.groups()
+    return KVFormat(
+        key=_key_format(int(key_bits or key8), key_rotate == "r"),
+        value=_value_format(int(value_bits or value8), value_rotate == "r"),
+    )

@@ -20,7 +20,7 @@ import torch
 
 from .block_tables import QuantizedBlockTables, StepPlan
 from .layers import PagedLayer, PagedSlidingLayer, storage_field
-from .quantization import KVFormat
+from .quantization import KVFormat, rotate_heads
 from .torch_attention import OnlineSoftmax, causal_mask, visible_columns
 
 CHUNK_TOKENS = 2048  # quantized tokens dequantized at a time by the paged read (a bounded transient)
@@ -151,10 +151,13 @@ class QuantizedLayer(PagedLayer):
 
         return plan.cached(("quantized_chunks", row), build)
 
-    def _dequantized(self, blocks: slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Blocks decoded as `[kv_heads, tokens, head_dim]` keys and values."""
-        keys = self.kv_format.key.dequantize(self.qkey, blocks, dtype)
-        values = self.kv_format.value.dequantize(self.qvalue, blocks, dtype)
+    def _dequantized(
+        self, blocks: slice, dtype: torch.dtype, rotated: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks decoded as `[kv_heads, tokens, head_dim]` keys and values (a rotated side as stored, if
+        `rotated`: see `QuantFormat.dequantize`)."""
+        keys = self.kv_format.key.dequantize(self.qkey, blocks, dtype, rotated)
+        values = self.kv_format.value.dequantize(self.qvalue, blocks, dtype, rotated)
         return keys.flatten(0, 1).transpose(0, 1), values.flatten(0, 1).transpose(0, 1)
 
     def stored_key_chunks(self, row: int):
@@ -198,6 +201,9 @@ class QuantizedLayer(PagedLayer):
         Row by row, the quantized prefix is decoded at most `CHUNK_TOKENS` tokens at a time and the
         full-precision suffix is read as a view (or gathered); the chunks are merged with an online
         softmax in float32. Steps that read nothing quantized take the unquantized path unchanged.
+        A rotated side (`IntN.rotate`) is read as stored: the queries (rotated keys) and the short
+        full-precision suffix are rotated into its space instead, and the output (rotated values) back
+        once at the end, as the Triton kernels do -- not every decoded token of a long history.
         """
         batch, _heads, q_len, _ = query.shape
         if not self._reads_quantized(plan):
@@ -205,19 +211,23 @@ class QuantizedLayer(PagedLayer):
         width = plan.new_len - plan.kv_offset
         if mask is None:
             mask = causal_mask(q_len, width, query.device)
+        rotate_keys, rotate_values = self.kv_format.key.rotate, self.kv_format.value.rotate
         out = []
         for row in range(batch):
             row_mask = mask[row if mask.shape[0] > 1 else 0, 0]
-            softmax = OnlineSoftmax(query[row], scale, softcap)
+            softmax = OnlineSoftmax(rotate_heads(query[row].float()) if rotate_keys else query[row], scale, softcap)
             for blocks, first in self._quantized_chunks(plan, row):
-                keys, values = self._dequantized(blocks, torch.float32)
+                keys, values = self._dequantized(blocks, torch.float32, rotated=True)
                 softmax.update(keys, values, visible_columns(row_mask, first - plan.kv_offset, keys.shape[1]))
             start, stop = plan.read_start[row], plan.read_stop[row]
             if stop > start:
-                view = self.row_kv(plan, row)
+                keys, values = (part.float() for part in self.row_kv(plan, row))
+                keys = rotate_heads(keys) if rotate_keys else keys
+                values = rotate_heads(values) if rotate_values else values
                 first = plan.base[row] + start - plan.kv_offset
-                softmax.update(view[0].float(), view[1].float(), row_mask[:, first : first + stop - start])
-            out.append(softmax.result())
+                softmax.update(keys, values, row_mask[:, first : first + stop - start])
+            result = softmax.result()
+            out.append(rotate_heads(result) if rotate_values else result)
         return torch.stack(out).to(query.dtype)
 
 

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .dequantize import load_quantized_tile
+from .dequantize import hadamard, load_quantized_tile
 
 # Smallest M, N and K a tl.dot accepts on NVIDIA GPUs (the interpreter does not check it).
 MIN_DOT = 16
@@ -293,18 +293,28 @@ def attend_quantized_range(
     K_PER_TOKEN: tl.constexpr,
     K_GROUP: tl.constexpr,
     K_SCALE_BITS: tl.constexpr,
+    K_ROTATE: tl.constexpr,
     V_BITS: tl.constexpr,
     V_EXPONENT_BITS: tl.constexpr,
     V_ZERO_POINT: tl.constexpr,
     V_PER_TOKEN: tl.constexpr,
     V_GROUP: tl.constexpr,
     V_SCALE_BITS: tl.constexpr,
+    V_ROTATE: tl.constexpr,
 ):
     """``attend_key_range`` over quantized keys ``[key_lo, key_hi)``: tiles are dequantized in registers.
 
     ``table_ptr`` points at the row's quantized block table; ``k_*`` / ``v_*`` at the KV head's slice of
     the key / value pools (see ``dequantize.load_quantized_tile``); key_lo must be a multiple of BLOCK_N.
+    Rotated formats (``*_ROTATE``, see ``hf_paged_cache.quantization.IntN.rotate``) are read in the rotated
+    space, which is orthogonal: rotated keys meet the rotated query (``Rq . Rk = q . k``), and rotated values
+    are summed into the rotated state, rotated back after the range (``acc`` is linear in the values and
+    the rotation its own inverse), so no decoded tile is ever rotated.
     """
+    if K_ROTATE:
+        q = hadamard(q.to(tl.float32)).to(DOT_DTYPE)
+    if V_ROTATE:
+        acc = hadamard(acc)
     for start in range(key_lo, key_hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         valid = k_pos < key_hi
@@ -324,6 +334,8 @@ def attend_quantized_range(
         acc, m_i, l_i = online_softmax_step(
             acc, m_i, l_i, q, q_pos, k_pos, key_hi, k, v, scale, softcap, window, USE_SOFTCAP, DOT_DTYPE
         )
+    if V_ROTATE:
+        acc = hadamard(acc)
     return acc, m_i, l_i
 
 
@@ -382,12 +394,14 @@ def attend_stored_keys(
     K_PER_TOKEN: tl.constexpr,
     K_GROUP: tl.constexpr,
     K_SCALE_BITS: tl.constexpr,
+    K_ROTATE: tl.constexpr,
     V_BITS: tl.constexpr,
     V_EXPONENT_BITS: tl.constexpr,
     V_ZERO_POINT: tl.constexpr,
     V_PER_TOKEN: tl.constexpr,
     V_GROUP: tl.constexpr,
     V_SCALE_BITS: tl.constexpr,
+    V_ROTATE: tl.constexpr,
 ):
     """Fold stored keys ``[key_lo, key_hi)`` of (row, kv_head) into the state: the kernels' one entry point.
 
@@ -411,8 +425,8 @@ def attend_stored_keys(
             stride_kcode_block, stride_kcode_tok, stride_kmeta_block, stride_kmeta_tok,
             stride_vcode_block, stride_vcode_tok, stride_vmeta_block, stride_vmeta_tok,
             scale, softcap, window, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_SOFTCAP, DOT_DTYPE,
-            K_BITS, K_EXPONENT_BITS, K_ZERO_POINT, K_PER_TOKEN, K_GROUP, K_SCALE_BITS,
-            V_BITS, V_EXPONENT_BITS, V_ZERO_POINT, V_PER_TOKEN, V_GROUP, V_SCALE_BITS,
+            K_BITS, K_EXPONENT_BITS, K_ZERO_POINT, K_PER_TOKEN, K_GROUP, K_SCALE_BITS, K_ROTATE,
+            V_BITS, V_EXPONENT_BITS, V_ZERO_POINT, V_PER_TOKEN, V_GROUP, V_SCALE_BITS, V_ROTATE,
         )  # fmt: skip
         acc, m_i, l_i = attend_key_range(
             acc, m_i, l_i, q, q_pos - quant_len, tl.maximum(key_lo, quant_len) - quant_len, key_hi - quant_len,

@@ -72,6 +72,22 @@ def decode_codes(
 
 
 @triton.jit
+def hadamard(x):
+    """``x [rows, D]`` (float32, D a power of two) times the normalized Hadamard matrix, which is its own
+    inverse: ``hf_paged_cache.quantization.hadamard``'s butterfly -- log2(D) rounds of neighbour sums and
+    differences, then one multiply -- with the same float32 operations in the same order, so the seal kernel
+    rotates a block bit-identically to the reference. Readers rotate queries (keys of a ``ROTATE`` format)
+    and the attention output (values) with it, never a decoded tile."""
+    ROWS: tl.constexpr = x.shape[0]
+    D: tl.constexpr = x.shape[1]
+    for level in tl.static_range(16):  # log2(D) rounds (D < 2**16): pairs (a, b) of neighbours -> a + b | a - b
+        if (1 << level) < D:
+            a, b = tl.split(tl.reshape(x, [ROWS, D // 2, 2]))
+            x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), [ROWS, D])
+    return x * (D**-0.5)
+
+
+@triton.jit
 def apply_meta(x, scale, zero, ROWS: tl.constexpr, REPEAT: tl.constexpr, GROUPS: tl.constexpr, HAS_ZERO: tl.constexpr):
     """``x [ROWS * REPEAT, BLOCK_D] * scale (+ zero)`` with scale / zero ``[ROWS, GROUPS]``: row r of the
     metadata covers REPEAT consecutive tokens (a block's), group g covers BLOCK_D // GROUPS consecutive

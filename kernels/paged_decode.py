@@ -112,6 +112,7 @@ def _paged_decode_kernel(
     K_PER_TOKEN: tl.constexpr,
     K_GROUP: tl.constexpr,
     K_SCALE_BITS: tl.constexpr,
+    K_ROTATE: tl.constexpr,
     V_BITS: tl.constexpr,
     V_EXPONENT_BITS: tl.constexpr,
     V_ZERO_POINT: tl.constexpr,
@@ -119,6 +120,7 @@ def _paged_decode_kernel(
     V_PER_TOKEN: tl.constexpr,
     V_GROUP: tl.constexpr,
     V_SCALE_BITS: tl.constexpr,
+    V_ROTATE: tl.constexpr,
 ):
     """Grid (batch * num_kv_heads, num_splits). SPLIT=False writes ``out``; SPLIT=True writes partials.
 
@@ -165,8 +167,8 @@ def _paged_decode_kernel(
         quant_tables, quant_lens, stride_quant_table,
         scale, softcap, window,
         BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_SOFTCAP, DOT_DTYPE,
-        QUANTIZED, K_BITS, K_EXPONENT_BITS, K_ZERO_POINT, K_PER_TOKEN, K_GROUP, K_SCALE_BITS,
-        V_BITS, V_EXPONENT_BITS, V_ZERO_POINT, V_PER_TOKEN, V_GROUP, V_SCALE_BITS,
+        QUANTIZED, K_BITS, K_EXPONENT_BITS, K_ZERO_POINT, K_PER_TOKEN, K_GROUP, K_SCALE_BITS, K_ROTATE,
+        V_BITS, V_EXPONENT_BITS, V_ZERO_POINT, V_PER_TOKEN, V_GROUP, V_SCALE_BITS, V_ROTATE,
     )  # fmt: skip
 
     if SPLIT:

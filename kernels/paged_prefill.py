@@ -96,6 +96,7 @@ def _paged_prefill_kernel(
     K_PER_TOKEN: tl.constexpr,
     K_GROUP: tl.constexpr,
     K_SCALE_BITS: tl.constexpr,
+    K_ROTATE: tl.constexpr,
     V_BITS: tl.constexpr,
     V_EXPONENT_BITS: tl.constexpr,
     V_ZERO_POINT: tl.constexpr,
@@ -103,6 +104,7 @@ def _paged_prefill_kernel(
     V_PER_TOKEN: tl.constexpr,
     V_GROUP: tl.constexpr,
     V_SCALE_BITS: tl.constexpr,
+    V_ROTATE: tl.constexpr,
 ):
     """Grid (cdiv(q_len, TILE_Q), batch * num_kv_heads). QUANTIZED: as in the decode kernel."""
     q_tile = tl.program_id(0)
@@ -150,8 +152,8 @@ def _paged_prefill_kernel(
         quant_tables, quant_lens, stride_quant_table,
         scale, softcap, window,
         BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_SOFTCAP, DOT_DTYPE,
-        QUANTIZED, K_BITS, K_EXPONENT_BITS, K_ZERO_POINT, K_PER_TOKEN, K_GROUP, K_SCALE_BITS,
-        V_BITS, V_EXPONENT_BITS, V_ZERO_POINT, V_PER_TOKEN, V_GROUP, V_SCALE_BITS,
+        QUANTIZED, K_BITS, K_EXPONENT_BITS, K_ZERO_POINT, K_PER_TOKEN, K_GROUP, K_SCALE_BITS, K_ROTATE,
+        V_BITS, V_EXPONENT_BITS, V_ZERO_POINT, V_PER_TOKEN, V_GROUP, V_SCALE_BITS, V_ROTATE,
     )  # fmt: skip
 
     out = normalize(acc, l_i)  # padding rows: 0

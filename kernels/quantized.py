@@ -10,7 +10,7 @@ and causal masks and sliding windows use ``s`` exactly as without quantization.
 The storage formats are those of ``hf_paged_cache.quantization`` (codes, float16 scales and zero points per
 block, ``[num_qblocks, *fmt.fields(...)]`` per field). Each format declares how the kernels see it, its
 ``KernelFormat`` (``fmt.kernel_format``); its fields become constexprs of the kernels (``BITS``,
-``EXPONENT_BITS``, ``ZERO_POINT``, ``QMAX``, ``PER_TOKEN``, ``GROUP``, ``SCALE_BITS``: see ``format_constexprs``) prefixed
+``EXPONENT_BITS``, ``ZERO_POINT``, ``QMAX``, ``PER_TOKEN``, ``GROUP``, ``SCALE_BITS``, ``ROTATE``: see ``format_constexprs``) prefixed
 ``K_`` / ``V_``, so key and value formats make compile-time variants independently (``K4V2`` is one kernel
 variant, not a runtime branch). Nothing here or in the kernels names a format class.
 
@@ -33,6 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from hf_paged_cache.quantization import KernelFormat, QuantFormat
+
+# The smallest head a kernel tile holds unpadded (common.MIN_DOT): rotated heads must fill their tile.
+_MIN_ROTATED_HEAD_DIM = 16
 
 # The constexpr of each KernelFormat field: its name upper-cased.
 CONSTEXPR_NAMES = tuple(field.name.upper() for field in dataclasses.fields(KernelFormat))
@@ -93,7 +96,8 @@ def format_constexprs(fmt: QuantFormat, block_size: int, head_dim: int) -> dict:
     here for every format alike: kernels reshape a head into ``[groups, GROUP]`` to reduce or expand
     per-group metadata, which needs a power-of-two ``GROUP`` unless a single group spans the head, and
     tile whole blocks, which needs a power-of-two ``block_size``; the codes must be an encoding the kernels
-    implement. Otherwise a ValueError names the format.
+    implement; a rotated format needs a head that fills a tile exactly (a power of two, at least 16).
+    Otherwise a ValueError names the format.
     """
     if not _is_power_of_two(block_size):
         raise ValueError(f"no kernel variant for {fmt!r} at block_size {block_size}: it must be a power of two")
@@ -102,6 +106,11 @@ def format_constexprs(fmt: QuantFormat, block_size: int, head_dim: int) -> dict:
         raise ValueError(
             f"no kernel variant for {fmt!r} at head_dim {head_dim}, block_size {block_size}: its scale groups "
             f"of {kernel_format.group} channels must be a power of two (or span the whole head)"
+        )
+    if kernel_format.rotate and not (_is_power_of_two(head_dim) and head_dim >= _MIN_ROTATED_HEAD_DIM):
+        raise ValueError(
+            f"no kernel variant for {fmt!r} at head_dim {head_dim}: a rotated format needs a power-of-two head_dim "
+            f"of at least {_MIN_ROTATED_HEAD_DIM} (the kernels rotate whole, unpadded tiles)"
         )
     _check_encoding(fmt, kernel_format, block_size, head_dim)
     return dict(zip(CONSTEXPR_NAMES, dataclasses.astuple(kernel_format)))

@@ -27,6 +27,12 @@ Exactness against ``fmt.quantize`` (``hf_paged_cache.quantization``), the refere
 Metadata is written first; after a CTA barrier (which also orders global memory within the CTA) the
 codes are computed plane by plane (the planar packing of ``pack_codes``) from the metadata read back,
 so each channel uses exactly the stored float16 values whatever its group.
+
+Rotated formats (``ROTATE``, ``IntN.rotate``): the tile is rotated in registers right after it is loaded,
+by the butterfly of the reference (``dequantize.hadamard``: the same float32 operations in the same order,
+so the rotated tile, and with it every metadata value and code, is the reference's). The rotated tile
+exists nowhere else, so its codes are computed for all channels at once and folded into the planes,
+instead of plane by plane from the cache.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import triton.language as tl
 from hf_paged_cache.quantization import QuantFormat
 
 from .common import Launch, block_d, check_paged_kv
+from .dequantize import hadamard
 from .quantized import check_fields, side_args
 
 _FP16_MAX = tl.constexpr(65504.0)
@@ -148,6 +155,34 @@ def group_stat(x, OP: tl.constexpr, PER_TOKEN: tl.constexpr, GROUP: tl.constexpr
 
 
 @triton.jit
+def stored_meta(
+    scales_ptr,
+    zeros_ptr,
+    tok,
+    channel,
+    mask,
+    stride_meta_tok,
+    PER_TOKEN: tl.constexpr,
+    GROUP: tl.constexpr,
+    SCALE_BITS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    ZERO_POINT: tl.constexpr,
+):
+    """The stored (scale, zero point) of tokens ``tok [BLOCK_SIZE, 1]`` and channels ``channel [1, n]`` as
+    float32, read back from the block's metadata; a zero scale reads as 1 (every code is then 0, as in torch)."""
+    meta = (tok * stride_meta_tok if PER_TOKEN else 0) + channel // GROUP
+    scale = tl.load(scales_ptr + meta, mask=mask, other=1).to(tl.float32)
+    if SCALE_BITS == 8:
+        scale = scale * tl.load(zeros_ptr + NUM_GROUPS).to(tl.float32)
+    scale = tl.where(scale == 0.0, 1.0, scale)
+    if ZERO_POINT:
+        zero = tl.load(zeros_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+    else:
+        zero = scale  # unused
+    return scale, zero
+
+
+@triton.jit
 def quantize_tile(
     src_ptr,
     stride_src_tok,
@@ -163,18 +198,22 @@ def quantize_tile(
     PER_TOKEN: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_BITS: tl.constexpr,
+    ROTATE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """Quantize one block of one KV head: ``src_ptr`` -> its block's codes / scales (/ zeros) slices.
 
-    BITS ... SCALE_BITS: the format's constants (``quantized.format_constexprs``)."""
+    BITS ... ROTATE: the format's constants (``quantized.format_constexprs``); with ROTATE the block is
+    rotated (``dequantize.hadamard``) before its metadata and codes are computed."""
     NUM_GROUPS: tl.constexpr = HEAD_DIM // GROUP
     tok = tl.arange(0, BLOCK_SIZE)[:, None]
     offs_d = tl.arange(0, BLOCK_D)[None, :]
     d_mask = offs_d < HEAD_DIM
     x = tl.load(src_ptr + tok * stride_src_tok + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    if ROTATE:  # head_dim == BLOCK_D, a power of two (quantized.format_constexprs)
+        x = hadamard(x)
 
     # 1. Metadata, stored as the reference computes it: one value per (token or block, group).
     offs_g = tl.arange(0, 1 if NUM_GROUPS == 1 else BLOCK_D // GROUP)[None, :]
@@ -200,26 +239,28 @@ def quantize_tile(
         tl.store(scales_ptr + meta_ptrs, fp16_up(tl.math.div_rn(absmax, QMAX)).to(tl.float16), mask=meta_mask)
     tl.debug_barrier()  # the metadata just stored is read back below, by other threads
 
-    # 2. Codes, one plane of the planar packing at a time: byte j holds channels j, j + BYTES, ...
+    # 2. Codes of the planar packing: byte j holds channels j, j + BYTES, ...
     PLANES: tl.constexpr = 8 // BITS
     BYTES: tl.constexpr = HEAD_DIM // PLANES
-    byte_mask = offs_d < BYTES
-    packed = tl.full([BLOCK_SIZE, BLOCK_D], 0, dtype=tl.int32)
-    for plane in tl.static_range(PLANES):
-        channel = plane * BYTES + offs_d
-        xp = tl.load(src_ptr + tok * stride_src_tok + channel, mask=byte_mask, other=0.0).to(tl.float32)
-        plane_meta = (tok * stride_meta_tok if PER_TOKEN else 0) + channel // GROUP
-        plane_scale = tl.load(scales_ptr + plane_meta, mask=byte_mask, other=1).to(tl.float32)
-        if SCALE_BITS == 8:
-            plane_scale = plane_scale * tl.load(zeros_ptr + NUM_GROUPS).to(tl.float32)
-        plane_scale = tl.where(plane_scale == 0.0, 1.0, plane_scale)  # scale 0: every code is 0 (as in torch)
-        if ZERO_POINT:
-            plane_zero = tl.load(zeros_ptr + plane_meta, mask=byte_mask, other=0.0).to(tl.float32)
-        else:
-            plane_zero = plane_scale  # unused
-        code = encode_codes(xp, plane_scale, plane_zero, EXPONENT_BITS, ZERO_POINT, QMAX)
-        packed = packed | ((code & 0xFF) << (plane * BITS))
-    tl.store(codes_ptr + tok * stride_code_tok + offs_d, packed.to(codes_ptr.dtype.element_ty), mask=byte_mask)
+    if ROTATE:  # the rotated tile exists in registers only: every channel's code at once, then the planes folded
+        scale, zero = stored_meta(scales_ptr, zeros_ptr, tok, offs_d, d_mask, stride_meta_tok, PER_TOKEN, GROUP,
+                                  SCALE_BITS, NUM_GROUPS, ZERO_POINT)  # fmt: skip
+        code = encode_codes(x, scale, zero, EXPONENT_BITS, ZERO_POINT, QMAX) & 0xFF
+        shifts = (tl.arange(0, PLANES) * BITS)[None, :, None]
+        packed = tl.sum(tl.reshape(code, [BLOCK_SIZE, PLANES, BYTES]) << shifts, axis=1)  # disjoint bits: sum == or
+        offs_byte = tl.arange(0, BYTES)[None, :]
+        tl.store(codes_ptr + tok * stride_code_tok + offs_byte, packed.to(codes_ptr.dtype.element_ty))
+    else:  # one plane at a time, its channels loaded again from the cache
+        byte_mask = offs_d < BYTES
+        packed = tl.full([BLOCK_SIZE, BLOCK_D], 0, dtype=tl.int32)
+        for plane in tl.static_range(PLANES):
+            channel = plane * BYTES + offs_d
+            xp = tl.load(src_ptr + tok * stride_src_tok + channel, mask=byte_mask, other=0.0).to(tl.float32)
+            scale, zero = stored_meta(scales_ptr, zeros_ptr, tok, channel, byte_mask, stride_meta_tok, PER_TOKEN,
+                                      GROUP, SCALE_BITS, NUM_GROUPS, ZERO_POINT)  # fmt: skip
+            code = encode_codes(xp, scale, zero, EXPONENT_BITS, ZERO_POINT, QMAX)
+            packed = packed | ((code & 0xFF) << (plane * BITS))
+        tl.store(codes_ptr + tok * stride_code_tok + offs_d, packed.to(codes_ptr.dtype.element_ty), mask=byte_mask)
 
 
 @triton.jit
@@ -259,6 +300,7 @@ def _quantize_blocks_kernel(
     K_PER_TOKEN: tl.constexpr,
     K_GROUP: tl.constexpr,
     K_SCALE_BITS: tl.constexpr,
+    K_ROTATE: tl.constexpr,
     V_BITS: tl.constexpr,
     V_EXPONENT_BITS: tl.constexpr,
     V_ZERO_POINT: tl.constexpr,
@@ -266,6 +308,7 @@ def _quantize_blocks_kernel(
     V_PER_TOKEN: tl.constexpr,
     V_GROUP: tl.constexpr,
     V_SCALE_BITS: tl.constexpr,
+    V_ROTATE: tl.constexpr,
 ):
     """Grid (num_blocks, num_kv_heads): block ``src_blocks[i]`` of the cache -> ``dst_blocks[i]`` of the pools."""
     i = tl.program_id(0)
@@ -278,7 +321,7 @@ def _quantize_blocks_kernel(
         k_codes + dst * stride_kcode_block + head * stride_kcode_head, k_scales + k_meta,
         k_zeros + k_meta if K_ZERO_POINT else k_zeros,
         stride_kcode_tok, stride_kmeta_tok,
-        K_BITS, K_EXPONENT_BITS, K_ZERO_POINT, K_QMAX, K_PER_TOKEN, K_GROUP, K_SCALE_BITS,
+        K_BITS, K_EXPONENT_BITS, K_ZERO_POINT, K_QMAX, K_PER_TOKEN, K_GROUP, K_SCALE_BITS, K_ROTATE,
         BLOCK_SIZE, HEAD_DIM, BLOCK_D,
     )  # fmt: skip
     v_meta = dst * stride_vmeta_block + head * stride_vmeta_head
@@ -287,7 +330,7 @@ def _quantize_blocks_kernel(
         v_codes + dst * stride_vcode_block + head * stride_vcode_head, v_scales + v_meta,
         v_zeros + v_meta if V_ZERO_POINT else v_zeros,
         stride_vcode_tok, stride_vmeta_tok,
-        V_BITS, V_EXPONENT_BITS, V_ZERO_POINT, V_QMAX, V_PER_TOKEN, V_GROUP, V_SCALE_BITS,
+        V_BITS, V_EXPONENT_BITS, V_ZERO_POINT, V_QMAX, V_PER_TOKEN, V_GROUP, V_SCALE_BITS, V_ROTATE,
         BLOCK_SIZE, HEAD_DIM, BLOCK_D,
     )  # fmt: skip
 

@@ -38,7 +38,9 @@ DECODE_SPLITS = (1, 4)
 SOFTCAP = 30.0
 
 # The quantized grid: KV formats (hf_paged_cache.quantization.parse_kv_format specs) on 16-bit caches.
-QUANT_FORMATS = ("int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2", "K4V2", "K8V4")
+# "int2" rotates its values (hf_paged_cache.quantization.IntN.rotate), "K2rV4" its keys only, "K2rV2r" both (the
+# read path rotates the query for keys and the output for values); "K2V2" is 2-bit without rotation.
+QUANT_FORMATS = ("int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2", "K4V2", "K8V4", "K2V2", "K2rV4", "K2rV2r")
 QUANT_DTYPES = (torch.float16, torch.bfloat16)
 QUANT_HEAD_DIMS = (64, 128)
 QUANT_GROUPS = (1, 8)

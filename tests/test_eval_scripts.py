@@ -205,17 +205,6 @@ def test_eviction_passkey_reads_quantized_caches(tmp_path):
         ("full", "-"), ("full", "agnostic"), ("full", "aware")]
 
 
-def test_quant_probe_rotation_is_the_hadamard_transform():
-    import quant_probe
-
-    sylvester = torch.ones(1, 1)
-    for _ in range(6):
-        sylvester = torch.cat([torch.cat([sylvester, sylvester], 1), torch.cat([sylvester, -sylvester], 1)])
-    x = torch.randn(5, 64)
-    torch.testing.assert_close(quant_probe.hadamard(x), x @ sylvester.T / 8)
-    torch.testing.assert_close(quant_probe.hadamard(quant_probe.hadamard(x)), x)
-
-
 def test_quant_probe_tiny():
     result = _run("quant_probe.py", "--model", "tiny-llama", "--tokens", "96", "--offset", "0",
                   "--probes", "K2c4", "K2c1s8,V2t64+rot", "V4t32+clip@32")  # fmt: skip

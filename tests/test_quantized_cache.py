@@ -13,7 +13,8 @@ import os
 
 import pytest
 import torch
-from tiny_models import MODELS, MODELS_BY_NAME, PAD_ID, VOCAB, padded_batch
+import transformers
+from tiny_models import MODELS, MODELS_BY_NAME, PAD_ID, VOCAB, _common, _make, padded_batch
 
 from hf_paged_cache import OutOfBlocksError, PagedCache, PagedCacheConfig, estimate_kv_bytes
 from hf_paged_cache.block_tables import BlockTables, QuantizedBlockTables
@@ -133,6 +134,38 @@ def test_paged_read_matches_gather_read():
     ]
     for a, b in zip(outs[0].scores, outs[1].scores):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "paged"])
+@pytest.mark.parametrize("spec", ["int2", "K2rV2r", "K2V2"])
+def test_rotated_blocks_read_like_attention_over_their_round_trip(spec, attn):
+    """A decode step over sealed blocks gives the logits of a DynamicCache whose K/V of the same blocks went
+    through the format's own quantize / dequantize (rotated back, for Hadamard-rotated sides): the
+    rotation is undone exactly where the cache reads. One layer, so the prompt's K/V are the same in both."""
+    model, config = _make(transformers.LlamaForCausalLM, transformers.LlamaConfig(**_common(num_hidden_layers=1)))
+    prompt = torch.randint(3, VOCAB, (1, 13), generator=torch.Generator().manual_seed(0))
+    cache = PagedCache(config, block_size=BLOCK, quant=spec, residual_length=RESIDUAL)
+    model.set_attn_implementation(attn)
+    with torch.no_grad():
+        token = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+        (group,) = cache.groups.values()
+        sealed = len(group.qtables[0]) * BLOCK
+        assert sealed >= 2 * BLOCK
+
+        model.set_attn_implementation("sdpa")
+        reference = transformers.DynamicCache(config=config)
+        model(input_ids=prompt, past_key_values=reference, use_cache=True)
+        kv_format = parse_kv_format(spec)
+        layer = reference.layers[0]
+        for states, fmt in ((layer.keys, kv_format.key), (layer.values, kv_format.value)):
+            heads, dim = states.shape[1], states.shape[-1]
+            blocks = states[0, :, :sealed].transpose(0, 1).reshape(-1, BLOCK, heads, dim)
+            pool = fmt.allocate(blocks.shape[0], BLOCK, heads, dim)
+            fmt.quantize(blocks, pool, range(blocks.shape[0]))
+            states[0, :, :sealed] = fmt.dequantize(pool, range(blocks.shape[0])).flatten(0, 1).transpose(0, 1)
+        expected = model(input_ids=token, past_key_values=reference, use_cache=True).logits
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------- storage

@@ -17,7 +17,7 @@ from hf_paged_cache.kernels import QuantizedKV
 from hf_paged_cache.quantization import KernelFormat, QuantFormat, _absmax_scale, _nonzero, parse_kv_format
 
 # The formats of the kernels' format axis (hf_paged_cache.kernels.variants.QUANT_FORMATS).
-FORMATS = ("int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2", "K4V2", "K8V4")
+FORMATS = ("int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2", "K4V2", "K8V4", "K2V2", "K2rV4", "K2rV2r")
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,9 @@ FORMAT_CASES = [
     ("fp8_e5m2", torch.float16, 64, 32, 8),
     ("K4V2", torch.bfloat16, 128, 32, 8),
     ("K8V4", torch.float32, 64, 32, 1),
+    ("K2V2", torch.float16, 128, 32, 1),
+    ("K2rV4", torch.float16, 64, 16, 8),  # the rotated query in a 16-bit dot
+    ("K2rV2r", torch.float32, 128, 16, 1),
 ]
 
 

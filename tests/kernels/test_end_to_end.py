@@ -59,7 +59,7 @@ def test_generate_through_kernels_matches_dynamic_cache(name, chunked, monkeypat
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("quant", ["int4", "K4V2", "fp8_e4m3"])
+@pytest.mark.parametrize("quant", ["int4", "K4V2", "fp8_e4m3", "int2"])  # int2: rotated values
 def test_quantized_generate_through_kernels_matches_the_torch_path(quant, monkeypatch):
     """Sealing (`quantize_blocks`) and the quantized decode / prefill variants, interpreted, give the
     torch path's tokens and scores, with a quantized prefix that grows while generating."""

@@ -21,7 +21,9 @@ _CASES = [
     # (key format, value format, cache dtype, head_dim, block_size)
     ("int8", None, torch.float32, 64, 16),
     ("int4", None, torch.float16, 128, 32),
-    ("int2", None, torch.bfloat16, 64, 32),
+    ("int2", None, torch.bfloat16, 64, 32),  # Hadamard-rotated values
+    ("K2rV4", None, torch.float32, 128, 16),  # rotated keys beyond the float16 range, plain values
+    ("K2rV2r", None, torch.float16, 64, 16),
     ("fp8_e4m3", None, torch.float16, 64, 16),
     ("fp8_e5m2", None, torch.float32, 128, 16),
     ("K4V2", None, torch.float32, 64, 32),
@@ -146,8 +148,18 @@ def test_unsupported_format_raises_naming_it():
     cache = allocate_kv_blocks(1, 16, 1, 96, torch.float16, fill=0.0)
     fmt = IntN(4, "token", group_size=48)
     pool = fmt.allocate(1, 16, 1, 96)
-    with pytest.raises(ValueError, match=r"IntN\(bits=4, axis='token', group_size=48, scale_bits=16\)"):
+    with pytest.raises(ValueError, match=r"IntN\(bits=4, axis='token', group_size=48, scale_bits=16, rotate=False\)"):
         quantize_blocks(cache, cache, [0], pool, pool, [0], fmt, fmt)
+
+
+@pytest.mark.parametrize("head_dim, message", [(80, "rotate=True needs a power-of-two head_dim"), (8, "at least 16")])
+def test_rotated_format_needs_a_power_of_two_head_dim(head_dim, message):
+    """The format rejects a head it cannot rotate; the kernels also a head smaller than their smallest tile."""
+    cache = allocate_kv_blocks(1, 16, 1, head_dim, torch.float16, fill=0.0)
+    plain, rotated = IntN(4, "token"), IntN(4, "token", rotate=True)
+    pool = plain.allocate(1, 16, 1, head_dim)
+    with pytest.raises(ValueError, match=message):
+        quantize_blocks(cache, cache, [0], pool, pool, [0], rotated, plain)
 
 
 def test_no_blocks_is_a_no_op():

@@ -95,7 +95,7 @@ def test_a_format_declares_its_own_kernel_constants(generator, randn):
     """A format class the kernels have never seen, of an encoding they know, gets its constexprs from its own
     ``kernel_format`` and decodes like its reference: no kernel change."""
     assert format_constexprs(Int8PerHead(), 16, 64) == dict(
-        BITS=8, EXPONENT_BITS=0, ZERO_POINT=False, QMAX=127.0, PER_TOKEN=False, GROUP=64, SCALE_BITS=16
+        BITS=8, EXPONENT_BITS=0, ZERO_POINT=False, QMAX=127.0, PER_TOKEN=False, GROUP=64, SCALE_BITS=16, ROTATE=False
     )
     formats = KVFormat(Int8PerHead(), IntN(4, "token"))
     paged = QuantizedPagedKV(rows_for(16), 2, 64, 16, torch.float16, formats, generator)
