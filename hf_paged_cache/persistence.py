@@ -43,7 +43,8 @@ from .rows import BlockList, Row
 
 FORMAT = "hf_paged_cache"  # metadata key of the JSON header
 DIGEST = "sha256"  # metadata key of the digest of header and tensors
-VERSION = 1
+VERSION = 2  # 2: quantized layers record their resolved format ("int2" came to mean rotated values)
+READS = (1, 2)
 # Options that say where and how large the loaded cache's storage is; every other option shapes what the
 # cache stores or how it continues, so it must equal the file's.
 PLACEMENT = ("num_blocks", "max_memory", "initial_blocks", "device", "backend")
@@ -153,6 +154,7 @@ def _save_layer(layer: PagedLayer, group: int, used: list[int], qused: list[int]
             for name, field in fields.items():
                 tensors[f"{prefix}.{side}.{name}"] = field.index_select(0, ids)
         entry["error_stats"] = layer.error_stats
+        entry["kv_format"] = repr(layer.kv_format)  # what a spec like "int2" meant when the file was written
     return entry
 
 
@@ -305,9 +307,10 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
             "cache again"
         )
     header = json.loads(text)
-    if header.get("version") != VERSION:
+    if header.get("version") not in READS:
         raise CacheFileError(
-            f"the file has format version {header.get('version')}, but this hf_paged_cache reads version {VERSION}: "
+            f"the file has format version {header.get('version')}, but this hf_paged_cache reads versions "
+            f"{', '.join(map(str, READS))}: "
             "load it with the hf_paged_cache version that saved it, or save the cache again with this one"
         )
     return header, tensors
@@ -388,6 +391,29 @@ def _check_model(header: dict, cache: Cache) -> None:
                 f"layer {index} stores {saved['kv_heads']} KV heads of size {saved['head_dim']} in the file, but this "
                 f"config has {shapes.get(index)} (heads, head size) per rank: {remedy}"
             )
+        _check_format(index, layer, saved)
+
+
+def _check_format(index: int, layer, saved: dict) -> None:
+    """A quantized layer's codes are read only in the format that wrote them: the same `quant` text whose meaning
+    changed since the file was written (version 1 files predate rotated formats and record none) is refused."""
+    if not isinstance(layer, QuantizedLayer):  # the options (compared before) decide which layers are quantized
+        return
+    fmt = layer.kv_format
+    written = saved.get("kv_format")
+    rotated = fmt.key.rotate or fmt.value.rotate
+    if written is None and not rotated or written == repr(fmt):
+        return
+    if written is None:
+        raise CacheFileError(
+            f"layer {index} was quantized before rotated formats existed (format version 1), but its `quant` spec now "
+            f"means {fmt!r}, which would decode the file's codes wrongly: load the file with the hf_paged_cache "
+            "version that saved it"
+        )
+    raise CacheFileError(
+        f"layer {index} was quantized as {written} in the file, but the options make it {fmt!r}: load with the "
+        "file's `quant` (or give no options, to use the file's)"
+    )
 
 
 def _restore(cache: Cache, header: dict, tensors: dict[str, torch.Tensor]) -> None:

@@ -239,6 +239,38 @@ def _rewrite_header(source, target, edit) -> None:
     save_file(tensors, target, metadata={FORMAT: text, DIGEST: _digest(text, tensors)})
 
 
+def test_a_spec_whose_meaning_changed_since_the_file_was_written_is_refused(tmp_path):
+    """A version-1 file records no resolved format: its "int2" meant unrotated values (today's 'K2V2'), and today's
+    rotated "int2" would decode its codes wrongly, so it is refused; a version-1 file of an unchanged spec loads."""
+    model = _model("llama_gqa")
+    model.set_attn_implementation("paged")
+    cache = PagedCache(model.config, block_size=4, quant="K2V2", residual_length=4)
+    _forward(model, cache, torch.randint(3, VOCAB, (1, 14), generator=torch.Generator().manual_seed(1)))
+    cache.save(tmp_path / "new.safetensors")
+
+    def as_version_one(spec):
+        def edit(header):
+            header["version"], header["options"]["quant"] = 1, spec
+            for group in header["groups"]:
+                group["name"] = group["name"].replace("K2V2", spec)
+            for layer in header["layers"]:
+                del layer["kv_format"]
+        return edit
+
+    for spec in ("int2", "K2V2"):
+        _rewrite_header(tmp_path / "new.safetensors", tmp_path / f"{spec}.safetensors", as_version_one(spec))
+    with pytest.raises(CacheFileError, match="before rotated formats existed.*version that saved it"):
+        PagedCache.load(tmp_path / "int2.safetensors", model.config)
+    assert cache_state(PagedCache.load(tmp_path / "K2V2.safetensors", model.config)) == cache_state(cache)
+
+    def drifted(header):  # a version-2 file whose spec text stayed but whose format did not
+        header["layers"][0]["kv_format"] = "KVFormat(key=IntN(bits=2), value=IntN(bits=2))"
+
+    _rewrite_header(tmp_path / "new.safetensors", tmp_path / "drifted.safetensors", drifted)
+    with pytest.raises(CacheFileError, match="layer 0 was quantized as KVFormat\\(key=IntN\\(bits=2\\)"):
+        PagedCache.load(tmp_path / "drifted.safetensors", model.config)
+
+
 def test_corrupted_and_truncated_files_are_refused(saved, tmp_path):
     model, path, data = saved
     flipped = bytearray(data)
@@ -262,9 +294,9 @@ def test_corrupted_and_truncated_files_are_refused(saved, tmp_path):
 
 def test_a_newer_file_format_is_refused(saved, tmp_path):
     model, path, _data = saved
-    _rewrite_header(path, tmp_path / "v2.safetensors", lambda header: header.update(version=2))
-    with pytest.raises(CacheFileError, match="format version 2.*reads version 1"):
-        PagedCache.load(tmp_path / "v2.safetensors", model.config)
+    _rewrite_header(path, tmp_path / "v3.safetensors", lambda header: header.update(version=3))
+    with pytest.raises(CacheFileError, match="format version 3.*reads versions 1, 2"):
+        PagedCache.load(tmp_path / "v3.safetensors", model.config)
 
 
 def test_an_unknown_policy_class_is_not_imported(saved, tmp_path):
