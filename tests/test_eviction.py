@@ -333,9 +333,12 @@ def test_eviction_decisions_follow_beams():
             assert group.stored_count(row) <= BUDGET + BLOCK
 
 
-def test_quantized_survivors_stay_quantized():
+@pytest.mark.parametrize("options", [{}, {"protect_novel": 0.5}], ids=["plain", "novel"])
+def test_quantized_survivors_stay_quantized(options):
+    """Sealed blocks are kept whole or dropped, and novel tokens in them take no more than the budget."""
     model = _model()
-    cache = PagedCache(model.config, block_size=BLOCK, quant="int4", residual_length=4, eviction=POLICIES["h2o"]())
+    policy = POLICIES["h2o"](**options)
+    cache = PagedCache(model.config, block_size=BLOCK, quant="int4", residual_length=4, eviction=policy)
     input_ids = torch.randint(3, VOCAB, (1, 40))
     sealed = {}
 

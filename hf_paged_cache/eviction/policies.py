@@ -75,8 +75,8 @@ class EvictionPolicy:
             number, so memory is the same; sealed quantized blocks are still chosen for all heads at once.
             Default: True for H2O, SnapKV and KeepRatio, False for the others (chosen by measurement).
         protect_novel: the fraction of the budget that first goes to the most novel tokens -- those whose
-            keys have no near copy anywhere in the row (`key_novelty`) -- protected like sinks, before the
-            policy's own scores choose the rest. A one-off fact in repetitive text survives a compression
+            keys have no near copy anywhere in the row (`key_novelty`) -- before the policy's own scores
+            choose the rest. A one-off fact in repetitive text survives a compression
             made before the question asking for it is read (0 disables).
         rotary: how the model's rotary embedding pairs key channels, for `key_novelty`: "half" (channel i
             with i + head_dim/2, transformers' `rotate_half`: Llama, Qwen, Mistral, Gemma, GPT-NeoX),
@@ -315,7 +315,7 @@ def protection(positions: torch.Tensor, first_real: int, length: int, policy: Ev
 def novel_tokens(novelty: torch.Tensor, positions: torch.Tensor, first_real: int, length: int,
                  policy: EvictionPolicy, count: int) -> torch.Tensor:  # fmt: skip
     """Boolean, shaped like `novelty` (`[n]`, or `[kv_heads, n]` for each head's own): the `count` most novel
-    real tokens besides the ones protected anyway (`protection`), protected too (`protect_novel`)."""
+    real tokens besides the ones protected anyway (`protection`), which the choice takes first (`protect_novel`)."""
     real, protected = protection(positions.expand_as(novelty), first_real, length, policy)
     candidates = real & ~protected
     count = min(count, int(candidates.sum(dim=-1).min()))
@@ -337,16 +337,16 @@ def choose_kept(
 
     Tokens come in units that are kept or evicted whole (a quantized block: its tokens share scales and
     are never re-quantized; a full-precision token: itself); `unit_sizes` lists them in stored order.
-    Padding (positions before `first_real`) always goes; sinks, the recent window and the `novel` tokens
-    (`novel_tokens`, if given) always stay; the other units are taken by descending mean score while they
-    fit the budget.
+    Padding (positions before `first_real`) always goes; sinks and the recent window always stay; the other
+    units are taken by descending mean score while they fit the budget, the `novel` ones (`novel_tokens`, if
+    given) first.
     """
     scores = scores.float()
     if scores.dim() == 2:
         scores = scores.mean(0)
+    if novel is not None:  # taken first, while they fit (a sealed unit with a novel token counts as novel)
+        scores = scores.masked_fill(novel, float("inf"))
     real, protected = protection(positions, first_real, length, policy)
-    if novel is not None:
-        protected = protected | novel
     sizes = torch.tensor(unit_sizes)
     unit = torch.repeat_interleave(torch.arange(len(unit_sizes)), sizes)
     def per_unit(values: torch.Tensor) -> torch.Tensor:  # sum over each unit's tokens
@@ -377,17 +377,17 @@ def choose_kept_per_head(
 
     `shared` is the head-shared choice (`choose_kept` on the heads' mean scores): it decides the sealed
     quantized units before stored index `split` for every head, and how many full-precision tokens stay.
-    After `split` each head keeps its sinks, recent window and `novel` tokens (`[kv_heads, n - split]`, as
-    many in every head, if given) plus its own best-scored tokens (`scores` `[kv_heads, n]`), up to that
-    count, so every head stores as many tokens as the others and the row's blocks hold a rectangle of
-    survivors.
+    After `split` each head keeps its sinks and recent window plus its own best-scored tokens (`scores`
+    `[kv_heads, n]`; its `novel` ones, `[kv_heads, n - split]` if given, first), up to that count, so every
+    head stores as many tokens as the others and the row's blocks hold a rectangle of survivors.
     """
     heads, n = scores.shape
     real, protected = protection(positions.expand(heads, n)[:, split:], first_real, length, policy)
-    if novel is not None:
-        protected = protected | novel
     room = int(shared[split:].sum()) - protected.sum(dim=1)  # per head (the protected counts are the same)
-    ranked = scores[:, split:].float().masked_fill(~(real & ~protected), float("-inf"))
+    ranked = scores[:, split:].float()
+    if novel is not None:
+        ranked = ranked.masked_fill(novel, float("inf"))
+    ranked = ranked.masked_fill(~(real & ~protected), float("-inf"))
     order = torch.argsort(ranked, dim=1, descending=True, stable=True)
     taken = torch.arange(order.shape[1])[None, :] < room[:, None]
     keep = protected | torch.zeros_like(protected).scatter_(1, order, taken)
