@@ -45,6 +45,9 @@ FORMAT = "hf_paged_cache"  # metadata key of the JSON header
 DIGEST = "sha256"  # metadata key of the digest of header and tensors
 VERSION = 2  # 2: quantized layers record their resolved format ("int2" came to mean rotated values)
 READS = (1, 2)
+# Policy fields added after format version 1, with the behaviour a file that lacks them was saved with
+# (a policy's current default may differ: `per_head` is True for H2O, SnapKV and KeepRatio now).
+POLICY_FIELDS_BEFORE = {"per_head": False, "protect_novel": 0.0, "rotary": "half"}
 # Options that say where and how large the loaded cache's storage is; every other option shapes what the
 # cache stores or how it continues, so it must equal the file's.
 PLACEMENT = ("num_blocks", "max_memory", "initial_blocks", "device", "backend")
@@ -328,6 +331,9 @@ def _digest(header: str, tensors: dict[str, torch.Tensor]) -> str:
 def _resolve_options(header: dict, options: PagedCacheConfig | None, overrides: dict) -> PagedCacheConfig:
     """The loaded cache's options: the given ones, checked against the file's, or the file's with `overrides`."""
     saved = header["options"]
+    if saved.get("eviction") is not None:  # a policy saved before a field existed ran as the field's first value
+        fields = saved["eviction"]["fields"]
+        fields.update({name: value for name, value in POLICY_FIELDS_BEFORE.items() if name not in fields})
     if options is None:
         unknown = sorted(set(overrides) - set(saved))
         if unknown:

@@ -271,6 +271,22 @@ def test_a_spec_whose_meaning_changed_since_the_file_was_written_is_refused(tmp_
         PagedCache.load(tmp_path / "drifted.safetensors", model.config)
 
 
+def test_a_policy_saved_before_per_head_existed_loads_head_shared(saved, tmp_path):
+    model, path, _data = saved
+
+    def as_version_one(header):
+        header["version"] = 1
+        for name in ("per_head", "protect_novel", "rotary"):
+            del header["options"]["eviction"]["fields"][name]
+        for layer in header["layers"]:
+            layer.pop("kv_format", None)
+
+    _rewrite_header(path, tmp_path / "old.safetensors", as_version_one)
+    loaded = PagedCache.load(tmp_path / "old.safetensors", model.config)
+    assert loaded.options.eviction == H2O(budget=8, sinks=2, window=4, per_head=False)  # as it ran when saved
+    assert PagedCache.load(path, model.config).options.eviction.per_head  # today's default in today's files
+
+
 def test_corrupted_and_truncated_files_are_refused(saved, tmp_path):
     model, path, data = saved
     flipped = bytearray(data)
