@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "heads": f"{heads}/{total}"})  # fmt: skip
     print(f"layers (head-mean score) and KV heads whose top {args.ratio:.0%} keep every digit of the pass key")
     common.print_table(rows, [("length", "length", "d"), ("depth", "depth", ".0%"), ("trial", "trial", "d"),
-                              ("signal", "signal", ""), ("layers", "layers", ""), ("heads", "KV heads", "")])  # fmt: skip
+                              ("signal", "signal", ""), ("layers", "layers", ""),
+                              ("heads", "KV heads", "")])  # fmt: skip
     return {"results": rows}
 
 

@@ -408,7 +408,7 @@ def _check_format(index: int, layer, saved: dict) -> None:
     fmt = layer.kv_format
     written = saved.get("kv_format")
     rotated = fmt.key.rotate or fmt.value.rotate
-    if written is None and not rotated or written == repr(fmt):
+    if written == repr(fmt) or (written is None and not rotated):  # version 1 files: unrotated formats only
         return
     if written is None:
         raise CacheFileError(

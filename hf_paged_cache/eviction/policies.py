@@ -99,9 +99,9 @@ class EvictionPolicy:
         budget = self.budget
         if not isinstance(self.per_head, bool):
             raise ValueError(f"{name}: `per_head` must be True or False, got {self.per_head!r}")
-        if isinstance(self.protect_novel, bool) or not isinstance(self.protect_novel, (int, float)) \
-                or not 0.0 <= self.protect_novel < 1.0:
-            raise ValueError(f"{name}: `protect_novel` is a fraction of the budget in [0, 1), got {self.protect_novel!r}")
+        novel = self.protect_novel
+        if isinstance(novel, bool) or not isinstance(novel, (int, float)) or not 0.0 <= novel < 1.0:
+            raise ValueError(f"{name}: `protect_novel` is a fraction of the budget in [0, 1), got {novel!r}")
         if self.rotary not in ROTARY_PAIRINGS:
             raise ValueError(f"{name}: `rotary` must be one of {ROTARY_PAIRINGS}, got {self.rotary!r}")
         if isinstance(budget, bool) or not isinstance(budget, (int, float)):
