@@ -14,6 +14,8 @@ before they run again (on CUDA the copy in overlaps that step's forward, on a si
 or dropped and queued again with their generated tokens as part of the prompt (recompute; the prefix cache may
 recover part of it) -- whichever `preemption` says, or the cheaper by an estimate.
 Priority is the victim policy: least recently scheduled first (`"lru"`), or the seeds' weighted score.
+Each request's generation settings are checked when it is added (`request_settings.py`); a step records nothing
+until its forward and sampling succeed, and is rolled back (its requests recomputed) if either raises.
 
     outputs = generate_batch(model, [ids_a, ids_b], max_new_tokens=64, num_blocks=2048)
     outputs[0].generated_tokens
@@ -223,8 +225,9 @@ class BatchGenerator:
             )
         if generation_config is not None and not isinstance(generation_config, GenerationConfig):
             raise ValueError(
-                f"`generation_config` must be a transformers `GenerationConfig`, got {type(generation_config).__name__}:"
-                " pass `GenerationConfig(**settings)`, or the settings as keyword options"
+                f"`generation_config` must be a transformers `GenerationConfig`, got "
+                f"{type(generation_config).__name__}: pass `GenerationConfig(**settings)`, or the settings as "
+                "keyword options"
             )
         self.config = BatchConfig(**{k: options.pop(k) for k in list(options) if k in batch_fields})
         self.model = model
@@ -552,8 +555,9 @@ class BatchGenerator:
         cache = PackedCache([request.cache for request, _ in batch], spans, self.sliding)
         states = [request.settings.snapshot() for request, _ in batch]
         try:
-            logits = self.model(input_ids=ids, position_ids=torch.tensor([positions], device=ids.device), cache=cache,
-                                use_cache=True, logits_to_keep=torch.tensor(keep, device=ids.device)).logits[0]  # fmt: skip
+            logits = self.model(input_ids=ids, position_ids=torch.tensor([positions], device=ids.device),
+                                cache=cache, use_cache=True,
+                                logits_to_keep=torch.tensor(keep, device=ids.device)).logits[0]  # fmt: skip
             samples = [self._sample(request, q, logits[index]) for index, (request, q) in enumerate(batch)]
         except BaseException:
             self._roll_back(batch, states)
@@ -631,7 +635,8 @@ class BatchGenerator:
 
     def compact(self, keep_free: int | None = None) -> tuple[dict[str, Fragmentation], dict[str, Fragmentation]]:
         """Pack the blocks in use to the low end of every pool (`pool_compaction.compact`; with `keep_free`, shrink
-        each growable pool to its blocks in use plus that many; fixed pools keep their size). Returns the fragmentation before and after."""
+        each growable pool to its blocks in use plus that many; fixed pools keep their size). Returns the
+        fragmentation before and after."""
         self.swap.copies.fence()  # a pending copy in writes the ids it was given, which compaction moves
         before = fragmentation(self.template)
         compact(self.template, self.prefix_cache, keep_free)

@@ -8,7 +8,8 @@ prefix cache's entries and the quantized groups' sealed-copy records. Every id t
 (`BlockPool.remap` bumps its epoch): blocks no one references are forgotten, including unreferenced
 prefix-cached ones. With `keep_free`, each pool of a growable family then shrinks to its blocks in use plus that
 many, and the storage with it (it grows again on demand); a fixed pool never shrinks below the `num_blocks` /
-`max_memory` it was given, so requests it was sized for keep fitting. Swapped-out caches hold host blocks and are left as they are.
+`max_memory` it was given, so requests it was sized for keep fitting. Swapped-out caches hold host blocks and
+are left as they are.
 """
 
 from __future__ import annotations

@@ -101,7 +101,8 @@ def request_settings(config: GenerationConfig, overrides: Mapping, where: str, p
                         ("top_k", None)):  # fmt: skip
         value = values[name]
         if value is not None and not (_is_int(value) and (least is None or value >= least)):
-            raise ValueError(f"{where}: `{name}` must be an int{'' if least is None else f' >= {least}'}, got {value!r}")
+            bound = "" if least is None else f" >= {least}"
+            raise ValueError(f"{where}: `{name}` must be an int{bound}, got {value!r}")
     for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
         if values[name] is None:
             continue
@@ -124,7 +125,8 @@ def token_ids(value, name: str, vocab: int, where: str, single: bool = False) ->
     if isinstance(value, torch.Tensor):
         integral = not value.dtype.is_floating_point and not value.dtype.is_complex and value.dtype != torch.bool
         if not integral or value.dim() > 1 or (value.dim() == 0 and not single):
-            raise ValueError(f"{where}: `{name}` must be {kind}, got a {value.dtype} tensor of shape {list(value.shape)}")
+            shape = list(value.shape)
+            raise ValueError(f"{where}: `{name}` must be {kind}, got a {value.dtype} tensor of shape {shape}")
         items = value.reshape(-1).tolist()
     elif single and _is_int(value):
         items = [value]
@@ -152,7 +154,8 @@ def _processors(values: dict, stop_ids: frozenset[int], do_sample: bool, prompt_
     if values["min_length"] and eos:
         processors.append(MinLengthLogitsProcessor(values["min_length"], eos, device=device))
     if values["min_new_tokens"] and eos:
-        processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, values["min_new_tokens"], eos, device=device))
+        minimum = values["min_new_tokens"]
+        processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, minimum, eos, device=device))
     if not do_sample:  # `generate` ignores the sampling settings when greedy (it only warns)
         return processors
     temperature, top_k, top_p = (values[name] if values[name] is not None else GENERATE_DEFAULTS[name]
@@ -177,8 +180,8 @@ def _max_new_tokens(max_new: int | None, max_length: int | None, prompt_length: 
         return DEFAULT_MAX_NEW_TOKENS
     if max_length <= prompt_length:
         raise ValueError(
-            f"{where}: `max_length`={max_length} (prompt and new tokens) leaves no room after its {prompt_length}-token "
-            "prompt: raise `max_length`, or give `max_new_tokens`"
+            f"{where}: `max_length`={max_length} (prompt and new tokens) leaves no room after its "
+            f"{prompt_length}-token prompt: raise `max_length`, or give `max_new_tokens`"
         )
     return max_length - prompt_length
 

@@ -366,8 +366,8 @@ def test_bad_request_settings_are_refused_at_add_request_and_change_nothing(bad,
     assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in _clean(prompts, max_new_tokens=NEW)]
 
 
-@pytest.mark.parametrize("prompt", ["123", [1.0, 2.0], [True, 5], [4, -1], [4, VOCAB], [2**70], torch.ones(2, 3, dtype=torch.long),
-                                    torch.tensor([1.5]), 7, [[3, 4]]])  # fmt: skip
+@pytest.mark.parametrize("prompt", ["123", [1.0, 2.0], [True, 5], [4, -1], [4, VOCAB], [2**70], 7, [[3, 4]],
+                                    torch.ones(2, 3, dtype=torch.long), torch.tensor([1.5])])  # fmt: skip
 def test_prompts_that_are_not_token_ids_are_refused_naming_the_request(prompt):
     generator = BatchGenerator(_model("llama_gqa"), max_new_tokens=2, block_size=4)
     with pytest.raises(ValueError, match="request 0: `prompt_ids`"):
@@ -517,3 +517,4 @@ def test_a_forward_that_fails_after_some_layers_wrote_is_rolled_back(fails_at):
         del layer.forward
     assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in clean]
     assert generator.template.metrics().blocks_used == 0 and not generator.has_work()
+    assert generator.metrics().prompt_tokens == sum(map(len, prompts))  # requeued, not admitted twice
