@@ -130,7 +130,8 @@ class BatchConfig:
 
 @dataclass
 class GenerationOutput:
-    """One request's result: `generated_tokens` (ids), why it stopped ("eos", "length", "cancelled", "error"),
+    """One request's result: `generated_tokens` (ids), why it stopped ("eos", "stop_string", "length", "cancelled",
+    "error"),
     the error message if any, and how many prompt tokens came from the prefix cache."""
 
     request_id: int
@@ -213,9 +214,10 @@ class _Request:
 class BatchGenerator:
     """Serves requests added with `add_request` (streaming use: `get_result`, `cancel_request`, or iterate)."""
 
-    def __init__(self, model: PreTrainedModel, generation_config: GenerationConfig | None = None, **options):
-        """Every option is checked before anything changes: a failed constructor leaves the model as it was (the
-        `"paged"` attention is selected last)."""
+    def __init__(self, model: PreTrainedModel, generation_config: GenerationConfig | None = None, tokenizer=None,
+                 **options):  # fmt: skip
+        """`tokenizer` is needed only for `stop_strings`. Every option is checked before anything changes: a failed
+        constructor leaves the model as it was (the `"paged"` attention is selected last)."""
         batch_fields = {f.name for f in dataclasses.fields(BatchConfig)}
         unknown = sorted(set(options) - batch_fields - _GENERATION_FIELDS - _CACHE_FIELDS)
         if unknown:
@@ -237,6 +239,7 @@ class BatchGenerator:
             setattr(self.generation_config, name, options.pop(name))
         check_generation_config(self.generation_config, "the generation config")
         self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.tokenizer = tokenizer
         self._settings({}, "the generation config", 1, 0)  # its values, checked once before any request
         self.template = PagedCache(model.config, _pools_up_front(PagedCacheConfig(**options), model))
         _check_model(self.template)
@@ -291,7 +294,7 @@ class BatchGenerator:
 
     def _settings(self, overrides: dict, where: str, prompt_length: int, seed: int) -> RequestSettings:
         return request_settings(self.generation_config, overrides, where, prompt_length, self.vocab_size,
-                                self.model.device, seed)  # fmt: skip
+                                self.model.device, seed, self.tokenizer)  # fmt: skip
 
     def cancel_request(self, request_id: int) -> bool:
         """Stop a queued or running request now and free its blocks; False if it already finished."""
@@ -576,10 +579,10 @@ class BatchGenerator:
                 self._finish(request, "error")
                 continue
             request.output.generated_tokens.append(token)
-            stop = token in request.settings.stop_ids
-            if stop or len(request.output.generated_tokens) >= request.settings.max_new_tokens:
+            reason = request.settings.finish_reason(request.tokens, len(request.output.generated_tokens))
+            if reason is not None:
                 self.running.remove(request)
-                self._finish(request, "eos" if stop else "length")
+                self._finish(request, reason)
 
     @staticmethod
     def _sample(request: _Request, q: int, logits: torch.Tensor) -> int | Exception | None:
@@ -669,12 +672,13 @@ class BatchGenerator:
 
 def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]],
                    generation_config: GenerationConfig | None = None, **options) -> list[GenerationOutput]:  # fmt: skip
-    """Generate for every prompt (lists of token ids) with continuous batching; one output per prompt, in order.
+    """Generate for every prompt (lists or 1-D tensors of token ids) with continuous batching; one output per prompt,
+    in order.
 
     `options` are `PagedCache` options (`block_size`, `num_blocks` / `max_memory`, `quant`, `eviction`, ...), the
     batching knobs of `BatchConfig` (`max_batch_tokens`, `max_num_seqs`, `prefix_caching`, `progress`), and
-    generation settings that override `generation_config` (`max_new_tokens`, `do_sample`, `eos_token_id`, ...).
-    The model is switched to the `"paged"` attention. Requests that can never fit finish with `error` set;
+    generation settings that override `generation_config` (`max_new_tokens`, `do_sample`, `eos_token_id`, ...;
+    `stop_strings` with `tokenizer=`). The model is switched to the `"paged"` attention. Requests that can never fit finish with `error` set;
     the others finish normally.
     """
     generator = BatchGenerator(model, generation_config, **options)

@@ -4,7 +4,8 @@ A request's settings are its own, else the generator's `GenerationConfig`'s, els
 applies. They are validated at `add_request` (naming the request and the value), so a bad value cannot fail
 inside a step that serves other requests. Logits processing reuses transformers' own processors on the request's
 tokens, in `generate`'s order: repetition penalty, minimum lengths, then (sampling) temperature, top-k, top-p and
-min-p, whose constructors reject the values `generate` rejects. Options the generator cannot honour (beam search,
+min-p, whose constructors reject the values `generate` rejects; stop strings use its `StopStringCriteria` (with the
+tokenizer given to the generator, as `generate` needs one too). Options the generator cannot honour (beam search,
 several sequences per prompt, ...) are refused, never ignored.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
+from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinLengthLogitsProcessor,
@@ -30,7 +32,7 @@ from transformers.generation.logits_process import (
 DEFAULT_MAX_NEW_TOKENS = 20
 FIELDS = frozenset(GenerationConfig().to_dict())
 HONOURED = frozenset({"max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature",
-                      "top_k", "top_p", "min_p", "repetition_penalty", "eos_token_id"})  # fmt: skip
+                      "top_k", "top_p", "min_p", "repetition_penalty", "eos_token_id", "stop_strings"})  # fmt: skip
 # Fields that do not change the tokens here: the other special tokens, and `generate`'s cache and compilation
 # settings (the generator brings its own cache and chunks prompts by `max_batch_tokens`).
 IGNORED = frozenset({"pad_token_id", "bos_token_id", "decoder_start_token_id", "use_cache", "cache_implementation",
@@ -42,7 +44,6 @@ GENERATE_DEFAULTS = GenerationConfig._get_default_generation_params()
 _HINTS = {
     "num_beams": "beam search is not supported (each request decodes one sequence)",
     "num_return_sequences": "add the prompt once per sequence instead",
-    "stop_strings": "stop strings need a tokenizer, which the generator does not take: stop on `eos_token_id` ids",
 }
 
 
@@ -55,14 +56,27 @@ class RequestSettings:
     do_sample: bool
     processors: LogitsProcessorList
     generator: torch.Generator | None
+    stop_strings: StopStringCriteria | None = None
 
     def next_token(self, logits: torch.Tensor, tokens: list[int]) -> int:
         """The next token after `tokens` (the prompt and the tokens generated so far) from its logits."""
-        scores = self.processors(torch.tensor([tokens], device=logits.device), logits[None].float())[0]
+        scores = logits.float()
+        if self.processors:
+            scores = self.processors(torch.tensor([tokens], device=logits.device), scores[None])[0]
         if not self.do_sample:
             return int(scores.argmax())
         # Drawn on the CPU, where the generator lives: a seed gives the same draws wherever the model runs.
         return int(torch.multinomial(scores.softmax(-1).cpu(), 1, generator=self.generator))
+
+    def finish_reason(self, tokens: list[int], generated: int) -> str | None:
+        """Why the request stops after its latest token (`tokens` end with it; `generated` so far), or None."""
+        if tokens[-1] in self.stop_ids:
+            return "eos"
+        if self.stop_strings is not None:
+            tail = torch.tensor([tokens[-self.stop_strings.maximum_token_len :]])
+            if bool(self.stop_strings(tail, None)[0]):
+                return "stop_string"
+        return "length" if generated >= self.max_new_tokens else None
 
     def snapshot(self) -> torch.Tensor | None:
         """The sampling generator's state, to undo the draws of a step that is rolled back."""
@@ -81,9 +95,9 @@ def check_generation_config(config: GenerationConfig, where: str) -> None:
 
 
 def request_settings(config: GenerationConfig, overrides: Mapping, where: str, prompt_length: int, vocab: int,
-                     device: torch.device, seed: int) -> RequestSettings:  # fmt: skip
+                     device: torch.device, seed: int, tokenizer=None) -> RequestSettings:  # fmt: skip
     """The settings of a request of `prompt_length` tokens: `overrides` (None: unset) over `config`'s fields over
-    `generate`'s defaults, validated (`where` names the request in errors)."""
+    `generate`'s defaults, validated (`where` names the request in errors; `tokenizer` serves stop strings)."""
     unknown = sorted(set(overrides) - FIELDS)
     if unknown:
         raise ValueError(f"{where}: unknown generation option(s) {unknown}; the generator honours {sorted(HONOURED)}")
@@ -115,7 +129,8 @@ def request_settings(config: GenerationConfig, overrides: Mapping, where: str, p
         raise ValueError(f"{where}: {error}") from None
     generator = torch.Generator().manual_seed(seed) if do_sample else None
     max_new = _max_new_tokens(values["max_new_tokens"], values["max_length"], prompt_length, where)
-    return RequestSettings(max_new, stop_ids, do_sample, processors, generator)
+    stop_strings = _stop_strings(values["stop_strings"], tokenizer, where)
+    return RequestSettings(max_new, stop_ids, do_sample, processors, generator, stop_strings)
 
 
 def token_ids(value, name: str, vocab: int, where: str, single: bool = False) -> list[int]:
@@ -184,6 +199,20 @@ def _max_new_tokens(max_new: int | None, max_length: int | None, prompt_length: 
             f"{prompt_length}-token prompt: raise `max_length`, or give `max_new_tokens`"
         )
     return max_length - prompt_length
+
+
+def _stop_strings(value, tokenizer, where: str) -> StopStringCriteria | None:
+    if value is None:
+        return None
+    strings = [value] if isinstance(value, str) else value
+    if not isinstance(strings, (list, tuple)) or not strings or not all(isinstance(s, str) and s for s in strings):
+        raise ValueError(f"{where}: `stop_strings` must be a non-empty string or list of them, got {value!r}")
+    if tokenizer is None:
+        raise ValueError(
+            f"{where}: `stop_strings`={value!r} needs the tokenizer (to match strings across tokens): pass "
+            "`tokenizer=` to `BatchGenerator` / `generate_batch`, as `generate` needs it too"
+        )
+    return StopStringCriteria(tokenizer, list(strings))
 
 
 def _refuse_if_set(name: str, value, where: str) -> None:

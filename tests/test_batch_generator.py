@@ -518,3 +518,24 @@ def test_a_forward_that_fails_after_some_layers_wrote_is_rolled_back(fails_at):
     assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in clean]
     assert generator.template.metrics().blocks_used == 0 and not generator.has_work()
     assert generator.metrics().prompt_tokens == sum(map(len, prompts))  # requeued, not admitted twice
+
+
+@needs_wheel
+def test_stop_strings_with_a_tokenizer_stop_where_generate_stops():
+    from transformers import AutoTokenizer
+
+    from hf_paged_cache.smollm2 import model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir())  # the tiny model's ids are valid ids of this vocabulary
+    model = _model("llama_gqa")
+    prompts = _prompts((7, 9), seed=18)
+    clean = _clean(prompts, max_new_tokens=NEW)
+    stop = tokenizer.decode(clean[1].generated_tokens[2:4])  # request 1 stops at its fourth token at the latest
+    outputs = _clean(prompts, max_new_tokens=NEW, stop_strings=stop, tokenizer=tokenizer)
+    model.set_attn_implementation("sdpa")
+    for prompt, output in zip(prompts, outputs):
+        ids = torch.tensor([prompt])
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(), do_sample=False,
+                                  max_new_tokens=NEW, stop_strings=stop, tokenizer=tokenizer)[0, len(prompt) :]  # fmt: skip
+        assert output.generated_tokens == expected.tolist()
+    assert outputs[1].finish_reason == "stop_string" and len(outputs[1].generated_tokens) <= 4
