@@ -678,8 +678,8 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]],
     `options` are `PagedCache` options (`block_size`, `num_blocks` / `max_memory`, `quant`, `eviction`, ...), the
     batching knobs of `BatchConfig` (`max_batch_tokens`, `max_num_seqs`, `prefix_caching`, `progress`), and
     generation settings that override `generation_config` (`max_new_tokens`, `do_sample`, `eos_token_id`, ...;
-    `stop_strings` with `tokenizer=`). The model is switched to the `"paged"` attention. Requests that can never fit finish with `error` set;
-    the others finish normally.
+    `stop_strings` with `tokenizer=`). The model is switched to the `"paged"` attention. Requests that can never
+    fit finish with `error` set; the others finish normally.
     """
     generator = BatchGenerator(model, generation_config, **options)
     for prompt in prompts:

@@ -536,6 +536,6 @@ def test_stop_strings_with_a_tokenizer_stop_where_generate_stops():
     for prompt, output in zip(prompts, outputs):
         ids = torch.tensor([prompt])
         expected = model.generate(ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(), do_sample=False,
-                                  max_new_tokens=NEW, stop_strings=stop, tokenizer=tokenizer)[0, len(prompt) :]  # fmt: skip
-        assert output.generated_tokens == expected.tolist()
+                                  max_new_tokens=NEW, stop_strings=stop, tokenizer=tokenizer)  # fmt: skip
+        assert output.generated_tokens == expected[0, len(prompt) :].tolist()
     assert outputs[1].finish_reason == "stop_string" and len(outputs[1].generated_tokens) <= 4
