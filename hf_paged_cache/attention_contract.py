@@ -88,7 +88,7 @@ def check_model_modules(model: torch.nn.Module) -> None:
     """`check_model_features`, plus what only the modules show: learned sink logits (a `sinks` parameter)."""
     check_model_features(model.config)
     for name, module in model.named_modules():
-        if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
             refuse(f"{type(model).__name__} ({name})", "`sinks`", REFUSED["sinks"])
 
 
@@ -100,5 +100,6 @@ def refuse(model: str, feature: str, reason: str) -> None:
 
 
 def model_name(config: PretrainedConfig) -> str:
-    """The model class the config names (its first architecture), else the config class."""
-    return (getattr(config, "architectures", None) or [type(config).__name__])[0]
+    """The model class the config names (its first architecture), else the model family of its config class."""
+    architectures = getattr(config, "architectures", None)
+    return architectures[0] if architectures else f"{type(config).__name__.removesuffix('Config')} model"

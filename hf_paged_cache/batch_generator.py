@@ -32,6 +32,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from .attention import ATTENTION_NAME
+from .attention_contract import check_model_modules
 from .batch_cache import PackedCache
 from .block_pool import BlockPool
 from .cache import PagedCache
@@ -219,6 +220,7 @@ class BatchGenerator:
         generation = {k: options.pop(k) for k in list(options) if k in _GENERATION_FIELDS}
         self.generation_config = copy.deepcopy(generation_config or model.generation_config)
         self.generation_config.update(**generation)
+        check_model_modules(model)  # the packed forward always runs the "paged" attention: refuse what it ignores
         model.set_attn_implementation(ATTENTION_NAME)
         self.template = PagedCache(model.config, _pools_up_front(PagedCacheConfig(**options), model))
         _check_model(self.template)
