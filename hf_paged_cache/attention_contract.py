@@ -77,11 +77,15 @@ def check_model_features(config: PretrainedConfig) -> None:
         refuse(model, "multi-head latent attention",
                f"values narrower than keys (v_head_dim {v_dim} < qk_head_dim {qk_dim}) are not supported by the "
                "paged attention (the model caches compressed latents and expands them after `update()`)")  # fmt: skip
+    if getattr(config, "kv_lora_rank", None):
+        refuse(model, "multi-head latent attention",
+               f"the model caches compressed latents (kv_lora_rank {config.kv_lora_rank}) and expands them into keys "
+               "and values after `update()`, but the paged attention keeps the history in blocks")  # fmt: skip
     shared = [index for index, mode in enumerate(getattr(config, "kv_sharing_modes", None) or []) if mode == "reuse"]
     if shared:
         refuse(model, "KV-shared layers",
-               f"layers {shared} reuse an earlier layer's K/V, but under the paged attention that layer hands over "
-               "only this step's new states (its history stays in the blocks), so they would not see the history")  # fmt: skip
+               f"layers {shared} reuse an earlier layer's K/V, but under the paged attention that layer hands "
+               "over only this step's new states (its history stays in the blocks)")  # fmt: skip
 
 
 def check_model_modules(model: torch.nn.Module) -> None:

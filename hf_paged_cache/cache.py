@@ -20,7 +20,7 @@ from .block_pool import BlockPool
 from .block_tables import BlockTables, QuantizedBlockTables, StepPlan
 from .config import PagedCacheConfig
 from .distributed import tensor_parallel_size
-from .errors import OutOfBlocksError
+from .errors import OutOfBlocksError, UnsupportedAttentionError
 from .eviction import Evictor
 from .layers import PagedLayer, PagedSlidingLayer, SharedKVLayer
 from .memory import SLIDING_TYPES, CacheMetrics, collect_metrics
@@ -137,9 +137,14 @@ class PagedCache(Cache):
         attention_kwargs = kwargs.get("kwargs")
         # Whether this forward runs the "paged" attention, which reads K/V from the blocks itself.
         in_place = attention_kwargs is not None and self._attention_is_paged()
-        if in_place:  # what the config and this layer's kwargs show is refused before anything is written
-            check_model_features(self.model_config)
-            check_attention_kwargs(model_name(self.model_config), attention_kwargs)
+        if in_place:  # what the config and this layer's kwargs show is refused before this layer writes
+            try:
+                check_model_features(self.model_config)
+                check_attention_kwargs(model_name(self.model_config), attention_kwargs)
+            except UnsupportedAttentionError:
+                if self.layers_written() < len(self.paged_layers):  # earlier layers of this forward wrote
+                    self._undo_step()
+                raise
         if isinstance(layer, SharedKVLayer):
             return layer.update(key_states, value_states, attention_kwargs if in_place else None, self._undo_step)
         if not isinstance(layer, PagedLayer):
@@ -169,7 +174,8 @@ class PagedCache(Cache):
             self.reset()
             return
         try:
-            if self.evictor is not None or any(not isinstance(layer, (PagedLayer, SharedKVLayer)) for layer in self.layers):
+            unpaged = [layer for layer in self.layers if not isinstance(layer, (PagedLayer, SharedKVLayer))]
+            if self.evictor is not None or unpaged:
                 raise RuntimeError("eviction, or layers not stored in blocks, changed state the step cannot give back")
             for name, length in self._step_start.items():
                 if isinstance(self.groups[name], QuantizedBlockTables):
@@ -177,8 +183,8 @@ class PagedCache(Cache):
                 self.groups[name].check_crop(length)
         except RuntimeError as error:
             raise RuntimeError(
-                f"The refused forward step could not be taken back ({error}): call `cache.reset()` before using the cache "
-                "again"
+                f"The refused forward step could not be taken back ({error}): call `cache.reset()` before using the "
+                "cache again"
             ) from error
         for name, length in self._step_start.items():
             self.groups[name].crop(length)

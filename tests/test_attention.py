@@ -110,6 +110,13 @@ def test_an_unknown_keyword_and_training_dropout_are_refused_before_anything_is_
     with pytest.raises(UnsupportedAttentionError, match=r"Llama model uses `position_bias`.*additive attention"):
         model(_prompt(), cache=cache, position_bias=torch.zeros(1))
     assert _state(cache) == before
+    # Shown by the second layer only, after the first one wrote: the cache takes that write back.
+    hook = model.model.layers[1].self_attn.register_forward_pre_hook(
+        lambda _module, args, kwargs: (args, {**kwargs, "position_bias": torch.zeros(1)}), with_kwargs=True)
+    with pytest.raises(UnsupportedAttentionError, match="`position_bias`"):
+        model(_prompt(), cache=cache)
+    hook.remove()
+    assert _state(cache) == before
     model.config.attention_dropout = 0.1
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.1
