@@ -16,8 +16,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention_contract import check_attention_kwargs
 from .errors import UnsupportedAttentionError
-from .attention_contract import check_attention_kwargs
-from .errors import UnsupportedAttentionError
 from .layers import PAGED_KV_KWARG, PackedPagedKV, PagedKV
 from .torch_attention import attend
 

@@ -168,8 +168,9 @@ class PagedCache(Cache):
     def _undo_step(self) -> None:
         """Take back the forward step under way, whose attention refused the model (a keyword only the attention
         function sees, e.g. gpt-oss's `s_aux`): every group that stepped goes back to its length before the step.
-        Exact for a step into an empty cache (a fresh generation) and for full-precision tables without eviction;
-        otherwise the step's drops, sealing or evictions cannot be taken back and the caller is told to reset."""
+        Exact for a step into an empty cache (a fresh generation) and for full-precision tables without eviction
+        (blocks that left a sliding window at the step stay freed: no later step reads them); a step's sealing or
+        evictions cannot be taken back, and then the caller is told to reset."""
         if len(self._step_start) == len(self.groups) and not any(self._step_start.values()):
             self.reset()
             return
