@@ -14,6 +14,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .attention_contract import check_attention_kwargs
+from .errors import UnsupportedAttentionError
 from .layers import PAGED_KV_KWARG, PackedPagedKV, PagedKV
 from .torch_attention import attend
 
@@ -45,9 +47,16 @@ def paged_attention_forward(
 
     When `update()` left a `PagedKV` in the kwargs, `key`/`value` are only this step's new states and
     the history is read from the blocks; otherwise (a model that calls `update()` without kwargs, or no
-    `PagedCache`) `key`/`value` are complete and are used as given.
+    `PagedCache`) `key`/`value` are complete and are used as given. A keyword (or dropout) it cannot honour
+    is refused (`attention_contract`) and the cache takes back the step under way, so it is as it was.
     """
     paged_kv: PagedKV | PackedPagedKV | None = kwargs.get(PAGED_KV_KWARG)
+    try:
+        check_attention_kwargs(type(module).__name__, kwargs, dropout)
+    except UnsupportedAttentionError:
+        if paged_kv is not None:
+            paged_kv.undo()
+        raise
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.get("softcap")
     if paged_kv is None:

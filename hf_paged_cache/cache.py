@@ -15,11 +15,12 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from .attention import ATTENTION_NAME
+from .attention_contract import check_attention_kwargs, check_model_features, model_name
 from .block_pool import BlockPool
 from .block_tables import BlockTables, QuantizedBlockTables, StepPlan
 from .config import PagedCacheConfig
 from .distributed import tensor_parallel_size
-from .errors import OutOfBlocksError
+from .errors import OutOfBlocksError, UnsupportedAttentionError
 from .eviction import Evictor
 from .layers import PagedLayer, PagedSlidingLayer, SharedKVLayer
 from .memory import SLIDING_TYPES, CacheMetrics, collect_metrics
@@ -67,6 +68,7 @@ class PagedCache(Cache):
         self.model_config = config.get_text_config(decoder=True)
         self.tp_size = tensor_parallel_size(config)  # ranks sharing the KV heads (tensor parallelism)
         self.groups: dict[str, BlockTables] = {}
+        self._step_start: dict[str, int] = {}  # each group's length before the step under way (to take it back)
         self._forks = _Forks(self)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(self.model_config)
         _check_layer_counts(options, len(layer_types))
@@ -135,8 +137,16 @@ class PagedCache(Cache):
         attention_kwargs = kwargs.get("kwargs")
         # Whether this forward runs the "paged" attention, which reads K/V from the blocks itself.
         in_place = attention_kwargs is not None and self._attention_is_paged()
+        if in_place:  # what the config and this layer's kwargs show is refused before this layer writes
+            try:
+                check_model_features(self.model_config)
+                check_attention_kwargs(model_name(self.model_config), attention_kwargs)
+            except UnsupportedAttentionError:
+                if self.layers_written() < len(self.paged_layers):  # earlier layers of this forward wrote
+                    self._undo_step()
+                raise
         if isinstance(layer, SharedKVLayer):
-            return layer.update(key_states, value_states, attention_kwargs if in_place else None)
+            return layer.update(key_states, value_states, attention_kwargs if in_place else None, self._undo_step)
         if not isinstance(layer, PagedLayer):
             return layer.update(key_states, value_states, *args, **kwargs)
         self._check_thread()
@@ -153,7 +163,33 @@ class PagedCache(Cache):
         after = None
         if self.evictor is not None and layer_idx in self.evictor.layers:
             after = functools.partial(self.evictor.after_attention, layer_idx)
-        return layer.update(key_states, value_states, plan, attention_kwargs, after)
+        return layer.update(key_states, value_states, plan, attention_kwargs, after, self._undo_step)
+
+    def _undo_step(self) -> None:
+        """Take back the forward step under way, whose attention refused the model (a keyword only the attention
+        function sees, e.g. gpt-oss's `s_aux`): every group that stepped goes back to its length before the step.
+        Exact for a step into an empty cache (a fresh generation) and for full-precision tables without eviction
+        (blocks that left a sliding window at the step stay freed: no later step reads them); a step's sealing or
+        evictions cannot be taken back, and then the caller is told to reset."""
+        if len(self._step_start) == len(self.groups) and not any(self._step_start.values()):
+            self.reset()
+            return
+        try:
+            unpaged = [layer for layer in self.layers if not isinstance(layer, (PagedLayer, SharedKVLayer))]
+            if self.evictor is not None or unpaged:
+                raise RuntimeError("eviction, or layers not stored in blocks, changed state the step cannot give back")
+            for name, length in self._step_start.items():
+                if isinstance(self.groups[name], QuantizedBlockTables):
+                    raise RuntimeError(f"the {name} layers may have sealed (quantized) blocks in this step")
+                self.groups[name].check_crop(length)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"The refused forward step could not be taken back ({error}): call `cache.reset()` before using the "
+                "cache again"
+            ) from error
+        for name, length in self._step_start.items():
+            self.groups[name].crop(length)
+        self.sync_lengths()
 
     def _check_thread(self) -> None:
         """Refuse (changing nothing) an update from a thread other than the one whose forward step is under
@@ -223,6 +259,7 @@ class PagedCache(Cache):
                 group.padding_exact = exact
         if self.evictor is not None:
             self.evictor.before_step(stepping, q_len)
+        self._step_start = {group.name: group.length for group in stepping}
         mirrors = self._mirrors(stepping, pads, key_states, value_states)
         growth, shortage = self._growth(stepping, q_len, pads, mirrors)
         if shortage is not None and self.evictor is not None:  # pool pressure: evict to budget, plan again

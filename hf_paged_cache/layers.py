@@ -34,10 +34,12 @@ class PagedKV:
     history lives, and the work due once attention ran (`finish`: eviction statistics and triggers), so
     neither the attention function nor the layer needs a reference to the cache."""
 
-    def __init__(self, layer: PagedLayer, plan: StepPlan, after_attention: AfterAttention | None = None):
+    def __init__(self, layer: PagedLayer, plan: StepPlan, after_attention: AfterAttention | None = None,
+                 undo: Callable[[], None] | None = None):  # fmt: skip
         self.layer = layer
         self.plan = plan
         self.after_attention = after_attention
+        self.undo_step = undo  # takes the cache's step back when the attention refuses the model
 
     @property
     def sliding_window(self) -> int | None:
@@ -50,6 +52,11 @@ class PagedKV:
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of logical positions [kv_offset, new_len) of every row, `[batch, kv_heads, n, head_dim]`."""
         return self.layer.gather(self.plan)
+
+    def undo(self) -> None:
+        """Called by the attention when it refuses the model: the cache takes back the step under way."""
+        if self.undo_step is not None:
+            self.undo_step()
 
     def finish(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None) -> None:
         """Called by the attention once this layer's output is computed."""
@@ -70,6 +77,11 @@ class PackedPagedKV:
 
     def __init__(self, parts: list[tuple[int, int, PagedKV]]):
         self.parts = parts
+
+    def undo(self) -> None:
+        """Every sequence's cache takes back the step under way (the attention refused the model)."""
+        for _start, _stop, part in self.parts:
+            part.undo()
 
 
 class LayerStorage:
@@ -198,6 +210,7 @@ class PagedLayer(CacheLayerMixin):
         plan: StepPlan,
         attention_kwargs: dict | None = None,
         after_attention: AfterAttention | None = None,
+        undo: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the step's new K/V into the slots `plan` (made by the cache for the layer's group) gives.
 
@@ -210,7 +223,7 @@ class PagedLayer(CacheLayerMixin):
         self._fit_pool()
         self._write(plan, key_states, value_states)
         self.seq_len = plan.new_len
-        return self.hand_over(plan, key_states, value_states, attention_kwargs, after_attention)
+        return self.hand_over(plan, key_states, value_states, attention_kwargs, after_attention, undo)
 
     def hand_over(
         self,
@@ -219,11 +232,12 @@ class PagedLayer(CacheLayerMixin):
         value_states: torch.Tensor,
         attention_kwargs: dict | None = None,
         after_attention: AfterAttention | None = None,
+        undo: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """What `update()` returns once the step is written: a `PagedKV` in the attention kwargs (and the new
         states, usable by nothing else), or the K/V of the whole read range, gathered."""
         if attention_kwargs is not None:
-            attention_kwargs[PAGED_KV_KWARG] = PagedKV(self, plan, after_attention)
+            attention_kwargs[PAGED_KV_KWARG] = PagedKV(self, plan, after_attention, undo)
             return paged_only(key_states), paged_only(value_states)  # any other attention fails clearly
         keys, values = self.gather(plan)
         if keys.dtype != key_states.dtype:  # a storage dtype other than the model's (e.g. fp16 for an fp32 model)
@@ -425,13 +439,13 @@ class SharedKVLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to allocate: the source layer stores the K/V."""
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
-               attention_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, attention_kwargs: dict | None = None,
+               undo: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         self.source.check_states(key_states)
         if self.source.seq_len != self.source.tables.length or self.source.tables.plan is None:
             raise RuntimeError("A `share_with` layer ran before its source layer wrote this step: the source must be "
                                "an earlier layer of the same forward")  # fmt: skip
-        return self.source.hand_over(self.source.tables.plan, key_states, value_states, attention_kwargs)
+        return self.source.hand_over(self.source.tables.plan, key_states, value_states, attention_kwargs, undo=undo)
 
     def get_seq_length(self) -> int:
         return self.source.get_seq_length()

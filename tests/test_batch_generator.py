@@ -7,10 +7,10 @@ import functools
 import pytest
 import torch
 from test_smollm2 import PROMPTS, needs_wheel
-from tiny_models import MODELS_BY_NAME, VOCAB
+from tiny_models import MODELS_BY_NAME, REFUSED_MODELS, VOCAB
 from transformers import DynamicCache
 
-from hf_paged_cache import PagedCache, StreamingLLM
+from hf_paged_cache import PagedCache, StreamingLLM, UnsupportedAttentionError
 from hf_paged_cache.batch_generator import BatchConfig, BatchGenerator, generate_batch
 from hf_paged_cache.copy_stream import CopyStream
 from hf_paged_cache.request_settings import RequestSettings
@@ -539,3 +539,35 @@ def test_stop_strings_with_a_tokenizer_stop_where_generate_stops():
                                   max_new_tokens=NEW, stop_strings=stop, tokenizer=tokenizer)  # fmt: skip
         assert output.generated_tokens == expected[0, len(prompt) :].tolist()
     assert outputs[1].finish_reason == "stop_string" and len(outputs[1].generated_tokens) <= 4
+
+@pytest.mark.parametrize("name, match", [
+    ("gpt_oss", r"uses `sinks`"),
+    ("gemma3n", r"KV-shared layers"),
+    ("deepseek_v3", r"v_head_dim 8 < qk_head_dim 24"),
+])  # fmt: skip
+def test_models_the_paged_attention_cannot_serve_are_refused_at_construction(name, match):
+    entry = next(entry for entry in REFUSED_MODELS if entry.name == name)
+    model, _config = entry.build()
+    implementation = model.config._attn_implementation
+    with pytest.raises(UnsupportedAttentionError, match=match):
+        BatchGenerator(model)
+    assert model.config._attn_implementation == implementation  # refused before the model was switched
+
+
+def test_a_keyword_refused_at_the_first_step_leaves_every_request_intact():
+    """A keyword only the attention call shows: the step's writes are taken back, the requests stay queued to run."""
+    model, _config = MODELS_BY_NAME["llama_gqa"].build()
+    prompts = _prompts((5, 9), seed=2)
+    expected = [o.generated_tokens for o in generate_batch(model, prompts, max_new_tokens=NEW, block_size=4)]
+    generator = BatchGenerator(model, max_new_tokens=NEW, block_size=4)
+    for prompt in prompts:
+        generator.add_request(prompt)
+    hooks = [layer.self_attn.register_forward_pre_hook(
+        lambda _module, args, kwargs: (args, {**kwargs, "position_bias": torch.zeros(1)}), with_kwargs=True)
+        for layer in model.model.layers]  # fmt: skip
+    with pytest.raises(UnsupportedAttentionError, match="LlamaAttention uses `position_bias`"):
+        generator.step()
+    for hook in hooks:
+        hook.remove()
+    assert generator.template.metrics().blocks_used == 0  # the requests' caches share the template's pools
+    assert [o.generated_tokens for o in generator.run()] == expected
