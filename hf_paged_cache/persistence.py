@@ -310,7 +310,13 @@ def load_cache(
     try:
         header, tensors = _read(path)
         options = _resolve_options(header, options, overrides)
-        cache = cache_class(config, options)
+        try:
+            cache = cache_class(config, options)
+        except CacheFileError:
+            raise
+        except ValueError as error:  # options equal to the file's that this config cannot take
+            raise CacheFileError(f"its options do not fit this config ({error}): load the file with the config of "
+                                 "the model that saved it") from None  # fmt: skip
         with _malformed_header():
             _check_model(header, tensors, cache)
             _restore(cache, header, tensors)
@@ -465,7 +471,7 @@ def _check_table(tensors: dict[str, torch.Tensor], name: str, lengths: list[int]
     """A table tensor of the rows' `lengths`: the file's blocks renumbered densely, so together the rows name each
     of the `count` blocks (rows may share blocks: forks, reordered batches), and no row names one block twice."""
     ids = _tensor(tensors, name, (sum(lengths),), torch.long).tolist()
-    if set(ids) != set(range(count)):
+    if len(set(ids)) != count or any(not 0 <= block < count for block in ids):  # `count` may be huge: no range set
         raise CacheFileError(f"tensor {name!r} does not name each of the {count} blocks of `{where}` (the file's "
                              f"blocks, numbered densely) and no others: {CRAFTED}")  # fmt: skip
     start = 0
@@ -517,8 +523,10 @@ def _check_eviction_state(saved: dict, layers: list, tensors: dict[str, torch.Te
     scored = _value(saved, "scored_layers", "eviction", list)
     for number in range(len(scored)):
         index = _value(scored, number, "eviction.scored_layers", int, 0, high=len(layers) - 1)
-        scores = tensors.get(f"eviction.scores.{index}")
-        heads = layers[index]["kv_heads"] if layers[index] is not None else None
+        if layers[index] is None:
+            raise CacheFileError(f"the header's `eviction.scored_layers` names layer {index}, which it does not hold: "
+                                 f"{CRAFTED}")  # fmt: skip
+        scores, heads = tensors.get(f"eviction.scores.{index}"), layers[index]["kv_heads"]
         if scores is None or scores.dim() != 3 or not scores.dtype.is_floating_point or scores.shape[1] != heads:
             found = "missing" if scores is None else f"{scores.dtype} {tuple(scores.shape)}"
             raise CacheFileError(f"tensor 'eviction.scores.{index}' is {found}, expected floating scores of [rows, "
@@ -565,9 +573,11 @@ def _resolve_options(header: dict, options: PagedCacheConfig | None, overrides: 
     if saved.get("eviction") is not None:  # a policy saved before a field existed ran as the field's first value
         fields = saved["eviction"]["fields"]
         fields.update({name: value for name, value in POLICY_FIELDS_BEFORE.items() if name not in fields})
-    try:  # the file's own options, without the device (that may be one this machine lacks)
+    try:  # the file's own options; its device is only parsed (it may be one this machine lacks)
         own = PagedCacheConfig(**_options_from_json({name: value for name, value in saved.items() if name != "device"}))
-    except (TypeError, ValueError) as error:
+        if saved.get("device") is not None:
+            torch.device(saved["device"])
+    except (TypeError, ValueError, RuntimeError) as error:
         raise CacheFileError(f"its options are not valid PagedCache options ({error}): {CRAFTED}") from None
     if options is None:
         placement = {"device": saved["device"]} if saved.get("device") is not None else {}
@@ -621,8 +631,11 @@ def _check_model(header: dict, tensors: dict[str, torch.Tensor], cache: Cache) -
     names = [group["name"] for group in header["groups"]]
     shapes = {index: (heads // cache.tp_size, head_dim)
               for index, _window, heads, head_dim in _attention_layer_shapes(config)}  # fmt: skip
+    filled = {group["name"] for group in header["groups"] if group["rows"]}
     for index, (layer, saved) in enumerate(zip(cache.layers, header["layers"])):
         if saved is None:
+            if getattr(getattr(layer, "tables", None), "name", None) in filled:
+                raise CacheFileError(f"the header's `layers[{index}]` is null, but its group holds rows: {CRAFTED}")
             continue
         group = getattr(layer, "tables", None)
         if group is None or group.name != names[saved["group"]]:
@@ -634,7 +647,7 @@ def _check_model(header: dict, tensors: dict[str, torch.Tensor], cache: Cache) -
                 f"layer {index} stores {saved['kv_heads']} KV heads of size {saved['head_dim']} in the file, but this "
                 f"config has {shapes.get(index)} (heads, head size) per rank: {remedy}"
             )
-        if isinstance(layer, QuantizedLayer) and "error_stats" not in saved:
+        if isinstance(layer, QuantizedLayer) and saved.get("error_stats") is None:
             raise CacheFileError(f"layer {index} is quantized but the header's `layers[{index}]` has no `error_stats`: "
                                  f"{CRAFTED}")  # fmt: skip
         _check_format(index, layer, saved)
