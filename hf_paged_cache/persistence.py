@@ -5,8 +5,10 @@ so runs of consecutive ids stay runs) and every layer writes just those blocks, 
 codes, scales and zero points. A JSON header in the safetensors metadata holds the rest: the options,
 the model's shapes, each group's tables and per-row state (padding, base, kept positions, quantized
 prefix), and the evictor's counters; its scores are tensors. A SHA-256 over the header and every tensor
-makes a corrupted file fail before anything is built. Loading reads tensors and JSON only -- no pickle,
-no code from the file: an eviction policy is named by its class, which must already be imported.
+makes a corrupted file fail before anything is built; it has no key, so it does not stop a crafted file, and
+every header value is checked against the others and the tensors present before anything is allocated from it.
+Loading reads tensors and JSON only -- no pickle, no code from the file: an eviction policy is named by its
+class, which must already be imported.
 
 A loaded cache is standalone, with its own pools sized to the blocks it holds (or by `num_blocks` /
 `max_memory`), and continues exactly as the saved one would have. `PagedCache.save` / `PagedCache.load` hand
@@ -53,6 +55,10 @@ POLICY_FIELDS_BEFORE = {"per_head": False, "protect_novel": 0.0, "rotary": "half
 # Options that say where and how large the loaded cache's storage is; every other option shapes what the
 # cache stores or how it continues, so it must equal the file's.
 PLACEMENT = ("num_blocks", "max_memory", "initial_blocks", "device", "backend")
+# Options a file sizes the loaded pool by (unless the load overrides one), and the allocator's bookkeeping per
+# block (four list entries), which a pool costs even before any storage is allocated.
+POOL_SIZE = ("num_blocks", "initial_blocks", "max_memory")
+BOOKKEEPING = 32
 # The end of every message about a header that passed the digest but is inconsistent: the digest has no key.
 CRAFTED = "the file was crafted or damaged before its digest was computed; save the cache again"
 
@@ -582,6 +588,8 @@ def _resolve_options(header: dict, options: PagedCacheConfig | None, overrides: 
     if options is None:
         placement = {"device": saved["device"]} if saved.get("device") is not None else {}
         options = dataclasses.replace(own, **{**placement, **overrides})
+        if not set(overrides) & set(POOL_SIZE):
+            _check_pool_size(header, options)
     given = _options_to_json(options)
     dtypes = {layer["dtype"] for layer in header["layers"] if layer is not None}
     for name, value in saved.items():
@@ -597,6 +605,34 @@ def _resolve_options(header: dict, options: PagedCacheConfig | None, overrides: 
     if options.eviction is not None:  # the loaded cache gets its own policy (and random state)
         options = dataclasses.replace(options, eviction=copy.deepcopy(options.eviction))
     return options
+
+
+def _check_pool_size(header: dict, options: PagedCacheConfig) -> None:
+    """Refuse a pool the file's own size options ask for that this machine's memory cannot hold: honouring a crafted
+    `num_blocks` would allocate without bound before any block is read."""
+    limit = _machine_memory()
+    per_block = BOOKKEEPING + options.block_size * sum(
+        layer["kv_heads"] * (layer["head_dim"] + layer["value_dim"]) * _dtype(layer["dtype"]).itemsize
+        for layer in header["layers"] if layer is not None
+    )  # fmt: skip
+    for name in POOL_SIZE:
+        value = getattr(options, name)
+        size = None if value is None else value if name == "max_memory" else value * per_block
+        if limit is not None and size is not None and size > limit:
+            raise CacheFileError(
+                f"the file sizes its pool by {name}={value} ({size:,} bytes), more than this machine's memory "
+                f"({limit:,} bytes): pass `num_blocks` or `max_memory` to size the loaded cache's pool"
+            )
+
+
+def _machine_memory() -> int | None:
+    """Bytes of host memory plus those of every visible accelerator (None where the platform does not say)."""
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    devices = range(torch.cuda.device_count()) if torch.cuda.is_available() else ()
+    return host + sum(torch.cuda.get_device_properties(index).total_memory for index in devices)
 
 
 def _describe(name: str, value) -> str:
