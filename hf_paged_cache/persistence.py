@@ -437,10 +437,10 @@ def _check_group(saved: dict, index: int, block_size: int, tensors: dict[str, to
             _check_table(tensors, f"groups.{index}.{table}", [row[table] for row in rows], count, f"{where}.{key}")
         elif count:
             raise CacheFileError(f"the header's `{where}.{key}` is {count} but the group has no rows: {CRAFTED}")
-    kept = sum(row["kept"] * (row.get("kept_heads") or 1) for row in rows if row["kept"] is not None)
-    if kept:
+    if any(row["kept"] is not None for row in rows):  # saved whenever a row was evicted, empty or not
+        kept = sum(row["kept"] * (row.get("kept_heads") or 1) for row in rows if row["kept"] is not None)
         positions = _tensor(tensors, f"groups.{index}.kept", (kept,), torch.long)
-        if int(positions.min()) < 0 or int(positions.max()) >= length:
+        if kept and (int(positions.min()) < 0 or int(positions.max()) >= length):
             raise CacheFileError(f"tensor 'groups.{index}.kept' holds positions outside [0, {length}): {CRAFTED}")
     return name
 
@@ -458,17 +458,18 @@ def _check_row(row: dict, where: str, length: int, block_size: int, quantized: b
     kept = _value(row, "kept", where, int, 0, optional=True)
     heads = _value(row, "kept_heads", where, int, 1, optional=True)
     first = base - sealed * block_size  # the first position the row stores (virtual after an eviction)
+    stored = max(length - base, 0)  # full-precision tokens (none where a crop cut into the left padding)
     problem = None
-    if not pads <= first or base > length:
-        problem = f"pads {pads} <= base {base} - sealed tokens {sealed * block_size} and base <= length {length}"
-    elif blocks != -(-(length - base) // block_size):
-        problem = f"{blocks} blocks of {block_size} tokens to hold the {length - base} from base {base} to {length}"
+    if not pads <= first or base > max(length, pads):
+        problem = f"pads {pads} <= base {base} - sealed tokens {sealed * block_size} and base <= max(length, pads)"
+    elif blocks != -(-stored // block_size):
+        problem = f"{blocks} blocks of {block_size} tokens to hold the {stored} from base {base} to {length}"
     elif kept is None and (first - pads) % block_size:
         problem = f"base {base} a whole number of blocks after pads {pads} (the row was never evicted)"
     elif kept is None and heads is not None:
         problem = "kept_heads only with kept positions"
-    elif kept is not None and kept > length - first:
-        problem = f"no more than the {length - first} stored tokens kept, not {kept}"
+    elif kept is not None and kept > sealed * block_size + stored:
+        problem = f"no more than the {sealed * block_size + stored} stored tokens kept, not {kept}"
     if problem is not None:
         raise CacheFileError(f"the header's `{where}` is inconsistent: expected {problem}: {CRAFTED}")
 
@@ -669,11 +670,11 @@ def _check_model(header: dict, tensors: dict[str, torch.Tensor], cache: Cache) -
               for index, _window, heads, head_dim in _attention_layer_shapes(config)}  # fmt: skip
     filled = {group["name"] for group in header["groups"] if group["rows"]}
     for index, (layer, saved) in enumerate(zip(cache.layers, header["layers"])):
+        group = getattr(layer, "tables", None)
         if saved is None:
-            if getattr(getattr(layer, "tables", None), "name", None) in filled:
+            if group is not None and group.name in filled:
                 raise CacheFileError(f"the header's `layers[{index}]` is null, but its group holds rows: {CRAFTED}")
             continue
-        group = getattr(layer, "tables", None)
         if group is None or group.name != names[saved["group"]]:
             kind = group.name if group is not None else f"a {type(layer).__name__}"
             raise CacheFileError(f"layer {index} is stored as {names[saved['group']]!r} in the file, but this config "

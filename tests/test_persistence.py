@@ -143,6 +143,25 @@ def test_left_padded_batch_with_shared_and_scattered_blocks(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(expected, got))
 
 
+@pytest.mark.parametrize("options", [{}, {"quant": "int8", "residual_length": 4}], ids=["plain", "int8"])
+def test_a_crop_into_a_rows_left_padding_round_trips(options, tmp_path):
+    """Cropping a left-padded batch below a row's padding leaves that row's base past the length and no blocks: a
+    state the header checks must accept, and the loaded cache continues as the cropped one."""
+    model = _model("llama_gqa")
+    model.set_attn_implementation("sdpa")
+    ids, mask = padded_batch((0, 5), 9)
+    cache = PagedCache(model.config, block_size=4, **options)
+    _continue(model, cache, ids, mask)
+    cache.crop(4 - cache.get_seq_length())
+    assert cache.groups[next(iter(cache.groups))].base[1] > cache.get_seq_length()
+    cache.save(tmp_path / "cropped.safetensors")
+    loaded = PagedCache.load(tmp_path / "cropped.safetensors", model.config)
+    assert loaded.groups[next(iter(loaded.groups))].base == cache.groups[next(iter(cache.groups))].base
+    rest, rest_mask = ids[:, 4:], mask[:, :9]
+    expected, got = _continue(model, cache, rest, rest_mask), _continue(model, loaded, rest, rest_mask)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
 def test_a_scattered_row_reads_as_it_did(tmp_path):
     """A row left alone after its batch decoded in turns holds ids in several runs. The file renumbers them
     into one run, but the loaded row reads through the same path as the original (a gather, not a view of
