@@ -13,9 +13,9 @@ import tracemalloc
 
 import pytest
 import torch
+from cache_state import cache_state
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from cache_state import cache_state
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_smollm2 import PROMPTS, needs_wheel
