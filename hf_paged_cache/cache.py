@@ -582,10 +582,11 @@ class PagedCache(Cache):
         return f"PagedCache(groups={list(self.groups)}, block_size={self.options.block_size}, layers={len(self.layers)})"
 
     # ------------------------------------------------------------------ files
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> None:
         """Write the cache to one safetensors file: the blocks in use (quantized ones as codes), the tables,
-        per-row and eviction state; `PagedCache.load` continues from it exactly. Save between forward steps."""
-        save_cache(self, path)
+        per-row and eviction state; `PagedCache.load` continues from it exactly. Save between forward steps.
+        An existing writable file is replaced; a write-protected one only with `overwrite=True`."""
+        save_cache(self, path, overwrite)
 
     @classmethod
     def load(

@@ -5,8 +5,10 @@ so runs of consecutive ids stay runs) and every layer writes just those blocks, 
 codes, scales and zero points. A JSON header in the safetensors metadata holds the rest: the options,
 the model's shapes, each group's tables and per-row state (padding, base, kept positions, quantized
 prefix), and the evictor's counters; its scores are tensors. A SHA-256 over the header and every tensor
-makes a corrupted file fail before anything is built. Loading reads tensors and JSON only -- no pickle,
-no code from the file: an eviction policy is named by its class, which must already be imported.
+makes a corrupted file fail before anything is built; it has no key, so it does not stop a crafted file, and
+every header value is checked against the others and the tensors present before anything is allocated from it.
+Loading reads tensors and JSON only -- no pickle, no code from the file: an eviction policy is named by its
+class, which must already be imported.
 
 A loaded cache is standalone, with its own pools sized to the blocks it holds (or by `num_blocks` /
 `max_memory`), and continues exactly as the saved one would have. `PagedCache.save` / `PagedCache.load` hand
@@ -15,11 +17,13 @@ A loaded cache is standalone, with its own pools sized to the blocks it holds (o
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
 import json
 import os
+import stat
 import uuid
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -51,11 +55,21 @@ POLICY_FIELDS_BEFORE = {"per_head": False, "protect_novel": 0.0, "rotary": "half
 # Options that say where and how large the loaded cache's storage is; every other option shapes what the
 # cache stores or how it continues, so it must equal the file's.
 PLACEMENT = ("num_blocks", "max_memory", "initial_blocks", "device", "backend")
+# Options a file sizes the loaded pool by (unless the load overrides one), and the allocator's bookkeeping per
+# block (four list entries), which a pool costs even before any storage is allocated.
+POOL_SIZE = ("num_blocks", "initial_blocks", "max_memory")
+BOOKKEEPING = 32
+# The end of every message about a header that passed the digest but is inconsistent: the digest has no key.
+CRAFTED = "the file was crafted or damaged before its digest was computed; save the cache again"
 
 
 # ---------------------------------------------------------------------------------------------- saving
-def save_cache(cache: Cache, path: str | os.PathLike) -> None:
-    """Write `cache` to `path` (replaced atomically: a failed save leaves any earlier file as it was)."""
+def save_cache(cache: Cache, path: str | os.PathLike, overwrite: bool = False) -> None:
+    """Write `cache` to `path` (replaced atomically: a failed save leaves any earlier file as it was). An existing
+    file is replaced when it is writable, a write-protected one only with `overwrite=True`: the rename that makes
+    the save atomic would otherwise replace a file whose permissions forbid writing it."""
+    path = Path(path)
+    _check_target(path, overwrite)
     _check_savable(cache)
     tensors: dict[str, torch.Tensor] = {}
     groups = list(cache.groups.values())
@@ -75,7 +89,6 @@ def save_cache(cache: Cache, path: str | os.PathLike) -> None:
         header["layers"].append(_save_layer(layer, group, *used[group], f"layers.{index}", tensors) if saved else None)
     tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}
     text = json.dumps(header)
-    path = Path(path)
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")  # beside it: os.replace stays atomic
     try:
         save_file(tensors, temporary, metadata={FORMAT: text, DIGEST: _digest(text, tensors)})
@@ -83,6 +96,20 @@ def save_cache(cache: Cache, path: str | os.PathLike) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def _check_target(path: Path, overwrite: bool) -> None:
+    """Refuse a directory, and a write-protected file unless `overwrite` (no write bit counts even for root)."""
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"PagedCache.save: `overwrite` must be a bool, got {overwrite!r}")
+    if path.is_dir():
+        raise IsADirectoryError(f"PagedCache.save: {str(path)!r} is a directory; give the path of a file to write")
+    if path.exists() and not overwrite:
+        if not os.access(path, os.W_OK) or not path.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
+            raise PermissionError(
+                f"PagedCache.save: {str(path)!r} exists and is write-protected; pass `overwrite=True` to replace it, "
+                "or save to another path"
+            )
 
 
 def _check_savable(cache: Cache) -> None:
@@ -278,19 +305,46 @@ def load_cache(
         raise ValueError("Pass either a `PagedCacheConfig` or keyword options to PagedCache.load, not both")
     if options is not None and not isinstance(options, PagedCacheConfig):
         raise TypeError(f"`options` must be a PagedCacheConfig, got {type(options).__name__}")
+    names = [field.name for field in dataclasses.fields(PagedCacheConfig)]
+    unknown = sorted(set(overrides) - set(names))
+    if unknown:
+        raise TypeError(f"unknown option(s) {unknown}; PagedCache options are: {', '.join(names)}")
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"PagedCache.load: {str(path)!r} is a directory; give the path of a file that "
+                                "`PagedCache.save` wrote")  # fmt: skip
     try:
-        header, tensors = _read(Path(path))
+        header, tensors = _read(path)
         options = _resolve_options(header, options, overrides)
-        cache = cache_class(config, options)
-        _check_model(header, cache)
-        _restore(cache, header, tensors)
+        try:
+            cache = cache_class(config, options)
+        except CacheFileError:
+            raise
+        except ValueError as error:  # options equal to the file's that this config cannot take
+            raise CacheFileError(f"its options do not fit this config ({error}): load the file with the config of "
+                                 "the model that saved it") from None  # fmt: skip
+        with _malformed_header():
+            _check_model(header, tensors, cache)
+            _restore(cache, header, tensors)
     except CacheFileError as error:
         raise CacheFileError(f"PagedCache.load({str(path)!r}): {error}") from None
     return cache
 
 
+@contextlib.contextmanager
+def _malformed_header() -> Iterator[None]:
+    """The safety net behind the explicit checks: an error that reading a header value raised (a missing key, a
+    value of the wrong type, JSON nested too deeply) is the file's fault, so it becomes a `CacheFileError`. Errors
+    of other kinds (the options' `ValueError`, a device's `RuntimeError`) are not about the file and pass."""
+    try:
+        yield
+    except (KeyError, TypeError, AttributeError, IndexError, RecursionError, OverflowError) as error:
+        raise CacheFileError(f"its header is malformed ({type(error).__name__}: {error}): {CRAFTED}") from None
+
+
 def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The header and tensors of a file `save_cache` wrote, or a `CacheFileError` saying what is wrong."""
+    """The header and tensors of a file `save_cache` wrote, checked against each other, or a `CacheFileError`
+    saying what is wrong."""
     try:
         with safe_open(path, framework="pt") as handle:
             metadata = handle.metadata() or {}
@@ -309,13 +363,19 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
             "the file's checksum does not match its contents, so it was corrupted after it was written: save the "
             "cache again"
         )
-    header = json.loads(text)
-    if header.get("version") not in READS:
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as error:
+        raise CacheFileError(f"its header is not JSON a PagedCache wrote ({type(error).__name__}): {CRAFTED}") from None
+    version = header.get("version") if isinstance(header, dict) else None
+    if version not in READS:
         raise CacheFileError(
-            f"the file has format version {header.get('version')}, but this hf_paged_cache reads versions "
+            f"the file has format version {_show(version)}, but this hf_paged_cache reads versions "
             f"{', '.join(map(str, READS))}: "
             "load it with the hf_paged_cache version that saved it, or save the cache again with this one"
         )
+    with _malformed_header():
+        _check_header(header, tensors)
     return header, tensors
 
 
@@ -328,18 +388,209 @@ def _digest(header: str, tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+# ---------------------------------------------------------------------------------------------- checking a header
+def _check_header(header: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse a header whose values have the wrong type or range, or disagree with each other or with the tensors
+    the file holds, before anything is allocated from them: the digest has no key, so a crafted file passes it.
+    Every size that is allocated from is thereby bounded by the tensors in the file."""
+    model = _value(header, "model", "header", dict)
+    _value(model, "model_type", "model", str)
+    count = _value(model, "layers", "model", int, 0)
+    _value(model, "tp_size", "model", int, 1)
+    options = _value(header, "options", "header", dict)
+    block_size = _value(options, "block_size", "options", int, 1)
+    for name in ("dtype", "device"):
+        _value(options, name, "options", str, optional=True)
+    policy = _value(options, "eviction", "options", dict, optional=True)
+    if policy is not None:
+        _value(policy, "class", "options.eviction", str)
+        _value(policy, "fields", "options.eviction", dict)
+    groups = _value(header, "groups", "header", list)
+    names = [_check_group(group, index, block_size, tensors) for index, group in enumerate(groups)]
+    if len(set(names)) != len(names):
+        raise CacheFileError(f"the header names a group twice ({names}): {CRAFTED}")
+    layers = _value(header, "layers", "header", list)
+    if len(layers) != count:
+        raise CacheFileError(f"the header's `layers` has {len(layers)} entries, `model.layers` {count}: {CRAFTED}")
+    for index, layer in enumerate(layers):
+        if layer is not None:
+            _check_layer(layer, index, groups, block_size, tensors)
+    eviction = _value(header, "eviction", "header", dict, optional=True)
+    if eviction is not None:
+        _check_eviction_state(eviction, layers, tensors)
+
+
+def _check_group(saved: dict, index: int, block_size: int, tensors: dict[str, torch.Tensor]) -> str:
+    """A group's fields, rows and tables; returns its name."""
+    where = f"groups[{index}]"
+    name = _value(saved, "name", where, str)
+    length = _value(saved, "length", where, int, 0)
+    _value(saved, "record_past", where, bool)
+    _value(saved, "padding_exact", where, bool)
+    rows = _value(saved, "rows", where, list)
+    quantized = _value(saved, "quantized_blocks", where, int, 0, optional=True) is not None
+    for number, row in enumerate(rows):
+        _check_row(row, f"{where}.rows[{number}]", length, block_size, quantized)
+    for key, table in (("blocks", "blocks"), ("quantized_blocks", "quantized"))[: 1 + quantized]:
+        count = _value(saved, key, where, int, 0)
+        if rows or key == "blocks":  # a group without rows saved an empty table (a quantized one none)
+            _check_table(tensors, f"groups.{index}.{table}", [row[table] for row in rows], count, f"{where}.{key}")
+        elif count:
+            raise CacheFileError(f"the header's `{where}.{key}` is {count} but the group has no rows: {CRAFTED}")
+    if any(row["kept"] is not None for row in rows):  # saved whenever a row was evicted, empty or not
+        kept = sum(row["kept"] * (row.get("kept_heads") or 1) for row in rows if row["kept"] is not None)
+        positions = _tensor(tensors, f"groups.{index}.kept", (kept,), torch.long)
+        if kept and (int(positions.min()) < 0 or int(positions.max()) >= length):
+            raise CacheFileError(f"tensor 'groups.{index}.kept' holds positions outside [0, {length}): {CRAFTED}")
+    return name
+
+
+def _check_row(row: dict, where: str, length: int, block_size: int, quantized: bool) -> None:
+    """A row's fields against the group's length: its full-precision blocks hold exactly the tokens from `base` to
+    `length` (rounded up to whole blocks), its sealed blocks whole blocks before `base`, none of them padding."""
+    pads, base = _value(row, "pads", where, int, 0), _value(row, "base", where, int, 0)
+    blocks = _value(row, "blocks", where, int, 0)
+    _value(row, "run_from", where, int, 0, high=max(blocks - 1, 0))
+    sealed = _value(row, "quantized", where, int, 0, optional=not quantized) or 0
+    _value(row, "quantized_run_from", where, int, 0, high=max(sealed - 1, 0), optional=not quantized)
+    if not quantized and (row.get("quantized"), row.get("quantized_run_from")) != (None, None):
+        raise CacheFileError(f"the header's `{where}` has sealed blocks in a group that is not quantized: {CRAFTED}")
+    kept = _value(row, "kept", where, int, 0, optional=True)
+    heads = _value(row, "kept_heads", where, int, 1, optional=True)
+    first = base - sealed * block_size  # the first position the row stores (virtual after an eviction)
+    stored = max(length - base, 0)  # full-precision tokens (none where a crop cut into the left padding)
+    problem = None
+    if not pads <= first or base > max(length, pads):
+        problem = f"pads {pads} <= base {base} - sealed tokens {sealed * block_size} and base <= max(length, pads)"
+    elif blocks != -(-stored // block_size):
+        problem = f"{blocks} blocks of {block_size} tokens to hold the {stored} from base {base} to {length}"
+    elif kept is None and (first - pads) % block_size:
+        problem = f"base {base} a whole number of blocks after pads {pads} (the row was never evicted)"
+    elif kept is None and heads is not None:
+        problem = "kept_heads only with kept positions"
+    elif kept is not None and kept > sealed * block_size + stored:
+        problem = f"no more than the {sealed * block_size + stored} stored tokens kept, not {kept}"
+    if problem is not None:
+        raise CacheFileError(f"the header's `{where}` is inconsistent: expected {problem}: {CRAFTED}")
+
+
+def _check_table(tensors: dict[str, torch.Tensor], name: str, lengths: list[int], count: int, where: str) -> None:
+    """A table tensor of the rows' `lengths`: the file's blocks renumbered densely, so together the rows name each
+    of the `count` blocks (rows may share blocks: forks, reordered batches), and no row names one block twice."""
+    ids = _tensor(tensors, name, (sum(lengths),), torch.long).tolist()
+    if len(set(ids)) != count or any(not 0 <= block < count for block in ids):  # `count` may be huge: no range set
+        raise CacheFileError(f"tensor {name!r} does not name each of the {count} blocks of `{where}` (the file's "
+                             f"blocks, numbered densely) and no others: {CRAFTED}")  # fmt: skip
+    start = 0
+    for number, length in enumerate(lengths):
+        if len(set(ids[start : start + length])) != length:
+            raise CacheFileError(f"tensor {name!r} names one block twice in row {number}: {CRAFTED}")
+        start += length
+
+
+def _check_layer(saved: dict, index: int, groups: list[dict], block_size: int, tensors: dict[str, torch.Tensor]):
+    """A layer's fields, and its tensors' shapes and dtype against them and its group's blocks."""
+    where, prefix = f"layers[{index}]", f"layers.{index}"
+    group = groups[_value(saved, "group", where, int, 0, high=len(groups) - 1)]
+    dtype = _dtype(_value(saved, "dtype", where, str))
+    if not dtype.is_floating_point:
+        raise CacheFileError(f"the header's `{where}.dtype` is {saved['dtype']!r}, not a floating dtype: {CRAFTED}")
+    try:
+        torch.device(_value(saved, "device", where, str))
+    except (RuntimeError, ValueError):
+        raise CacheFileError(f"the header's `{where}.device` is {_show(saved['device'])}: {CRAFTED}") from None
+    heads = _value(saved, "kv_heads", where, int, 1)
+    dims = {"keys": _value(saved, "head_dim", where, int, 1), "values": _value(saved, "value_dim", where, int, 1)}
+    for name, dim in dims.items():
+        _tensor(tensors, f"{prefix}.{name}", (heads, group["blocks"], block_size, dim), dtype)
+    if any(row.get("kept_heads") not in (None, heads) for row in group["rows"]):
+        raise CacheFileError(f"a row of {group['name']!r} keeps positions of other than {heads} KV heads: {CRAFTED}")
+    sealed = group["quantized_blocks"]
+    for name, tensor in tensors.items():
+        if name.startswith((f"{prefix}.qkey.", f"{prefix}.qvalue.")) and tensor.shape[:1] != (sealed,):
+            raise CacheFileError(f"tensor {name!r} is {tuple(tensor.shape)}, but its group holds {sealed} sealed "
+                                 f"blocks: {CRAFTED}")  # fmt: skip
+    _value(saved, "kv_format", where, str, optional=True)
+    stats = _value(saved, "error_stats", where, dict, optional=True)
+    if stats is not None:
+        for side in ("key", "value"):
+            if not _numbers(stats.get(side), 3, (int, float)):
+                raise CacheFileError(f"the header's `{where}.error_stats.{side}` is {_show(stats.get(side))}, expected "
+                                     f"[total, samples, worst]: {CRAFTED}")  # fmt: skip
+
+
+def _check_eviction_state(saved: dict, layers: list, tensors: dict[str, torch.Tensor]) -> None:
+    """The evictor's counters, and its scores and random states against the saved layers and tensors."""
+    for name, pair in _value(saved, "counts", "eviction", dict).items():
+        if not _numbers(pair, 2, int) or min(pair) < 0:
+            raise CacheFileError(f"the header's `eviction.counts.{name}` is {_show(pair)}, expected [compactions, "
+                                 f"tokens evicted]: {CRAFTED}")  # fmt: skip
+    _value(saved, "decode_steps", "eviction", int, 0)
+    _value(saved, "last_q_len", "eviction", int, 0)
+    scored = _value(saved, "scored_layers", "eviction", list)
+    for number in range(len(scored)):
+        index = _value(scored, number, "eviction.scored_layers", int, 0, high=len(layers) - 1)
+        if layers[index] is None:
+            raise CacheFileError(f"the header's `eviction.scored_layers` names layer {index}, which it does not hold: "
+                                 f"{CRAFTED}")  # fmt: skip
+        scores, heads = tensors.get(f"eviction.scores.{index}"), layers[index]["kv_heads"]
+        if scores is None or scores.dim() != 3 or not scores.dtype.is_floating_point or scores.shape[1] != heads:
+            found = "missing" if scores is None else f"{scores.dtype} {tuple(scores.shape)}"
+            raise CacheFileError(f"tensor 'eviction.scores.{index}' is {found}, expected floating scores of [rows, "
+                                 f"{heads} KV heads, tokens]: {CRAFTED}")  # fmt: skip
+    if len(set(scored)) != len(scored):
+        raise CacheFileError(f"the header's `eviction.scored_layers` names a layer twice ({scored}): {CRAFTED}")
+    generators = _value(saved, "generators", "eviction", list)
+    for number in range(len(generators)):
+        _value(generators, number, "eviction.generators", str)
+
+
+def _value(entry: dict | list, key: str | int, where: str, kind: type, low: int | None = None,
+           high: int | None = None, optional: bool = False) -> Any:  # fmt: skip
+    """`entry[key]` if it is a `kind` (a bool is no int) within [`low`, `high`] (None or absent where `optional`),
+    else a `CacheFileError` naming the field and its value."""
+    value = entry.get(key) if isinstance(entry, dict) else entry[key] if isinstance(entry, list) else None
+    if value is None and optional:
+        return None
+    if isinstance(entry, dict) and key not in entry:
+        raise CacheFileError(f"the header lacks `{where}.{key}`: {CRAFTED}")
+    wrong = not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool)
+    if wrong or (low is not None and value < low) or (high is not None and value > high):
+        bounds = "".join(f" {sign} {bound}" for sign, bound in ((">=", low), ("<=", high)) if bound is not None)
+        expected = f"{kind.__name__}{bounds}{' or null' if optional else ''}"
+        raise CacheFileError(f"the header's `{where}.{key}` is {_show(value)}, expected {expected}: {CRAFTED}")
+    return value
+
+
+def _numbers(value: Any, count: int, kind: type | tuple[type, ...]) -> bool:
+    """Whether `value` is a list of `count` numbers of `kind` (no bools)."""
+    return (isinstance(value, list) and len(value) == count
+            and all(isinstance(v, kind) and not isinstance(v, bool) for v in value))  # fmt: skip
+
+
+def _show(value: Any) -> str:
+    """A header value for a message, cut short (a crafted one may be huge)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
 def _resolve_options(header: dict, options: PagedCacheConfig | None, overrides: dict) -> PagedCacheConfig:
     """The loaded cache's options: the given ones, checked against the file's, or the file's with `overrides`."""
     saved = header["options"]
     if saved.get("eviction") is not None:  # a policy saved before a field existed ran as the field's first value
         fields = saved["eviction"]["fields"]
         fields.update({name: value for name, value in POLICY_FIELDS_BEFORE.items() if name not in fields})
+    try:  # the file's own options; its device is only parsed (it may be one this machine lacks)
+        own = PagedCacheConfig(**_options_from_json({name: value for name, value in saved.items() if name != "device"}))
+        if saved.get("device") is not None:
+            torch.device(saved["device"])
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise CacheFileError(f"its options are not valid PagedCache options ({error}): {CRAFTED}") from None
     if options is None:
-        unknown = sorted(set(overrides) - set(saved))
-        if unknown:
-            raise TypeError(f"unknown option(s) {unknown}; PagedCache options are: {', '.join(saved)}")
-        kept = _options_from_json({name: value for name, value in saved.items() if name not in overrides})
-        options = PagedCacheConfig(**kept, **overrides)
+        placement = {"device": saved["device"]} if saved.get("device") is not None else {}
+        options = dataclasses.replace(own, **{**placement, **overrides})
+        if not set(overrides) & set(POOL_SIZE):
+            _check_pool_size(header, options)
     given = _options_to_json(options)
     dtypes = {layer["dtype"] for layer in header["layers"] if layer is not None}
     for name, value in saved.items():
@@ -357,6 +608,34 @@ def _resolve_options(header: dict, options: PagedCacheConfig | None, overrides: 
     return options
 
 
+def _check_pool_size(header: dict, options: PagedCacheConfig) -> None:
+    """Refuse a pool the file's own size options ask for that this machine's memory cannot hold: honouring a crafted
+    `num_blocks` would allocate without bound before any block is read."""
+    limit = _machine_memory()
+    per_block = BOOKKEEPING + options.block_size * sum(
+        layer["kv_heads"] * (layer["head_dim"] + layer["value_dim"]) * _dtype(layer["dtype"]).itemsize
+        for layer in header["layers"] if layer is not None
+    )  # fmt: skip
+    for name in POOL_SIZE:
+        value = getattr(options, name)
+        size = None if value is None else value if name == "max_memory" else value * per_block
+        if limit is not None and size is not None and size > limit:
+            raise CacheFileError(
+                f"the file sizes its pool by {name}={value} ({size:,} bytes), more than this machine's memory "
+                f"({limit:,} bytes): pass `num_blocks` or `max_memory` to size the loaded cache's pool"
+            )
+
+
+def _machine_memory() -> int | None:
+    """Bytes of host memory plus those of every visible accelerator (None where the platform does not say)."""
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    devices = range(torch.cuda.device_count()) if torch.cuda.is_available() else ()
+    return host + sum(torch.cuda.get_device_properties(index).total_memory for index in devices)
+
+
 def _describe(name: str, value) -> str:
     """An option's JSON form as the user writes it."""
     if name == "dtype" and value is not None:
@@ -367,8 +646,8 @@ def _describe(name: str, value) -> str:
     return repr(value)
 
 
-def _check_model(header: dict, cache: Cache) -> None:
-    """Raise if `cache` (built from the given config and options) cannot hold the file's layers."""
+def _check_model(header: dict, tensors: dict[str, torch.Tensor], cache: Cache) -> None:
+    """Raise if `cache` (built from the given config and options) cannot hold the file's groups and layers."""
     model, config = header["model"], cache.model_config
     remedy = "load the file with the config of the model that saved it (`model.config`)"
     if (model["model_type"], model["layers"]) != (config.model_type, len(cache.layers)):
@@ -381,13 +660,21 @@ def _check_model(header: dict, cache: Cache) -> None:
             f"the file was saved by one of {model['tp_size']} tensor-parallel ranks, but this config runs on "
             f"{cache.tp_size}: load each rank's file under the same tensor parallelism"
         )
+    for index, saved in enumerate(header["groups"]):
+        group = cache.groups.get(saved["name"])
+        if group is None or isinstance(group, QuantizedBlockTables) != (saved["quantized_blocks"] is not None):
+            raise CacheFileError(f"the file's groups[{index}] is {saved['name']!r}, a group this config and these "
+                                 f"options do not make ({', '.join(cache.groups)}): {remedy}")  # fmt: skip
     names = [group["name"] for group in header["groups"]]
     shapes = {index: (heads // cache.tp_size, head_dim)
               for index, _window, heads, head_dim in _attention_layer_shapes(config)}  # fmt: skip
+    filled = {group["name"] for group in header["groups"] if group["rows"]}
     for index, (layer, saved) in enumerate(zip(cache.layers, header["layers"])):
-        if saved is None:
-            continue
         group = getattr(layer, "tables", None)
+        if saved is None:
+            if group is not None and group.name in filled:
+                raise CacheFileError(f"the header's `layers[{index}]` is null, but its group holds rows: {CRAFTED}")
+            continue
         if group is None or group.name != names[saved["group"]]:
             kind = group.name if group is not None else f"a {type(layer).__name__}"
             raise CacheFileError(f"layer {index} is stored as {names[saved['group']]!r} in the file, but this config "
@@ -397,7 +684,30 @@ def _check_model(header: dict, cache: Cache) -> None:
                 f"layer {index} stores {saved['kv_heads']} KV heads of size {saved['head_dim']} in the file, but this "
                 f"config has {shapes.get(index)} (heads, head size) per rank: {remedy}"
             )
+        if isinstance(layer, QuantizedLayer) and saved.get("error_stats") is None:
+            raise CacheFileError(f"layer {index} is quantized but the header's `layers[{index}]` has no `error_stats`: "
+                                 f"{CRAFTED}")  # fmt: skip
         _check_format(index, layer, saved)
+    _check_evictor(header["eviction"], tensors, cache.evictor)
+
+
+def _check_evictor(saved: dict | None, tensors: dict[str, torch.Tensor], evictor) -> None:
+    """Raise if the file's eviction state does not fit the cache's evictor (built from the same options)."""
+    if (saved is None) != (evictor is None):
+        raise CacheFileError(f"the header's `eviction` is {'absent' if saved is None else 'present'} but the options "
+                             f"{'do' if saved is None else 'do not'} evict: {CRAFTED}")  # fmt: skip
+    if saved is None:
+        return
+    for index in saved["scored_layers"]:
+        if index not in evictor.stats:
+            raise CacheFileError(f"eviction scores of layer {index} are misplaced (it is not evicted): {CRAFTED}")
+    for name in saved["generators"]:
+        generator = getattr(evictor.policy, name, None)
+        state = tensors.get(f"eviction.policy.{name}")
+        expected = generator.get_state() if isinstance(generator, torch.Generator) else None
+        if expected is None or state is None or (state.dtype, state.shape) != (expected.dtype, expected.shape):
+            raise CacheFileError(f"the policy's random state {name!r} does not fit {type(evictor.policy).__name__}: "
+                                 f"{CRAFTED}")  # fmt: skip
 
 
 def _check_format(index: int, layer, saved: dict) -> None:
@@ -442,16 +752,15 @@ def _restore(cache: Cache, header: dict, tensors: dict[str, torch.Tensor]) -> No
 def _restore_group(group: BlockTables, saved: dict, tensors: dict[str, torch.Tensor], prefix: str, growable: bool):
     rows = saved["rows"]
     quantized = saved["quantized_blocks"] is not None
-    blocks = _ids_of(tensors, f"{prefix}.blocks", sum(row["blocks"] for row in rows), saved["blocks"])
+    blocks = tensors[f"{prefix}.blocks"].tolist()  # tables, rows and tensors were checked with the header
     # Without rows nothing is allocated (the pools of a `max_memory` cache that never ran do not exist yet).
     slots = _allocate(group.pool, blocks, saved["blocks"], group.name, growable) if rows else []
     qblocks, qslots = [], []
     if quantized and rows:
         count = saved["quantized_blocks"]
-        qblocks = _ids_of(tensors, f"{prefix}.quantized", sum(row["quantized"] for row in rows), count)
+        qblocks = tensors[f"{prefix}.quantized"].tolist()
         qslots = _allocate(group.qpool, qblocks, count, f"{group.name} (quantized)", growable)
-    kept_counts = [(row["kept"] or 0) * (row.get("kept_heads") or 1) for row in rows]
-    kept = _tensor(tensors, f"{prefix}.kept", (sum(kept_counts),), torch.long) if sum(kept_counts) else None
+    kept = tensors.get(f"{prefix}.kept")
     group.rows, fp_from, q_from, kept_from = [], 0, 0, 0
     for row in rows:
         fp = _block_list(group.pool, [slots[b] for b in blocks[fp_from : fp_from + row["blocks"]]], row["run_from"])
@@ -514,16 +823,10 @@ def _restore_layer(layer: PagedLayer, saved: dict, slots: list[int], qslots: lis
 
 
 def _restore_evictor(evictor, saved: dict, tensors: dict[str, torch.Tensor]) -> None:
-    for index in saved["scored_layers"]:
-        scores = tensors.get(f"eviction.scores.{index}")
-        if index not in evictor.stats or scores is None:
-            raise CacheFileError(f"eviction scores of layer {index} are missing or misplaced: the file is corrupted")
-        evictor.stats[index].scores = scores.to(evictor.layers[index].device, copy=True)
+    for index in saved["scored_layers"]:  # checked by `_check_header` and `_check_evictor`
+        evictor.stats[index].scores = tensors[f"eviction.scores.{index}"].to(evictor.layers[index].device, copy=True)
     for name in saved["generators"]:
-        generator = getattr(evictor.policy, name, None)
-        if not isinstance(generator, torch.Generator) or f"eviction.policy.{name}" not in tensors:
-            raise CacheFileError(f"the policy's random state {name!r} does not fit {type(evictor.policy).__name__}")
-        generator.set_state(tensors[f"eviction.policy.{name}"])
+        getattr(evictor.policy, name).set_state(tensors[f"eviction.policy.{name}"])
     evictor.counts = {name: list(counts) for name, counts in saved["counts"].items()}
     evictor.decode_steps, evictor.last_q_len = saved["decode_steps"], saved["last_q_len"]
 
@@ -550,13 +853,5 @@ def _tensor(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...],
     tensor = tensors.get(name)
     if tensor is None or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
         found = "missing" if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)}"
-        raise CacheFileError(f"tensor {name!r} is {found}, expected {dtype} {tuple(shape)}: the file is corrupted")
+        raise CacheFileError(f"tensor {name!r} is {found}, expected {dtype} {tuple(shape)}: {CRAFTED}")
     return tensor
-
-
-def _ids_of(tensors: dict[str, torch.Tensor], name: str, length: int, count: int) -> list[int]:
-    """A table tensor of `length` file block indices, each below `count`."""
-    ids = _tensor(tensors, name, (length,), torch.long).tolist()
-    if any(not 0 <= block < count for block in ids):
-        raise CacheFileError(f"tensor {name!r} names blocks outside the file's {count}: the file is corrupted")
-    return ids
