@@ -63,6 +63,11 @@ class PagedKV:
         if self.after_attention is not None:
             self.after_attention(self.plan, query, mask, scale, softcap)
 
+    def reader(self) -> PagedKV:
+        """The handle for another layer that attends over this layer's K/V (a KV-shared layer): the same blocks and
+        plan without the work due after attention, so eviction statistics are recorded once per stored layer."""
+        return PagedKV(self.layer, self.plan, None, self.undo_step)
+
     def own_mask(self, q_len: int, device: torch.device) -> torch.Tensor | None:
         """The mask of a sequence that has no model-made mask (a packed batch): causal over the read range,
         within the sliding window if any; None for one query, which sees the whole read range."""
@@ -82,6 +87,10 @@ class PackedPagedKV:
         """Every sequence's cache takes back the step under way (the attention refused the model)."""
         for _start, _stop, part in self.parts:
             part.undo()
+
+    def reader(self) -> PackedPagedKV:
+        """`PagedKV.reader` for every sequence."""
+        return PackedPagedKV([(start, stop, part.reader()) for start, stop, part in self.parts])
 
 
 class LayerStorage:
@@ -237,8 +246,9 @@ class PagedLayer(CacheLayerMixin):
         """What `update()` returns once the step is written: a `PagedKV` in the attention kwargs (and the new
         states, usable by nothing else), or the K/V of the whole read range, gathered."""
         if attention_kwargs is not None:
-            attention_kwargs[PAGED_KV_KWARG] = PagedKV(self, plan, after_attention, undo)
-            return paged_only(key_states), paged_only(value_states)  # any other attention fails clearly
+            paged_kv = attention_kwargs[PAGED_KV_KWARG] = PagedKV(self, plan, after_attention, undo)
+            reader = paged_kv.reader()  # for a later layer that reuses these states (a KV-shared layer)
+            return paged_only(key_states, reader), paged_only(value_states, reader)  # any other attention fails
         keys, values = self.gather(plan)
         if keys.dtype != key_states.dtype:  # a storage dtype other than the model's (e.g. fp16 for an fp32 model)
             keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
