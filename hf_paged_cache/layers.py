@@ -428,8 +428,9 @@ class PagedSlidingLayer(PagedLayer):
 
 
 class SharedKVLayer(CacheLayerMixin):
-    """A layer that stores nothing and reads an earlier paged layer's K/V (`share_with`): its own new K/V are
-    dropped, so attention sees the source layer's history and this step's source states."""
+    """A layer that stores nothing and reads an earlier paged layer's K/V (`share_with`, or a model's KV-shared
+    layer, which calls no `update()` and attends over its source's states): its own new K/V are dropped, so
+    attention sees the source layer's history and this step's source states."""
 
     is_compileable = False
     is_quantized = False
@@ -445,6 +446,10 @@ class SharedKVLayer(CacheLayerMixin):
     @property
     def is_sliding(self) -> bool:
         return self.source.is_sliding
+
+    @property
+    def is_croppable(self) -> bool:  # a crop of the cache crops the source's tables, which this layer reads
+        return self.source.is_croppable
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to allocate: the source layer stores the K/V."""
