@@ -98,11 +98,12 @@ def kv_sharing_sources(config: PretrainedConfig) -> dict[int, int]:
     modes, types = getattr(config, "kv_sharing_modes", None), getattr(config, "layer_types", None)
     if not modes or types is None:
         return {}
-    sources = {}
+    sources, last_store = {}, {}
     for index, mode in enumerate(modes):
-        producers = [source for source in range(index) if modes[source] == "store" and types[source] == types[index]]
-        if mode == "reuse" and producers:
-            sources[index] = producers[-1]
+        if mode == "reuse" and types[index] in last_store:
+            sources[index] = last_store[types[index]]
+        elif mode == "store":
+            last_store[types[index]] = index
     return sources
 
 
