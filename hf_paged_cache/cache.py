@@ -41,8 +41,8 @@ class PagedCache(Cache):
 
     Full-attention layers share one set of block tables, sliding-window layers of each window size
     another; KV-sharing consumers (Gemma-3n) store nothing and read their producer layer's blocks; layers
-    the paged store does not own (linear attention) use transformers' own layer classes. Options are those of `PagedCacheConfig`, given either as keyword
-    arguments or as one `PagedCacheConfig`.
+    the paged store does not own (linear attention) use transformers' own layer classes. Options are those
+    of `PagedCacheConfig`, given either as keyword arguments or as one `PagedCacheConfig`.
 
     `fork()` (and `copy.deepcopy`) gives a second cache that shares every block by reference count, in the
     same pools: "one context, many questions" costs the questions only. A cache and its forks belong to one
