@@ -17,6 +17,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .attention_contract import check_attention_kwargs
 from .errors import UnsupportedAttentionError
 from .layers import PAGED_KV_KWARG, PackedPagedKV, PagedKV
+from .paged_states import reused_paged_kv
 from .torch_attention import attend
 
 ATTENTION_NAME = "paged"
@@ -50,7 +51,8 @@ def paged_attention_forward(
     `PagedCache`) `key`/`value` are complete and are used as given. A keyword (or dropout) it cannot honour
     is refused (`attention_contract`) and the cache takes back the step under way, so it is as it was.
     """
-    paged_kv: PagedKV | PackedPagedKV | None = kwargs.get(PAGED_KV_KWARG)
+    # A KV-shared layer (Gemma-3n) calls no `update()`: it reuses an earlier layer's states, which name its blocks.
+    paged_kv: PagedKV | PackedPagedKV | None = kwargs.get(PAGED_KV_KWARG) or reused_paged_kv(key)
     try:
         check_attention_kwargs(type(module).__name__, kwargs, dropout)
     except UnsupportedAttentionError:

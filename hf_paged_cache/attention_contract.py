@@ -3,8 +3,9 @@
 transformers hands an attention function every keyword its model passes, and the paged attention reads only the
 ones it knows: any other that changes the attention (gpt-oss's learned sink logits `s_aux`) would be dropped and the
 tokens would differ from `DynamicCache` without an error. So each keyword is either honoured (listed here with why) or
-refused, and model features that show in the config (multi-head latent attention, KV-shared layers) or in the
-modules (sink parameters) are refused before the cache changes.
+refused, and model features that show in the config (multi-head latent attention) or in the modules (sink
+parameters) are refused before the cache changes. KV-shared layers (Gemma-3n) read their producer layer's blocks
+(`kv_sharing_sources`); only those whose producer the config does not name are refused.
 """
 
 from __future__ import annotations
@@ -81,11 +82,29 @@ def check_model_features(config: PretrainedConfig) -> None:
         refuse(model, "multi-head latent attention",
                f"the model caches compressed latents (kv_lora_rank {config.kv_lora_rank}) and expands them into keys "
                "and values after `update()`, but the paged attention keeps the history in blocks")  # fmt: skip
-    shared = [index for index, mode in enumerate(getattr(config, "kv_sharing_modes", None) or []) if mode == "reuse"]
-    if shared:
+    sources = kv_sharing_sources(config)
+    unread = [index for index, mode in enumerate(getattr(config, "kv_sharing_modes", None) or [])
+              if mode not in (None, "store") and index not in sources]  # fmt: skip
+    if unread:
         refuse(model, "KV-shared layers",
-               f"layers {shared} reuse an earlier layer's K/V, but under the paged attention that layer hands "
-               "over only this step's new states (its history stays in the blocks)")  # fmt: skip
+               f"layers {unread} reuse K/V without an earlier \"store\" layer of their own layer type to read them "
+               "from, so the paged attention cannot tell which layer's blocks hold their history")  # fmt: skip
+
+
+def kv_sharing_sources(config: PretrainedConfig) -> dict[int, int]:
+    """`{consumer: producer}` of a model whose layers reuse an earlier layer's K/V (`kv_sharing_modes` "reuse", as
+    in Gemma-3n): the producer is the last earlier "store" layer of the consumer's layer type, whose `update()`
+    result the model hands to the consumer's attention. A consumer without one is left out (and refused above)."""
+    modes, types = getattr(config, "kv_sharing_modes", None), getattr(config, "layer_types", None)
+    if not modes or types is None:
+        return {}
+    sources, last_store = {}, {}
+    for index, mode in enumerate(modes):
+        if mode == "reuse" and types[index] in last_store:
+            sources[index] = last_store[types[index]]
+        elif mode == "store":
+            last_store[types[index]] = index
+    return sources
 
 
 def check_model_modules(model: torch.nn.Module) -> None:

@@ -63,6 +63,11 @@ class PagedKV:
         if self.after_attention is not None:
             self.after_attention(self.plan, query, mask, scale, softcap)
 
+    def reader(self) -> PagedKV:
+        """The handle for another layer that attends over this layer's K/V (a KV-shared layer): the same blocks and
+        plan without the work due after attention, so eviction statistics are recorded once per stored layer."""
+        return PagedKV(self.layer, self.plan, None, self.undo_step)
+
     def own_mask(self, q_len: int, device: torch.device) -> torch.Tensor | None:
         """The mask of a sequence that has no model-made mask (a packed batch): causal over the read range,
         within the sliding window if any; None for one query, which sees the whole read range."""
@@ -82,6 +87,10 @@ class PackedPagedKV:
         """Every sequence's cache takes back the step under way (the attention refused the model)."""
         for _start, _stop, part in self.parts:
             part.undo()
+
+    def reader(self) -> PackedPagedKV:
+        """`PagedKV.reader` for every sequence."""
+        return PackedPagedKV([(start, stop, part.reader()) for start, stop, part in self.parts])
 
 
 class LayerStorage:
@@ -237,8 +246,9 @@ class PagedLayer(CacheLayerMixin):
         """What `update()` returns once the step is written: a `PagedKV` in the attention kwargs (and the new
         states, usable by nothing else), or the K/V of the whole read range, gathered."""
         if attention_kwargs is not None:
-            attention_kwargs[PAGED_KV_KWARG] = PagedKV(self, plan, after_attention, undo)
-            return paged_only(key_states), paged_only(value_states)  # any other attention fails clearly
+            paged_kv = attention_kwargs[PAGED_KV_KWARG] = PagedKV(self, plan, after_attention, undo)
+            reader = paged_kv.reader()  # for a later layer that reuses these states (a KV-shared layer)
+            return paged_only(key_states, reader), paged_only(value_states, reader)  # any other attention fails
         keys, values = self.gather(plan)
         if keys.dtype != key_states.dtype:  # a storage dtype other than the model's (e.g. fp16 for an fp32 model)
             keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
@@ -418,8 +428,9 @@ class PagedSlidingLayer(PagedLayer):
 
 
 class SharedKVLayer(CacheLayerMixin):
-    """A layer that stores nothing and reads an earlier paged layer's K/V (`share_with`): its own new K/V are
-    dropped, so attention sees the source layer's history and this step's source states."""
+    """A layer that stores nothing and reads an earlier paged layer's K/V (`share_with`, or a model's KV-shared
+    layer, which calls no `update()` and attends over its source's states): its own new K/V are dropped, so
+    attention sees the source layer's history and this step's source states."""
 
     is_compileable = False
     is_quantized = False
@@ -435,6 +446,10 @@ class SharedKVLayer(CacheLayerMixin):
     @property
     def is_sliding(self) -> bool:
         return self.source.is_sliding
+
+    @property
+    def is_croppable(self) -> bool:  # a crop of the cache crops the source's tables, which this layer reads
+        return self.source.is_croppable
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to allocate: the source layer stores the K/V."""

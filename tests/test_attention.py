@@ -12,7 +12,7 @@ from tiny_models import MODELS_BY_NAME, REFUSED_MODELS, VOCAB
 from transformers import DynamicCache
 
 from hf_paged_cache import PagedCache, UnsupportedAttentionError
-from hf_paged_cache.attention_contract import HONOURED, REFUSED
+from hf_paged_cache.attention_contract import HONOURED, REFUSED, check_model_features
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REFUSED_BY_NAME = {entry.name: entry for entry in REFUSED_MODELS}
@@ -63,7 +63,6 @@ def _state(cache: PagedCache) -> tuple:
     [
         ("gpt_oss", r"GptOssAttention uses `s_aux`.*attention-sink logits"),
         ("granitemoe_swa", r"GraniteMoeSWAAttention uses `s_aux`.*attention-sink logits"),
-        ("gemma3n", r"KV-shared layers.*layers \[2, 3\] reuse an earlier layer's K/V"),
         ("deepseek_v3", r"values narrower than keys \(v_head_dim 8 < qk_head_dim 24\)"),
     ],
 )
@@ -124,3 +123,42 @@ def test_an_unknown_keyword_and_training_dropout_are_refused_before_anything_is_
     with pytest.raises(UnsupportedAttentionError, match=r"LlamaAttention uses dropout=0.1"):
         model(_prompt(), cache=cache)
     assert _state(cache) == before
+
+
+def test_kv_shared_layers_read_their_producers_blocks_and_a_refusal_there_takes_the_step_back():
+    """Gemma-3n's last layers reuse an earlier layer's `update()` result: under "paged" they attend over that layer's
+    blocks (the tokens of DynamicCache + SDPA), and a keyword refused at such a layer's attention (after every
+    storing layer wrote) takes the step back: the cache continues with DynamicCache's logits."""
+    model, config = MODELS_BY_NAME["gemma3n"].build()
+    ids = _prompt(11)  # longer than the sliding window (8)
+    reference = DynamicCache(config=config)
+    expected = _generate(model, "sdpa", reference, ids)
+    cache = PagedCache(config, block_size=4)
+    assert _generate(model, "paged", cache, ids) == expected
+    consumer = model.model.layers[3].self_attn  # reuses layer 1's K/V and calls no `update()`
+    hook = consumer.register_forward_pre_hook(
+        lambda _module, args, kwargs: (args, {**kwargs, "position_bias": torch.zeros(1)}), with_kwargs=True)
+    with pytest.raises(UnsupportedAttentionError, match="`position_bias`"), torch.no_grad():
+        model(torch.tensor([[7]]), cache=cache)
+    hook.remove()
+    assert cache.get_seq_length() == reference.get_seq_length()
+    with torch.no_grad():
+        logits = model(torch.tensor([[7]]), cache=cache).logits
+        model.set_attn_implementation("sdpa")
+        torch.testing.assert_close(logits, model(torch.tensor([[7]]), cache=reference).logits)
+
+
+class _ProducerlessGemma3nConfig(transformers.Gemma3nTextConfig):
+    """A config whose KV-shared layers name no "store" layer to read from."""
+
+    @property
+    def kv_sharing_modes(self) -> list[str | None]:
+        return [None if mode == "store" else mode for mode in super().kv_sharing_modes]
+
+
+def test_kv_shared_layers_without_a_producer_are_refused():
+    _model, config = MODELS_BY_NAME["gemma3n"].build()
+    check_model_features(config)  # the real Gemma-3n layout is served
+    producerless = _ProducerlessGemma3nConfig(**config.to_dict())
+    with pytest.raises(UnsupportedAttentionError, match=r"layers \[2, 3\] reuse K/V without an earlier \"store\""):
+        check_model_features(producerless)

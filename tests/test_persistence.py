@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from test_smollm2 import PROMPTS, needs_wheel
 from tiny_models import MODELS_BY_NAME, VOCAB, padded_batch
+from transformers import DynamicCache
 
 from hf_paged_cache import H2O, CacheFileError, PagedCache, PagedCacheConfig, RandomEviction, SnapKV, block_layout
 from hf_paged_cache.persistence import DIGEST, FORMAT, _digest
@@ -715,3 +716,21 @@ def test_forks_share_with_and_identical_rows_round_trip(tmp_path):
         assert loaded.metrics().blocks_used <= cache.metrics().blocks_used
         expected, got = _continue(model, cache, rest), _continue(model, loaded, rest)
         assert [t[:, -1].argmax(-1).tolist() for t in expected] == [t[:, -1].argmax(-1).tolist() for t in got]
+
+
+def test_a_kv_shared_model_round_trips_and_forks(tmp_path):
+    """Gemma-3n's KV-shared layers store nothing to save: a loaded cache and a fork rebuild them on their producers'
+    blocks and continue with the logits of DynamicCache (past the sliding window)."""
+    model = _model("gemma3n")
+    ids = torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(4))
+    model.set_attn_implementation("sdpa")
+    reference = DynamicCache(config=model.config)
+    _forward(model, reference, ids[:, :PREFIX])
+    expected = _continue(model, reference, ids[:, PREFIX:])
+    model.set_attn_implementation("paged")
+    cache = PagedCache(model.config, block_size=4)
+    _forward(model, cache, ids[:, :PREFIX])
+    cache.save(tmp_path / "kv_shared.safetensors")
+    for continued in (PagedCache.load(tmp_path / "kv_shared.safetensors", model.config), cache.fork(), cache):
+        for got, want in zip(_continue(model, continued, ids[:, PREFIX:]), expected):
+            torch.testing.assert_close(got, want)

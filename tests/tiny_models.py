@@ -30,6 +30,7 @@ class TinyModel:
     sliding_window: int | None = None  # smallest sliding window of the model, if any
     passes_position_ids: bool = True  # attention layers receive `position_ids` (left padding is not stored)
     passes_attention_kwargs: bool = True  # calls `cache.update(..., kwargs=...)`; if not, "paged" falls back to gather
+    reuses_kv: bool = False  # some layers reuse an earlier layer's K/V (KV sharing): no eviction for it
 
 
 def _make(model_class, config: PretrainedConfig, seed: int = 0) -> tuple[PreTrainedModel, PretrainedConfig]:
@@ -202,13 +203,13 @@ MODELS: list[TinyModel] = [
     TinyModel("phi3", phi3),
     TinyModel("gpt2", gpt2, gather_impl="eager"),
     TinyModel("gpt_neox", gpt_neox, passes_position_ids=False, passes_attention_kwargs=False),
+    TinyModel("gemma3n", gemma3n, sliding_window=8, reuses_kv=True),
 ]
 MODELS_BY_NAME = {entry.name: entry for entry in MODELS}
 # Models whose attention the "paged" attention refuses (exact only through the gather path).
 REFUSED_MODELS: list[TinyModel] = [
     TinyModel("gpt_oss", gpt_oss, gather_impl="eager", sliding_window=8),
     TinyModel("granitemoe_swa", granitemoe_swa, gather_impl="eager", sliding_window=8),
-    TinyModel("gemma3n", gemma3n, sliding_window=8),
     TinyModel("deepseek_v3", deepseek_v3),
 ]
 
