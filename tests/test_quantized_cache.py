@@ -125,15 +125,22 @@ def test_int8_logits_stay_close(attn):
 
 
 def test_paged_read_matches_gather_read():
-    """The chunked online-softmax read gives the same attention as SDPA over the dequantized copy."""
+    """The chunked online-softmax read gives the same attention as SDPA over the dequantized copy (token by
+    token: a longer step's tokens read its transition blocks each their own way, which only the paged read can)."""
     model = _model("llama_gqa")
-    inputs = _batch(length=80)  # 20+ quantized blocks per row: more than one chunk of 16
-    outs = [
-        _generate(model, attn, PagedCache(model.config, block_size=BLOCK, quant="int4", residual_length=0), inputs, 6)
-        for attn in ("sdpa", "paged")
-    ]
-    for a, b in zip(outs[0].scores, outs[1].scores):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    input_ids, attention_mask = _batch(length=80)  # 20+ quantized blocks per row: more than one chunk of 16
+    logits = []
+    for attn in ("sdpa", "paged"):
+        model.set_attn_implementation(attn)
+        cache = PagedCache(model.config, block_size=BLOCK, quant="int4", residual_length=0)
+        with torch.no_grad():
+            logits.append(torch.cat([
+                model(input_ids=input_ids[:, i : i + 1], attention_mask=attention_mask[:, : i + 1],
+                      past_key_values=cache, use_cache=True).logits
+                for i in range(input_ids.shape[1])
+            ], dim=1))  # fmt: skip
+        assert cache.metrics().quantized_tokens >= 2 * 76
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "paged"])
@@ -228,10 +235,11 @@ def test_out_of_blocks_leaves_the_cache_unchanged():
         model(input_ids=token, past_key_values=cache, use_cache=True)  # seals 4 blocks: the quantized pool holds 4 of 6
         (group,) = cache.groups.values()
         assert group.qpool.num_used == 4 and group.pool.num_used == 1
-        long_chunk = torch.randint(3, VOCAB, (1, 12))  # seals nothing (block [16, 20) is not full before the step)
-        model(input_ids=long_chunk, past_key_values=cache, use_cache=True)
+        chunk = torch.randint(3, VOCAB, (1, 4))  # completes block [16, 20) and seals it as it arrives
+        model(input_ids=chunk, past_key_values=cache, use_cache=True)
+        assert group.qpool.num_used == 5 and group.pool.num_used == 1
         state = _state(group)
-        more = torch.randint(3, VOCAB, (1, 16))  # would seal 3 more quantized blocks: only 1 free
+        more = torch.randint(3, VOCAB, (1, 16))  # would seal 4 more quantized blocks: only 1 free
         with pytest.raises(OutOfBlocksError, match="quantized"):
             model(input_ids=more, past_key_values=cache, use_cache=True)
         assert _state(group) == state
