@@ -337,9 +337,6 @@ class BlockTables:
     def _new_row(self, pad: int) -> Row:
         return Row(pads=pad, base=pad, blocks=BlockList(self.pool))
 
-    def finish_step(self) -> None:
-        """Called once every layer of the group has written the step (quantized groups free what it sealed)."""
-
     def _take_arrivals(self, q_len: int, pads: list[int], mirrors: dict[int, int]) -> None:
         """After a step's drops: take out of the rows the blocks its layers seal as they write (quantized groups)."""
 
@@ -589,8 +586,6 @@ class QuantizedBlockTables(BlockTables):
         # Shared full-precision block -> (its epoch, its sealed copy, that copy's epoch), shared by the forks of
         # the cache: the first table to seal a shared block seals it, the others take a reference to the copy.
         self.sealed_copies: dict[int, tuple[int, int, int]] = {}
-        # Full-precision blocks whose older tokens this step's layers still seal: freed by `finish_step`.
-        self.retired: list[int] = []
         self._arrivals: list[tuple[int, int, int | None, int, list[int]]] = []
 
     @property
@@ -636,14 +631,13 @@ class QuantizedBlockTables(BlockTables):
             sealed, older, blocks = (0, 0, 0) if index in mirrors else self._arrival(q_len, self.stored_tokens(index), new)
             if not sealed:
                 continue
-            # Their tokens are read by every layer of the group before `finish_step` frees them.
-            self.retired.extend(row.blocks.ids[:blocks])
-            row.blocks.replace(row.blocks.ids[blocks:])
+            sources = row.blocks.ids[:blocks]  # every layer kept a copy of their tokens (`_seal`)
+            row.blocks.drop_front(blocks)
             last = row.quantized.ids[-1] if len(row.quantized) else None
             fresh = self.qpool.allocate(sealed, after=last)
             row.quantized.append_fresh(fresh)
             row.base += sealed * self.block_size
-            self._arrivals.append((index, q_len - new, self.retired[len(self.retired) - blocks :], older, fresh))
+            self._arrivals.append((index, q_len - new, sources, older, fresh))
 
     def _make_plan(self, q_len: int, new_tokens: list[int], mirrors: dict[int, int]) -> StepPlan:
         plan = super()._make_plan(q_len, new_tokens, mirrors)
@@ -657,10 +651,6 @@ class QuantizedBlockTables(BlockTables):
                            for row, count in zip(self.rows, plan.transition)]  # fmt: skip
         return plan
 
-    def finish_step(self) -> None:
-        self.pool.free(self.retired)
-        self.retired = []
-
     def _sealed_blocks(self, q_len: int) -> list[list[int]]:
         """Per row, the full-precision block ids a step of `q_len` tokens seals."""
         window = [fp for _quantized, fp in self._window_drops()]
@@ -671,11 +661,15 @@ class QuantizedBlockTables(BlockTables):
         sealed = {block for blocks in self._sealed_blocks(q_len) for block in blocks}
         quantized_drops = [(row.quantized, drop) for row, (drop, _fp) in zip(self.rows, self._window_drops())]
         freed = blocks_freed(quantized_drops) if self.rows else 0
-        growth = BlockTables._row_growth(self, q_len, pads, self._step_drops(q_len))
-        arriving = sum(self._arrival(q_len, stored, new)[0] for row, (stored, _held, new) in enumerate(growth)
-                       if row not in mirrors)  # fmt: skip
-        needed = len(sealed) + arriving
-        return [*super().demands(q_len, pads, mirrors), (self.qpool, needed, freed, f"{self.name} (quantized)")]
+        drops = self._step_drops(q_len)
+        arrivals = [self._arrival(q_len, stored, new)
+                    for stored, _held, new in BlockTables._row_growth(self, q_len, pads, drops)]  # fmt: skip
+        needed = len(sealed) + sum(sealed for row, (sealed, _, _) in enumerate(arrivals) if row not in mirrors)
+        ((pool, fp_needed, _freed, name),) = super().demands(q_len, pads, mirrors)
+        # The full-precision blocks sealed with new tokens follow the drops, and go back to the pool with them.
+        fp_freed = blocks_freed((row.blocks, drop + arrival[2]) for row, drop, arrival in zip(self.rows, drops, arrivals))
+        return [(pool, fp_needed, fp_freed if self.rows else 0, name),
+                (self.qpool, needed, freed, f"{self.name} (quantized)")]  # fmt: skip
 
     def _seal(self, q_len: int, seal_blocks: BlockCopier) -> None:
         sealed: dict[int, int] = {}  # fp block -> its quantized block (rows sharing a block share its copy)
@@ -693,8 +687,18 @@ class QuantizedBlockTables(BlockTables):
         for block, copy in sealed.items():
             if self.pool.ref_count(block) > sum(block in ids for ids in self.tables):  # a fork holds it too
                 self.sealed_copies[block] = (self.pool.epoch(block), copy, self.qpool.epoch(copy))
-        if sealed:
-            seal_blocks(list(sealed), list(sealed.values()))
+        keep = self._kept_blocks(q_len)
+        if sealed or keep:
+            seal_blocks(list(sealed), list(sealed.values()), keep)
+
+    def _kept_blocks(self, q_len: int) -> list[int]:
+        """The full-precision blocks whose tokens a step seals along with new ones: each layer keeps a copy of
+        them when the step is planned, before any block the step frees can be handed out again."""
+        drops, keep = self._step_drops(q_len), {}
+        for index, (stored, _held, new) in enumerate(BlockTables._row_growth(self, q_len, [], drops)):
+            blocks = self._arrival(q_len, stored, new)[2]
+            keep.update(dict.fromkeys(self.rows[index].blocks.ids[drops[index] : drops[index] + blocks]))
+        return list(keep)
 
     def _sealed_copy(self, block: int) -> int | None:
         """The sealed copy a fork already made of `block`, if both are still the blocks they were."""
@@ -706,19 +710,6 @@ class QuantizedBlockTables(BlockTables):
             return copy
         del self.sealed_copies[block]  # the block or its copy was freed and reused since
         return None
-
-    def fork(self) -> QuantizedBlockTables:
-        twin = super().fork()
-        twin.retired, twin._arrivals = [], []
-        return twin
-
-    def crop(self, new_len: int) -> None:
-        self.finish_step()
-        super().crop(new_len)
-
-    def release(self) -> None:
-        self.finish_step()
-        super().release()
 
     def check_crop(self, new_len: int) -> None:
         """Cropping inside a row's quantized prefix is exact only at a block boundary (whole quantized

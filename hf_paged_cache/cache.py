@@ -151,10 +151,7 @@ class PagedCache(Cache):
         after = None
         if in_place and self.evictor is not None and layer_idx in self.evictor.layers:
             after = functools.partial(self.evictor.after_attention, layer_idx)
-        states = layer.update(key_states, value_states, plan, attention_kwargs if in_place else None, after)
-        if layer is self._members[layer.tables.name][-1]:
-            layer.tables.finish_step()
-        return states
+        return layer.update(key_states, value_states, plan, attention_kwargs if in_place else None, after)
 
     def _check_thread(self) -> None:
         """Refuse (changing nothing) an update from a thread other than the one whose forward step is under
@@ -595,10 +592,11 @@ def _copy_quantized(layers: list[QuantizedLayer], sources: list[int], targets: l
         layer.copy_quantized_blocks(sources, targets)
 
 
-def _seal(layers: list[PagedLayer], sources: list[int], targets: list[int]) -> None:
-    """Quantize full-precision blocks `sources` into sealed blocks `targets` in every layer of a group."""
+def _seal(layers: list[PagedLayer], sources: list[int], targets: list[int], keep: list[int]) -> None:
+    """Quantize full-precision blocks `sources` into sealed blocks `targets` in every layer of a group, each
+    keeping a copy of blocks `keep` for the step (`QuantizedLayer.seal`)."""
     for layer in layers:
-        layer.seal(sources, targets)
+        layer.seal(sources, targets, keep)
 
 
 def _check_quant_layers(options: PagedCacheConfig, layer_types: list[str]) -> None:

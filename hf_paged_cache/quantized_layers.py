@@ -44,6 +44,7 @@ class QuantizedLayer(PagedLayer):
         # Sampled reconstruction error: per "key" / "value", [sum of sample means, samples, max].
         self.error_stats = {"key": [0.0, 0, 0.0], "value": [0.0, 0, 0.0]}
         self._arrived: dict = {}  # this step's blocks sealed as they arrived, full precision, until the paged read
+        self._kept = None  # (ids, keys, values): full-precision blocks `seal` kept for this step's arrivals
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -53,7 +54,7 @@ class QuantizedLayer(PagedLayer):
     def fork(self, tables: QuantizedBlockTables) -> QuantizedLayer:
         twin = super().fork(tables)
         twin.error_stats = copy.deepcopy(self.error_stats)
-        twin._arrived = {}
+        twin._arrived, twin._kept = {}, None
         return twin
 
     def _allocate_quantized(self, blocks: int) -> tuple[dict, dict]:
@@ -110,17 +111,18 @@ class QuantizedLayer(PagedLayer):
 
     @torch.no_grad()
     def _seal_arrivals(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor) -> dict:
-        """Quantize each arriving block from the step's K/V (and the stored tokens among them, read from their
-        full-precision blocks) and return those full-precision blocks per row, `[blocks, block_size, kv_heads,
+        """Quantize each arriving block from the step's K/V (and the stored tokens among them, from the copies
+        `seal` kept of their full-precision blocks) and return those full-precision blocks per row, `[blocks, block_size, kv_heads,
         head_dim]` K and V: a transient copy, never blocks of the pool."""
         bs, arrived, targets = self.tables.block_size, {}, []
+        kept, self._kept = self._kept, None
         for row, first, sources, older, sealed in plan.arrivals:
             count = len(sealed) * bs - older
             pair = []
-            for states, blocks in ((key_states, self.key_blocks), (value_states, self.value_blocks)):
+            for states, copies in ((key_states, kept and kept[1]), (value_states, kept and kept[2])):
                 tokens = states[row, :, first : first + count].transpose(0, 1).to(device=self.device, dtype=self.dtype)
                 if older:
-                    stored = blocks[torch.tensor(sources, device=self.device)].flatten(0, 1)[:older]
+                    stored = copies[[kept[0].index(block) for block in sources]].flatten(0, 1)[:older]
                     tokens = torch.cat([stored, tokens])
                 pair.append(tokens.reshape(len(sealed), bs, *tokens.shape[1:]))
             arrived[row] = tuple(pair)
@@ -129,12 +131,17 @@ class QuantizedLayer(PagedLayer):
         self._quantize(keys, values, torch.arange(keys.shape[0], device=self.device), targets)
         return arrived
 
-    def seal(self, sources: list[int], targets: list[int]) -> None:
-        """Quantize full-precision blocks `sources` into quantized blocks `targets` (one call per K / V)."""
+    def seal(self, sources: list[int], targets: list[int], keep: list[int] = ()) -> None:
+        """Quantize full-precision blocks `sources` into quantized blocks `targets` (one call per K / V), and keep
+        a copy of blocks `keep`, whose tokens this step seals with new ones (`_seal_arrivals`)."""
         if not self.is_initialized:
             return
         self._fit_pool()
-        self._quantize(self.key_blocks, self.value_blocks, torch.tensor(sources, device=self.device), targets)
+        if keep:
+            ids = torch.tensor(keep, device=self.device)
+            self._kept = (list(keep), self.key_blocks.index_select(0, ids), self.value_blocks.index_select(0, ids))
+        if sources:
+            self._quantize(self.key_blocks, self.value_blocks, torch.tensor(sources, device=self.device), targets)
 
     @torch.no_grad()
     def _quantize(self, key_blocks: torch.Tensor, value_blocks: torch.Tensor, src: torch.Tensor,
