@@ -586,7 +586,7 @@ class QuantizedBlockTables(BlockTables):
         # Shared full-precision block -> (its epoch, its sealed copy, that copy's epoch), shared by the forks of
         # the cache: the first table to seal a shared block seals it, the others take a reference to the copy.
         self.sealed_copies: dict[int, tuple[int, int, int]] = {}
-        self._arrivals: list[tuple[int, int, int | None, int, list[int]]] = []
+        self._arrivals: list[tuple[int, int, list[int], int, list[int]]] = []  # this step's (`StepPlan.arrivals`)
 
     @property
     def window(self) -> int:
@@ -628,8 +628,8 @@ class QuantizedBlockTables(BlockTables):
         self._arrivals = []
         for index, row in enumerate(self.rows):
             new = q_len if self.length else q_len - pads[index]
-            sealed, older, blocks = (0, 0, 0) if index in mirrors else self._arrival(q_len, self.stored_tokens(index), new)
-            if not sealed:
+            sealed, older, blocks = self._arrival(q_len, self.stored_tokens(index), new)
+            if not sealed or index in mirrors:
                 continue
             sources = row.blocks.ids[:blocks]  # every layer kept a copy of their tokens (`_seal`)
             row.blocks.drop_front(blocks)
@@ -667,7 +667,8 @@ class QuantizedBlockTables(BlockTables):
         needed = len(sealed) + sum(sealed for row, (sealed, _, _) in enumerate(arrivals) if row not in mirrors)
         ((pool, fp_needed, _freed, name),) = super().demands(q_len, pads, mirrors)
         # The full-precision blocks sealed with new tokens follow the drops, and go back to the pool with them.
-        fp_freed = blocks_freed((row.blocks, drop + arrival[2]) for row, drop, arrival in zip(self.rows, drops, arrivals))
+        leading = [(row.blocks, drop + blocks) for row, drop, (_, _, blocks) in zip(self.rows, drops, arrivals)]
+        fp_freed = blocks_freed(leading)
         return [(pool, fp_needed, fp_freed if self.rows else 0, name),
                 (self.qpool, needed, freed, f"{self.name} (quantized)")]  # fmt: skip
 

@@ -112,8 +112,8 @@ class QuantizedLayer(PagedLayer):
     @torch.no_grad()
     def _seal_arrivals(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor) -> dict:
         """Quantize each arriving block from the step's K/V (and the stored tokens among them, from the copies
-        `seal` kept of their full-precision blocks) and return those full-precision blocks per row, `[blocks, block_size, kv_heads,
-        head_dim]` K and V: a transient copy, never blocks of the pool."""
+        `seal` kept of their full-precision blocks) and return those full-precision blocks per row,
+        `[blocks, block_size, kv_heads, head_dim]` K and V: a transient copy, never blocks of the pool."""
         bs, arrived, targets = self.tables.block_size, {}, []
         kept, self._kept = self._kept, None
         for row, first, sources, older, sealed in plan.arrivals:
@@ -277,7 +277,8 @@ class QuantizedLayer(PagedLayer):
                 softmax.update(keys, values, row_mask[:, first : first + stop - start])
             result = softmax.result()
             out.append(rotate_heads(result) if rotate_values else result)
-        self._arrived = {}
+        if not self.read_by_others:  # the transient copy is not needed again this step
+            self._arrived = {}
         return torch.stack(out).to(query.dtype)
 
 
@@ -309,8 +310,11 @@ class QuantizedLayer(PagedLayer):
         ends = first + (torch.arange(count * bs, device=row_mask.device) // bs + 1) * bs
         reads_quantized = ends[None, :] <= positions[:, None] + 1 - tables.window
         visible = visible_columns(row_mask, first - plan.kv_offset, count * bs)
-        softmax.update(*quantized, visible & reads_quantized)
-        softmax.update(keys, values, visible & ~reads_quantized)
+        for part in torch.arange(count * bs, device=row_mask.device).split(CHUNK_TOKENS):  # a bounded transient
+            columns = slice(int(part[0]), int(part[-1]) + 1)
+            quantized_part = (side[:, columns] for side in quantized)
+            softmax.update(*quantized_part, visible[:, columns] & reads_quantized[:, columns])
+            softmax.update(keys[:, columns], values[:, columns], visible[:, columns] & ~reads_quantized[:, columns])
         hidden = row_mask.clone()
         hidden[:, max(first - plan.kv_offset, 0) : max(first + count * bs - plan.kv_offset, 0)] = False
         return hidden

@@ -392,7 +392,8 @@ def _feed(model, cache, tokens, chunks):
     logits, start = [], 0
     with torch.no_grad():
         for size in chunks:
-            logits.append(model(input_ids=tokens[:, start : start + size], past_key_values=cache, use_cache=True).logits)
+            chunk = tokens[:, start : start + size]
+            logits.append(model(input_ids=chunk, past_key_values=cache, use_cache=True).logits)
             start += size
     return torch.cat(logits, dim=1)
 
