@@ -492,3 +492,17 @@ def test_assisted_decoding_equals_greedy(spec):
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     for a, b in zip(outs[0].scores, outs[1].scores):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_a_share_with_reader_reads_a_long_chunk_as_its_source_does():
+    """A `share_with` layer attends over its source's step after the source: the full-precision copy of the
+    blocks the step sealed as they arrived is still there for it, so a chunk reads as token by token."""
+    model = _model("llama_gqa")
+    model.set_attn_implementation("paged")
+    tokens = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(6))
+    logits = [
+        _feed(model, PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=RESIDUAL,
+                                share_with={1: 0}), tokens, chunks)
+        for chunks in ([1] * 30, [30])
+    ]  # fmt: skip
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-3, rtol=0)
