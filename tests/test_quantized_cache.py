@@ -506,3 +506,16 @@ def test_a_share_with_reader_reads_a_long_chunk_as_its_source_does():
         for chunks in ([1] * 30, [30])
     ]  # fmt: skip
     torch.testing.assert_close(logits[1], logits[0], atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("residual", [0, 1, 4])
+def test_estimate_matches_what_positional_sealing_holds(residual):
+    """`estimate_kv_bytes` counts the blocks sealing by position leaves (a zero residual keeps the newest token's
+    block in full precision, as one token at a time does)."""
+    model = _model("llama_gqa")
+    model.set_attn_implementation("paged")
+    tokens = torch.randint(3, VOCAB, (1, 24), generator=torch.Generator().manual_seed(7))
+    cache = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=residual)
+    _feed(model, cache, tokens, [24])
+    estimate = estimate_kv_bytes(model.config, 1, 24, BLOCK, torch.float32, quant="int8", residual_length=residual)
+    assert cache.metrics().used_bytes == estimate
