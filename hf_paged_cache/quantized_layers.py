@@ -2,7 +2,9 @@
 
 Which blocks are sealed when is the tables' business (`block_tables.QuantizedBlockTables`); a layer
 quantizes the blocks it is told to (`seal`, one vectorized `quantize` per layer for all blocks sealed
-at a step) and reads them back.
+at a step; `_seal_arrivals`, the blocks a long step's own tokens complete, from their K/V) and reads them
+back. A token reads a block quantized or not by positions alone, so the blocks at the residual window's
+edge during a multi-token step (`StepPlan.transition`) are read both ways, each query its own way.
 
 Reads: the `"paged"` attention (`QuantizedLayer.attend`) dequantizes runs of at most `CHUNK_TOKENS`
 quantized tokens at a time and merges the chunks with an online softmax, so no full-precision copy of
@@ -281,7 +283,6 @@ class QuantizedLayer(PagedLayer):
             self._arrived = {}
         return torch.stack(out).to(query.dtype)
 
-
     def _attend_transition(self, softmax: OnlineSoftmax, plan: StepPlan, row: int, row_mask: torch.Tensor):
         """Attend the row's transition blocks as each query would read them one token at a time: quantized when
         they end `window` positions or more before the query's own position + 1, else in full precision. Returns
@@ -301,7 +302,7 @@ class QuantizedLayer(PagedLayer):
                                      (self.kv_format.value, values, self.value_dim)):  # fmt: skip
                 scratch = fmt.allocate(count, bs, heads, dim, device=self.device)
                 fmt.quantize(blocks, scratch, range(count))
-                fields.append(fmt.dequantize(scratch, slice(0, count), torch.float32, True))
+                fields.append(fmt.dequantize(scratch, slice(0, count), torch.float32, rotated=True))
             quantized = tuple(field.flatten(0, 1).transpose(0, 1) for field in fields)
         keys, values = (part.flatten(0, 1).transpose(0, 1).float() for part in (keys, values))
         keys = rotate_heads(keys) if self.kv_format.key.rotate else keys
@@ -310,8 +311,8 @@ class QuantizedLayer(PagedLayer):
         ends = first + (torch.arange(count * bs, device=row_mask.device) // bs + 1) * bs
         reads_quantized = ends[None, :] <= positions[:, None] + 1 - tables.window
         visible = visible_columns(row_mask, first - plan.kv_offset, count * bs)
-        for part in torch.arange(count * bs, device=row_mask.device).split(CHUNK_TOKENS):  # a bounded transient
-            columns = slice(int(part[0]), int(part[-1]) + 1)
+        for start in range(0, count * bs, CHUNK_TOKENS):  # a bounded transient, as for the quantized prefix
+            columns = slice(start, start + CHUNK_TOKENS)
             quantized_part = (side[:, columns] for side in quantized)
             softmax.update(*quantized_part, visible[:, columns] & reads_quantized[:, columns])
             softmax.update(keys[:, columns], values[:, columns], visible[:, columns] & ~reads_quantized[:, columns])
