@@ -148,10 +148,12 @@ class PagedCache(Cache):
         plan = self._plan(layer, key_states, value_states, attention_kwargs)
         if plan.mirrors:
             plan = self._check_mirrors(layer, key_states, value_states, plan)
+        if not in_place:
+            return layer.update(key_states, value_states, plan)
         after = None
-        if in_place and self.evictor is not None and layer_idx in self.evictor.layers:
+        if self.evictor is not None and layer_idx in self.evictor.layers:
             after = functools.partial(self.evictor.after_attention, layer_idx)
-        return layer.update(key_states, value_states, plan, attention_kwargs if in_place else None, after)
+        return layer.update(key_states, value_states, plan, attention_kwargs, after)
 
     def _check_thread(self) -> None:
         """Refuse (changing nothing) an update from a thread other than the one whose forward step is under

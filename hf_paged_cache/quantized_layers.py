@@ -98,8 +98,9 @@ class QuantizedLayer(PagedLayer):
                     tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     # ------------------------------------------------------------------ sealing
-    def update(self, key_states, value_states, plan: StepPlan, attention_kwargs=None, after_attention=None):
-        """`PagedLayer.update`, after quantizing the blocks this step's own tokens complete (`plan.arrivals`)."""
+    def update(self, key_states, value_states, plan: StepPlan, attention_kwargs=None, *hooks):
+        """`PagedLayer.update` (`hooks`: its arguments after `attention_kwargs`), after quantizing the blocks
+        this step's own tokens complete (`plan.arrivals`)."""
         self._arrived = {}
         if plan.arrivals:
             if not self.is_initialized:
@@ -109,7 +110,7 @@ class QuantizedLayer(PagedLayer):
             if attention_kwargs is not None:  # the paged read gives the step's earlier tokens their full precision
                 arrived.update({row: arrived[source] for row, source in plan.mirrors.items() if source in arrived})
                 self._arrived = {row: pair for row, pair in arrived.items() if plan.transition[row]}
-        return super().update(key_states, value_states, plan, attention_kwargs, after_attention)
+        return super().update(key_states, value_states, plan, attention_kwargs, *hooks)
 
     @torch.no_grad()
     def _seal_arrivals(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor) -> dict:
