@@ -75,7 +75,8 @@ def paged_attention_forward(
 def _attend_blocks(query: torch.Tensor, paged_kv: PagedKV, mask: torch.Tensor | None, scale: float,
                    softcap: float | None) -> torch.Tensor:  # fmt: skip
     """Attention of `query` `[batch, heads, q, head_dim]` over the blocks `paged_kv` names: `[batch, q, heads, d]`."""
-    if paged_kv.uses_kernels and (mask is None or paged_kv.plan.padding_exact):
+    # A step whose tokens read some quantized blocks differently (`StepPlan.transition`) takes the torch path.
+    if paged_kv.uses_kernels and (mask is None or paged_kv.plan.padding_exact) and not any(paged_kv.plan.transition):
         out = _kernel_attention(query, paged_kv, scale, softcap)
     else:  # the torch path: row by row over views of the blocks (a quantized layer decodes its history too)
         out = paged_kv.layer.attend(query, paged_kv.plan, mask, scale, softcap).transpose(1, 2)

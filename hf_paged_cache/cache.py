@@ -650,10 +650,11 @@ def _copy_quantized(layers: list[QuantizedLayer], sources: list[int], targets: l
         layer.copy_quantized_blocks(sources, targets)
 
 
-def _seal(layers: list[PagedLayer], sources: list[int], targets: list[int]) -> None:
-    """Quantize full-precision blocks `sources` into sealed blocks `targets` in every layer of a group."""
+def _seal(layers: list[PagedLayer], sources: list[int], targets: list[int], keep: list[int]) -> None:
+    """Quantize full-precision blocks `sources` into sealed blocks `targets` in every layer of a group, each
+    keeping a copy of blocks `keep` for the step (`QuantizedLayer.seal`)."""
     for layer in layers:
-        layer.seal(sources, targets)
+        layer.seal(sources, targets, keep)
 
 
 def _check_quant_layers(options: PagedCacheConfig, layer_types: list[str]) -> None:

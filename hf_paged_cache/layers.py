@@ -114,6 +114,7 @@ class PagedLayer(CacheLayerMixin):
     is_croppable = True
     is_compileable = False
     is_quantized = False
+    read_by_others = False  # a `share_with` layer reads this layer's step after it (`SharedKVLayer`)
     key_blocks = storage_field("key_blocks")
     value_blocks = storage_field("value_blocks")
 
@@ -439,6 +440,7 @@ class SharedKVLayer(CacheLayerMixin):
         super().__init__()
         self.source = source
         self.is_initialized = True
+        source.read_by_others = True
 
     def __repr__(self) -> str:
         return f"SharedKVLayer(source={self.source!r})"
