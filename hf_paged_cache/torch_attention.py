@@ -98,7 +98,8 @@ def _manual_row(query, key, value, visible, scale: float, softcap: float | None,
     if sinks is None:
         weights = torch.softmax(logits, dim=-1, dtype=torch.float32)
     else:  # the sink is one more softmax column, dropped after: it only adds to the denominator
-        weights = torch.softmax(torch.cat([logits.float(), grouped_sinks(sinks, kv_heads, q_len)], -1), dim=-1)[..., :-1]
+        with_sinks = torch.cat([logits.float(), grouped_sinks(sinks, kv_heads, q_len)], dim=-1)
+        weights = torch.softmax(with_sinks, dim=-1)[..., :-1]
     return torch.matmul(weights.to(query.dtype), value).reshape(heads, q_len, value.shape[-1])
 
 
@@ -176,9 +177,9 @@ def attention_mass(
         return queries.new_zeros(queries.shape[0], 0)
     if len(head) == 1 and sinks is None:  # one chunk (full precision): one fused softmax, a query seeing no key adds 0
         return torch.softmax(logits(head[0], 0), dim=-1).nan_to_num_(0.0).sum(dim=1)
-    kv_heads = queries.shape[0]
-    lse = None if sinks is None else grouped_sinks(sinks.to(queries.device), kv_heads, queries.shape[1] // group)[..., 0]
-    start = 0
+    lse, start = None, 0
+    if sinks is not None:  # each query row's log-sum-exp starts from its head's sink logit
+        lse = grouped_sinks(sinks.to(queries.device), queries.shape[0], queries.shape[1] // group)[..., 0]
     for chunk in itertools.chain(head, stream):
         part = torch.logsumexp(logits(chunk, start), dim=-1)
         lse = part if lse is None else torch.logaddexp(lse, part)

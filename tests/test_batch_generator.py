@@ -39,9 +39,9 @@ def _alone(model, prompt: list[int], cache, attention: str) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize(
-    "name", ["llama_gqa", "llama_mqa", "qwen3", "mistral_sliding", "qwen2_sliding", "gemma2", "gpt_oss", "granitemoe_swa"]
-)
+@pytest.mark.parametrize("name", [
+    "llama_gqa", "llama_mqa", "qwen3", "mistral_sliding", "qwen2_sliding", "gemma2", "gpt_oss", "granitemoe_swa",
+])  # fmt: skip
 def test_greedy_outputs_equal_each_prompt_alone_with_dynamic_cache(name):
     model = _model(name)
     prompts = _prompts((5, 17, 9, 30, 3, 12), seed=1)
