@@ -34,7 +34,7 @@ HONOURED: dict[str, str] = {
 
 # Keywords that change the attention in a way the paged attention does not implement, with what they do.
 REFUSED: dict[str, str] = {
-    "sinks": "a `sinks` keyword, which the paged attention does not read (it honours `s_aux`, one logit per head)",
+    "sinks": "attention-sink logits under another name than `s_aux` (the one form the paged attention reads)",
     "position_bias": "an additive attention bias (T5-style relative positions)",
     "indices": "a sparse selection of the keys each query attends to",
     "block_indices": "a sparse selection of the key blocks each query attends to",
