@@ -74,7 +74,8 @@ def attention(query, key, value, mask: torch.Tensor | None, scale: float, softca
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
         )
-    else:  # SDPA can neither soft-cap nor take a sink logit: one row at a time through the shared grouped logits
+    else:  # SDPA can neither soft-cap nor take a sink logit (a virtual sink key would need a per-head float mask as
+        # large as the logits themselves): one row at a time through the shared grouped logits
         out = torch.stack([
             _manual_row(query[b], key[b], value[b], None if mask is None else mask[b if mask.shape[0] > 1 else 0, 0],
                         scale, softcap, sinks)
