@@ -1,10 +1,10 @@
 """What the `"paged"` attention honours, and the clear refusal of what it does not.
 
 transformers hands an attention function every keyword its model passes, and the paged attention reads only the
-ones it knows: any other that changes the attention (gpt-oss's learned sink logits `s_aux`) would be dropped and the
-tokens would differ from `DynamicCache` without an error. So each keyword is either honoured (listed here with why) or
-refused, and model features that show in the config (multi-head latent attention) or in the modules (sink
-parameters) are refused before the cache changes. KV-shared layers (Gemma-3n) read their producer layer's blocks
+ones it knows: any other that changes the attention (a T5-style `position_bias`) would be dropped and the tokens
+would differ from `DynamicCache` without an error. So each keyword is either honoured (listed here with why, learned
+sink logits `s_aux` among them) or refused, and model features that show in the config (multi-head latent attention)
+are refused before the cache changes. KV-shared layers (Gemma-3n) read their producer layer's blocks
 (`kv_sharing_sources`); only those whose producer the config does not name are refused.
 """
 
@@ -21,6 +21,8 @@ HONOURED: dict[str, str] = {
     PAGED_KV_KWARG: "the handle `update()` leaves: where the step's history lives",
     "softcap": "logit soft-capping (Gemma-2), applied by the torch path and the kernels",
     "sliding_window": "the layer's window: its sliding group stores exactly that window and both read paths mask by it",
+    "s_aux": "learned attention-sink logits, one per query head (gpt-oss, Granite-MoE-SWA): the torch path and the "
+    "kernels add them to every softmax's denominator, and eviction's attention mass too (see `sink_logits`)",
     "position_ids": "positions are already applied to query and key (RoPE); read only to count left padding",
     "use_cache": "tells the model to keep a cache; no attention math",
     "output_attentions": "weights are not returned (None, as with SDPA); outputs are unchanged",
@@ -33,8 +35,7 @@ HONOURED: dict[str, str] = {
 
 # Keywords that change the attention in a way the paged attention does not implement, with what they do.
 REFUSED: dict[str, str] = {
-    "s_aux": "learned attention-sink logits (gpt-oss, Granite-MoE-SWA) that join every softmax's denominator",
-    "sinks": "learned attention-sink logits that join every softmax's denominator",
+    "sinks": "attention-sink logits under another name than `s_aux` (the one form the paged attention reads)",
     "position_bias": "an additive attention bias (T5-style relative positions)",
     "indices": "a sparse selection of the keys each query attends to",
     "block_indices": "a sparse selection of the key blocks each query attends to",
@@ -107,12 +108,14 @@ def kv_sharing_sources(config: PretrainedConfig) -> dict[int, int]:
     return sources
 
 
-def check_model_modules(model: torch.nn.Module) -> None:
-    """`check_model_features`, plus what only the modules show: learned sink logits (a `sinks` parameter)."""
-    check_model_features(model.config)
-    for name, module in model.named_modules():
-        if isinstance(getattr(module, "sinks", None), torch.Tensor):
-            refuse(f"{type(model).__name__} ({name})", "`sinks`", REFUSED["sinks"])
+def sink_logits(model: str, kwargs: dict, heads: int) -> torch.Tensor | None:
+    """The learned sink logits `s_aux` the model passes (one per query head), or None; refused in another shape,
+    which would mean a sink the paged attention does not know how to apply."""
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (heads,)):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        refuse(model, f"`s_aux` of shape {shape}", f"sink logits other than one per query head ({heads})")
+    return sinks
 
 
 def refuse(model: str, feature: str, reason: str) -> None:

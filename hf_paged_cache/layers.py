@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 
 PAGED_KV_KWARG = "paged_kv"
 MAX_RUNS = 8  # a row's read cut into more runs of blocks than this is gathered slot by slot
-# (plan, query, mask, scale, softcap): what runs after a layer's attention (eviction), bound by the cache.
-AfterAttention = Callable[[StepPlan, torch.Tensor, "torch.Tensor | None", float, "float | None"], None]
+# (plan, query, mask, scale, softcap, sinks): what runs after a layer's attention (eviction), bound by the cache.
+AfterAttention = Callable[[StepPlan, torch.Tensor, "torch.Tensor | None", float, "float | None", "torch.Tensor | None"],
+                          None]  # fmt: skip
 
 
 class PagedKV:
@@ -58,10 +59,11 @@ class PagedKV:
         if self.undo_step is not None:
             self.undo_step()
 
-    def finish(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None) -> None:
+    def finish(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None,
+               sinks: torch.Tensor | None = None) -> None:  # fmt: skip
         """Called by the attention once this layer's output is computed."""
         if self.after_attention is not None:
-            self.after_attention(self.plan, query, mask, scale, softcap)
+            self.after_attention(self.plan, query, mask, scale, softcap, sinks)
 
     def reader(self) -> PagedKV:
         """The handle for another layer that attends over this layer's K/V (a KV-shared layer): the same blocks and
@@ -330,7 +332,8 @@ class PagedLayer(CacheLayerMixin):
         return out[0], out[1]
 
     def attend(
-        self, query: torch.Tensor, plan: StepPlan, mask: torch.Tensor | None, scale: float, softcap: float | None
+        self, query: torch.Tensor, plan: StepPlan, mask: torch.Tensor | None, scale: float, softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The `"paged"` attention's torch path over this layer, `[batch, heads, q, head_dim]`.
 
@@ -341,7 +344,7 @@ class PagedLayer(CacheLayerMixin):
         """
         q_len = query.shape[2]
         if plan.tables.compacted:
-            return attend(query, *self.read_with_mask(plan, mask, q_len), scale, softcap)
+            return attend(query, *self.read_with_mask(plan, mask, q_len), scale, softcap, sinks)
         if mask is None and q_len > 1:
             mask = causal_mask(q_len, plan.new_len - plan.kv_offset, query.device)
         out = []
@@ -351,7 +354,7 @@ class PagedLayer(CacheLayerMixin):
                 continue
             row_mask = None if mask is None else mask[row if mask.shape[0] > 1 else 0, None, :, :, runs[0][0] :]
             keys, values = self.row_kv(plan, row)
-            out.append(attention(query[row : row + 1], keys[None], values[None], row_mask, scale, softcap))
+            out.append(attention(query[row : row + 1], keys[None], values[None], row_mask, scale, softcap, sinks))
         # The columns before a row's first run are its padding, hidden by the model's mask: the whole mask
         # tells which query rows see no key at all.
         return zero_unattended(torch.cat(out), mask)

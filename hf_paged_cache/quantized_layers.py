@@ -244,7 +244,8 @@ class QuantizedLayer(PagedLayer):
         return keys, values
 
     def attend(
-        self, query: torch.Tensor, plan: StepPlan, mask: torch.Tensor | None, scale: float, softcap: float | None
+        self, query: torch.Tensor, plan: StepPlan, mask: torch.Tensor | None, scale: float, softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The `"paged"` attention over this layer: `[batch, heads, q, head_dim]`, like `attention.attend`.
 
@@ -257,7 +258,7 @@ class QuantizedLayer(PagedLayer):
         """
         batch, _heads, q_len, _ = query.shape
         if not self._reads_quantized(plan) and not any(plan.transition):
-            return super().attend(query, plan, mask, scale, softcap)
+            return super().attend(query, plan, mask, scale, softcap, sinks)
         width = plan.new_len - plan.kv_offset
         if mask is None:
             mask = causal_mask(q_len, width, query.device)
@@ -265,7 +266,8 @@ class QuantizedLayer(PagedLayer):
         out = []
         for row in range(batch):
             row_mask = mask[row if mask.shape[0] > 1 else 0, 0]
-            softmax = OnlineSoftmax(rotate_heads(query[row].float()) if rotate_keys else query[row], scale, softcap)
+            softmax = OnlineSoftmax(rotate_heads(query[row].float()) if rotate_keys else query[row], scale, softcap,
+                                    sinks)  # fmt: skip
             if plan.transition[row]:
                 row_mask = self._attend_transition(softmax, plan, row, row_mask)
             for blocks, first in self._quantized_chunks(plan, row):

@@ -1,4 +1,5 @@
-"""The `"paged"` attention's keyword contract: what it cannot honour is refused clearly, and the cache is unchanged."""
+"""The `"paged"` attention's keyword contract: what it honours is exact (learned sinks), what it cannot honour is
+refused clearly, and the cache is unchanged."""
 
 from __future__ import annotations
 
@@ -61,8 +62,6 @@ def _state(cache: PagedCache) -> tuple:
 @pytest.mark.parametrize(
     "name, match",
     [
-        ("gpt_oss", r"GptOssAttention uses `s_aux`.*attention-sink logits"),
-        ("granitemoe_swa", r"GraniteMoeSWAAttention uses `s_aux`.*attention-sink logits"),
         ("deepseek_v3", r"values narrower than keys \(v_head_dim 8 < qk_head_dim 24\)"),
     ],
 )
@@ -82,17 +81,44 @@ def test_refused_models_fail_clearly_and_leave_the_cache_as_it_was(name, match):
     assert _generate(model, entry.gather_impl, cache, ids) == expected
 
 
+@pytest.mark.parametrize("name", ["gpt_oss", "granitemoe_swa"])
+def test_learned_sinks_are_honoured_exactly(name):
+    """`s_aux` joins every softmax (sliding and full layers, prefill, chunked prefill and decode): the paged
+    attention gives eager's logits with the model's sinks, and other logits once the sinks change."""
+    model, config = MODELS_BY_NAME[name].build()
+    ids = _prompt(10)
+
+    def logits(implementation: str, **options) -> torch.Tensor:
+        model.set_attn_implementation(implementation)
+        cache = PagedCache(config, block_size=4) if implementation == "paged" else DynamicCache(config=config)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=NEW,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True, **options)  # fmt: skip
+        return torch.stack(out.logits)
+
+    expected = logits("eager")
+    torch.testing.assert_close(logits("paged"), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits("paged", prefill_chunk_size=3), expected, atol=1e-4, rtol=0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.add_(1.0)
+    assert (logits("paged") - expected).abs().max() > 1e-2
+
+
 def test_a_refusal_after_a_prefill_takes_the_step_back():
-    """gpt-oss's sinks show only at the attention call, after the first layer wrote: that step is taken back."""
-    model, config = REFUSED_BY_NAME["gpt_oss"].build()
+    """A sink the paged attention cannot apply (not one per head) shows only at the attention call, after the
+    first layer wrote: that step is taken back."""
+    model, config = MODELS_BY_NAME["gpt_oss"].build()
     ids = _prompt()
     cache = PagedCache(config, block_size=4)
     model.set_attn_implementation("eager")
     model(ids, cache=cache)
     before = _state(cache)
     model.set_attn_implementation("paged")
-    with pytest.raises(UnsupportedAttentionError, match="s_aux"):
+    attention, sinks = model.model.layers[1].self_attn, model.model.layers[1].self_attn.sinks
+    attention.sinks = torch.nn.Parameter(sinks.detach()[:, None].expand(-1, 2).clone())
+    with pytest.raises(UnsupportedAttentionError, match=r"uses `s_aux` of shape \(4, 2\).*one per query head \(4\)"):
         model(torch.tensor([[7]]), cache=cache)
+    attention.sinks = sinks
     assert _state(cache) == before
     model.set_attn_implementation("eager")
     logits = model(torch.tensor([[7]]), cache=cache).logits

@@ -1,6 +1,6 @@
 """generate() with the "paged" attention routed through the Triton kernels (the interpreter on CPU)
 gives DynamicCache's tokens: cache writes, prefill, chunked prefill on a warm cache, decode, sliding
-windows and soft-capping all run in the kernels."""
+windows, soft-capping and learned sinks all run in the kernels."""
 
 import pytest
 import torch
@@ -9,6 +9,8 @@ from transformers import (
     DynamicCache,
     Gemma2Config,
     Gemma2ForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -20,12 +22,25 @@ from hf_paged_cache import PagedCache, attention
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, pad_token_id=0)  # fmt: skip
 
+
+
+def _gpt_oss():
+    """Sliding and full layers with learned sinks (`s_aux`), drawn wide enough to matter."""
+    model = GptOssForCausalLM(GptOssConfig(**COMMON, sliding_window=6, num_local_experts=2, num_experts_per_tok=1,
+                                           layer_types=["sliding_attention", "full_attention"]))  # fmt: skip
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+    return model
+
+
 MODELS = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON)),
     "mistral-window6": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=6)),
     "gemma2-softcap": lambda: Gemma2ForCausalLM(
         Gemma2Config(**COMMON, sliding_window=6, attn_logit_softcapping=20.0, final_logit_softcapping=None)
     ),
+    "gpt-oss-sinks": _gpt_oss,
 }
 # Its last layers read the blocks of earlier ones; chunked only (it covers both kernels) to keep the interpreter short.
 KV_SHARED = {"gemma3n-kv-shared": lambda: gemma3n()[0]}
@@ -65,12 +80,15 @@ def test_generate_through_kernels_matches_dynamic_cache(name, chunked, monkeypat
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("quant", ["int4", "K4V2", "fp8_e4m3", "int2"])  # int2: rotated values
-def test_quantized_generate_through_kernels_matches_the_torch_path(quant, monkeypatch):
+@pytest.mark.parametrize(
+    "name, quant",
+    [("llama", "int4"), ("llama", "K4V2"), ("llama", "fp8_e4m3"), ("llama", "int2"), ("gpt-oss-sinks", "int8")],
+)  # int2: rotated values
+def test_quantized_generate_through_kernels_matches_the_torch_path(name, quant, monkeypatch):
     """Sealing (`quantize_blocks`) and the quantized decode / prefill variants, interpreted, give the
-    torch path's tokens and scores, with a quantized prefix that grows while generating."""
+    torch path's tokens and scores, with a quantized prefix that grows while generating (sinks included)."""
     torch.manual_seed(0)
-    model = MODELS["llama"]().eval()
+    model = MODELS[name]().eval()
     ids = torch.randint(1, 96, (2, 13))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
