@@ -10,6 +10,7 @@ import csv
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,10 +25,10 @@ import common  # noqa: E402
 HAVE_QUANTO = importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.quanto") is not None
 
 
-def _run(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def _run(script: str, *args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [sys.executable, str(REPO / "eval" / script), *args],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout,
+        cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env,
     )  # fmt: skip
     assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result
@@ -268,6 +269,31 @@ def test_swap_overlap_tiny(tmp_path):
     assert 0 < sync["stall_seconds"] == sync["copy_seconds"]  # synchronous copies: the host waits for all of each
     assert overlapped["copy_seconds"] > 0 and overlapped["stall_seconds"] >= 0
     assert result["summary"]["throughput_ratio"] == overlapped["tokens_per_s"] / sync["tokens_per_s"]
+
+
+def test_generate_check_tiny(tmp_path):
+    """Without CUDA or the interpreter the Triton systems are listed as skipped; the others match one by one."""
+    out = tmp_path / "generate"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    _run("generate_check.py", "--model", "tiny-llama", "--requests", "3", "--min-len", "20", "--max-len", "60",
+         "--new-tokens", "5", "--threads", "1", "--out", str(out), env=env)  # fmt: skip
+    result = json.loads(out.with_suffix(".json").read_text())
+    reference, *systems, skipped = result["rows"]
+    assert reference["generated"] == 15
+    assert skipped == {"system": "backend=triton", "skipped": "needs CUDA or TRITON_INTERPRET=1"}
+    assert [row["system"] for row in systems] == [
+        "one-by-one PagedCache, sdpa (gather path)", "generate_batch, backend=torch",
+        "one-by-one PagedCache, paged attention, backend=torch"]  # fmt: skip
+    assert all(row["identical"] == 3 and row["first_differences"] == {} for row in systems)
+    assert result["summary"] == {"device": "cpu", "triton": "skipped", "systems": 3, "all_identical": True}
+
+
+def test_generate_check_locates_the_first_difference():
+    from generate_check import first_difference
+
+    assert first_difference([5, 6, 7], [5, 6, 7]) is None
+    assert first_difference([5, 6, 7], [5, 9, 7]) == 1
+    assert first_difference([5, 6], [5, 6, 7]) == 2
 
 
 def test_swap_quality_tiny(tmp_path):
