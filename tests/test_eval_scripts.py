@@ -296,6 +296,34 @@ def test_generate_check_locates_the_first_difference():
     assert first_difference([5, 6], [5, 6, 7]) == 2
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="concerns the record left where CUDA is unavailable")
+def test_bench_kernels_records_its_cut_without_cuda(tmp_path):
+    out = tmp_path / "kernels.json"
+    _run("bench_kernels.py", "--cells", "32q-8kv-d128:32x4096", "9q-3kv-d64:1x32768", "--quant-cell", "32x4096",
+         "--prefill-cells", "32q-8kv-d128:1x4096", "--e2e", "8x1024", "--e2e-layers", "4",
+         "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result == {
+        "skipped": "CUDA is unavailable", "cells": [["32q-8kv-d128", 32, 4096], ["9q-3kv-d64", 1, 32768]],
+        "quant_cell": [32, 4096], "prefill_cells": [["32q-8kv-d128", 1, 4096]],
+        "end_to_end": {"batch": 8, "context": 1024, "steps": 64, "num_layers": 4},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--cells", "32q-8kv-d128:32x4090", "'32q-8kv-d128:32x4090': '32x4090': the context must be a multiple of the"
+                                        " block size 16"),
+    ("--cells", "llama:32x4096", "'llama:32x4096' is not SHAPE:BATCHxCONTEXT with SHAPE one of 32q-8kv-d128, "
+                                 "9q-3kv-d64"),
+    ("--quant-cell", "32by4096", "'32by4096' is not BATCHxCONTEXT, e.g. 32x4096"),
+])  # fmt: skip
+def test_bench_kernels_refuses_a_malformed_cell(tmp_path, flag, value, message):
+    out = tmp_path / "kernels.json"
+    result = subprocess.run([sys.executable, str(REPO / "eval" / "bench_kernels.py"), flag, value, "--out", str(out)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 2 and message in result.stderr and not out.exists()
+
+
 def test_swap_quality_tiny(tmp_path):
     out = tmp_path / "swap"
     _run("swap_quality.py", "--model", "tiny-llama", "--prefill", "64", "--tokens", "32", "--threads", "1",
