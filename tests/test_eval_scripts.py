@@ -324,6 +324,42 @@ def test_bench_kernels_refuses_a_malformed_cell(tmp_path, flag, value, message):
     assert result.returncode == 2 and message in result.stderr and not out.exists()
 
 
+def test_gpu_check_summary_reads_each_step(tmp_path):
+    """Statuses come from exit codes and outputs; headlines from the outputs a step left (partial runs too)."""
+    from gpu_check_summary import main as summarize
+
+    steps = tmp_path / "steps.tsv"
+    steps.write_text("wheels\tskipped\t0\t30\twheels.txt\n" "pytest\t1\t12.5\t150\tpytest.xml\n"
+                     "generate_check\t0\t3.25\t50\tgenerate_check.json\n" "bench_kernels\t124\t170.0\t170\tbench.json\n"
+                     "swap_overlap\t0\t1.0\t60\tswap_overlap.json\n")  # fmt: skip
+    (tmp_path / "pytest.xml").write_text(
+        '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
+        '<testcase classname="tests.kernels.test_x" name="test_a"><failure message="boom"/></testcase>'
+        '<testcase classname="tests.kernels.test_x" name="test_b"/>'
+        '<testcase classname="t" name="c"><skipped/></testcase>'
+        "</testsuite></testsuites>"
+    )  # fmt: skip
+    rows = [{"system": "reference"}, {"system": "generate_batch, backend=triton", "identical": 7, "requests": 8}]
+    (tmp_path / "generate_check.json").write_text(json.dumps({"rows": rows, "summary": {"all_identical": False}}))
+    (tmp_path / "bench.json").write_text(json.dumps({"copy_bandwidth_GBps": 4000.0, "kernels": [
+        {"shape": "9q-3kv-d64", "batch": 1, "context": 1024, "fraction_of_copy_bandwidth": 0.5, "paged_ms": 0.1}]}))
+    assert summarize([str(steps), str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(s["name"], s["status"], s["rc"]) for s in summary["steps"]] == [
+        ("wheels", "skipped", None), ("pytest", "failed", 1), ("generate_check", "ok", 0),
+        ("bench_kernels", "timeout", 124), ("swap_overlap", "no output", 0)]  # fmt: skip
+    assert summary["all_ok"] is False and summary["dry_run"] is False and summary["seconds"] == 186.75
+    by_name = {s["name"]: s for s in summary["steps"]}
+    assert by_name["pytest"]["headline"] == {"tests": 3, "failures": 1, "errors": 0, "skipped": 1,
+                                             "failing": ["tests.kernels.test_x::test_a"]}  # fmt: skip
+    assert by_name["generate_check"]["headline"] == {"all_identical": False,
+                                                     "identical": {"generate_batch, backend=triton": "7/8"}}
+    bench = by_name["bench_kernels"]["headline"]
+    assert bench["copy_bandwidth_GBps"] == 4000.0 and bench["decode"] == [
+        {"shape": "9q-3kv-d64", "batch": 1, "context": 1024, "fraction_of_copy_bandwidth": 0.5}]  # fmt: skip
+    assert "headline" not in by_name["swap_overlap"] and "headline" not in by_name["wheels"]
+
+
 def test_swap_quality_tiny(tmp_path):
     out = tmp_path / "swap"
     _run("swap_quality.py", "--model", "tiny-llama", "--prefill", "64", "--tokens", "32", "--threads", "1",
