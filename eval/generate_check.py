@@ -1,9 +1,9 @@
 """Greedy tokens through every read path against one-by-one `generate` with DynamicCache + sdpa (issue 26).
 
 The GPU check of the paged kernels and of their fall-backs: the same prompts (mixed lengths, as
-`serving.py --workloads mixed`) through `generate_batch` with the Triton kernels (`backend="triton"`) and with
-the torch path (`backend="torch"`), and one by one through `generate` with a PagedCache under the "paged"
-attention and under sdpa (the gather path). Per system: requests whose tokens equal the reference, the first
+`serving.py --workloads mixed`), for each backend (`"triton"`: the kernels; `"torch"`: none), through
+`generate_batch` and one by one through `generate` with a PagedCache under the "paged" attention and under
+sdpa (the gather path). Per system: requests whose tokens equal the reference, the first
 differing position of the others, generated tokens/s. The Triton systems run on CUDA, or on CPU under
 `TRITON_INTERPRET=1` (slow: tiny sizes only); elsewhere they are listed as skipped. Exits 1 if any system that
 ran differs from the reference.
@@ -39,18 +39,25 @@ def first_difference(tokens: list[int], reference: list[int]) -> int | None:
 
 
 def systems(args, triton_runs: bool) -> list[tuple[str, object, dict]]:
-    """(label, function, options) of every system, the Triton ones only where they can run."""
+    """(label, function, options) of every system, the Triton ones only where they can run.
+
+    The backend decides who writes blocks under any attention, so the gather path (sdpa) with
+    `backend="triton"` still runs the cache-write kernel; with `backend="torch"` no kernel runs at all.
+    """
     batch = dict(block_size=BLOCK_SIZE, max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs)
-    paged = [("one-by-one PagedCache, sdpa (gather path)", one_by_one,
-              dict(make_cache=lambda model: PagedCache(model.config, block_size=BLOCK_SIZE), attn="sdpa"))]  # fmt: skip
+    rows = []
     for backend in ("triton", "torch") if triton_runs else ("torch",):
-        paged += [
+        def make_cache(model, backend=backend):
+            return PagedCache(model.config, block_size=BLOCK_SIZE, backend=backend)
+
+        rows += [
             (f"generate_batch, backend={backend}", ours, dict(batch, backend=backend)),
             (f"one-by-one PagedCache, paged attention, backend={backend}", one_by_one,
-             dict(make_cache=lambda model, b=backend: PagedCache(model.config, block_size=BLOCK_SIZE, backend=b),
-                  attn="paged")),
+             dict(make_cache=make_cache, attn="paged")),
+            (f"one-by-one PagedCache, sdpa (gather path), backend={backend}", one_by_one,
+             dict(make_cache=make_cache, attn="sdpa")),
         ]  # fmt: skip
-    return paged
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

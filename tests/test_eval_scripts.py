@@ -282,8 +282,8 @@ def test_generate_check_tiny(tmp_path):
     assert reference["generated"] == 15
     assert skipped == {"system": "backend=triton", "skipped": "needs CUDA or TRITON_INTERPRET=1"}
     assert [row["system"] for row in systems] == [
-        "one-by-one PagedCache, sdpa (gather path)", "generate_batch, backend=torch",
-        "one-by-one PagedCache, paged attention, backend=torch"]  # fmt: skip
+        "generate_batch, backend=torch", "one-by-one PagedCache, paged attention, backend=torch",
+        "one-by-one PagedCache, sdpa (gather path), backend=torch"]  # fmt: skip
     assert all(row["identical"] == 3 and row["first_differences"] == {} for row in systems)
     assert result["summary"] == {"device": "cpu", "triton": "skipped", "systems": 3, "all_identical": True}
 
