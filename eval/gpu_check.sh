@@ -125,7 +125,7 @@ if [ "$DRY" = 1 ]; then
     --requests 3 --min-len 20 --max-len 40 --new-tokens 4 --threads 1 --out "$OUT/generate_check"'
 else
   step generate_check 50 generate_check.json '$PYTHON "$REPO"/eval/generate_check.py --model smollm2-random --device cuda \
-    --out "$OUT/generate_check"'
+    --requests 6 --new-tokens 16 --out "$OUT/generate_check"'
 fi
 
 # 5. kernel benchmarks, cut to fit: decode at batch 32 x 4k and 1 x 32k against the copy bandwidth; int4 / int8 /
