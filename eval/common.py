@@ -180,7 +180,8 @@ RANDOM_LLAMAS = {
     TINY_LLAMA: dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16),
     "smollm2-random": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                           num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0),
+                           num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+                           tie_word_embeddings=True),
 }  # fmt: skip
 
 
