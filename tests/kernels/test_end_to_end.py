@@ -1,9 +1,10 @@
-"""generate() with the "paged" attention routed through the Triton kernels (the interpreter on CPU)
-gives DynamicCache's tokens: cache writes, prefill, chunked prefill on a warm cache, decode, sliding
-windows, soft-capping and learned sinks all run in the kernels."""
+"""generate() with the "paged" attention routed through the Triton kernels (the interpreter on CPU,
+compiled on CUDA) gives DynamicCache's tokens: cache writes, prefill, chunked prefill on a warm cache,
+decode, sliding windows, soft-capping and learned sinks all run in the kernels."""
 
 import pytest
 import torch
+from kernel_testing import DEVICE
 from tiny_models import gemma3n
 from transformers import (
     DynamicCache,
@@ -56,8 +57,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 ])  # fmt: skip
 def test_generate_through_kernels_matches_dynamic_cache(name, chunked, monkeypatch):
     torch.manual_seed(0)
-    model = (MODELS | KV_SHARED)[name]().eval()
-    ids = torch.randint(1, 96, (2, 9))
+    model = (MODELS | KV_SHARED)[name]().to(DEVICE).eval()
+    ids = torch.randint(1, 96, (2, 9)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[0, :2] = 0  # fewer pads than a chunk, so padding is known exactly and the kernels may read
     settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
@@ -88,8 +89,8 @@ def test_quantized_generate_through_kernels_matches_the_torch_path(name, quant, 
     """Sealing (`quantize_blocks`) and the quantized decode / prefill variants, interpreted, give the
     torch path's tokens and scores, with a quantized prefix that grows while generating (sinks included)."""
     torch.manual_seed(0)
-    model = MODELS[name]().eval()
-    ids = torch.randint(1, 96, (2, 13))
+    model = MODELS[name]().to(DEVICE).eval()
+    ids = torch.randint(1, 96, (2, 13)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
     settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
