@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import numbers
 import os
 import threading
 import weakref
@@ -488,6 +489,11 @@ class PagedCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (assisted and prompt-lookup decoding roll back this way)."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, numbers.Integral):
+            raise ValueError(
+                f"`tokens_to_remove` must be an int <= 0 (the negative count of tokens to remove from the end), got "
+                f"{tokens_to_remove!r}"
+            )
         if tokens_to_remove > 0:
             raise ValueError(
                 f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "

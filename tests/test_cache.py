@@ -153,6 +153,19 @@ def test_crop_beyond_a_dropped_window_raises_and_changes_nothing():
         cache.crop(3)
 
 
+@pytest.mark.parametrize("bad", [-1.5, -2.0, "-2", None, False])
+def test_crop_by_a_non_integer_names_the_parameter_and_changes_nothing(bad):
+    model = tiny_llama()
+    cache = PagedCache(model.config, block_size=4)
+    forward(model, cache, torch.randint(1, 128, (1, 10)))
+    before = cache_state(cache)
+    with pytest.raises(ValueError, match=r"`tokens_to_remove` must be an int <= 0 .* got"):
+        cache.crop(bad)
+    assert cache_state(cache) == before
+    cache.crop(-2)
+    assert cache.get_seq_length() == 8
+
+
 def test_crop_with_recorded_past_is_exact():
     model = tiny_mistral(window=8)
     ids = torch.randint(1, 128, (1, 30))
