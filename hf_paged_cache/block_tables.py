@@ -551,7 +551,7 @@ class BlockTables:
             copy_blocks(list(moved), list(moved.values()))
         pool.remap(mapping)
         for row in self.rows:
-            row.blocks.replace([mapping[block] for block in row.blocks.ids])
+            row.blocks.renumber(mapping)
         pool.shrink(num_blocks)
         if self.plan is not None:
             self.plan = self._make_plan(self.plan.q_len, self.plan.new_tokens, self.plan.mirrors)

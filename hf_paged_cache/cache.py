@@ -240,7 +240,7 @@ class PagedCache(Cache):
                              mirrors[group.name])  # fmt: skip
         if self.evictor is not None:
             self.evictor.step_planned(q_len)
-        self._trim(stepping)  # blocks that left a window this step
+        self._trim(stepping)  # blocks that left a window this step, or that a reorder let go since the last
         return tables.plan
 
     def _check_step(self, layer: PagedLayer, batch: int, q_len: int) -> None:
@@ -330,8 +330,9 @@ class PagedCache(Cache):
 
     def _trim(self, groups: list[BlockTables]) -> None:
         """Keep a growable pool's storage within `GROWTH` x its blocks in use after blocks were freed (a window moved
-        on, an eviction, a crop, a reorder): a pool holding more is packed to its low ids and cut to `_grown_size`
-        of them, never below `initial_blocks`, and its layers' storage with it. Fixed pools keep the size asked for.
+        on, an eviction, a crop; the rows a reorder let go at the next step): a pool holding more is packed to its
+        low ids and cut to `_grown_size` of them, never below `initial_blocks`, and its layers' storage with it.
+        Packing keeps every row's read path, so no result changes. Fixed pools keep the size asked for.
         Only full-precision groups of a cache that shares its pools with no fork (forks, and the batch generator's
         requests, hold ids this cache cannot rewrite; `BatchGenerator.compact` packs those)."""
         if not self.options.growable or len(self._forks.caches) > 1:
@@ -508,7 +509,6 @@ class PagedCache(Cache):
             self._unshare(stepped)
         if self.evictor is not None:
             self.evictor.reorder(order)
-        self._trim(stepped)  # the blocks of rows no one continues
 
     def _unshare(self, groups: list[BlockTables]) -> None:
         """`sharing=False`: rows that a reorder left sharing blocks get their own copies, as `DynamicCache`'s

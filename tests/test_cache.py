@@ -269,13 +269,18 @@ def test_sliding_window_pool_gives_back_what_leaves_the_window_and_stays_exact()
     # A 1,446-token prompt fills 91 blocks of the sliding group; the first decode step drops all but the window's.
     model = tiny_gemma3(window=512)
     cache, reference = PagedCache(model.config), DynamicCache(config=model.config)
+    fixed = PagedCache(model.config, num_blocks=128)  # never trimmed: packing must change no result
     ids = torch.randint(1, 128, (1, 1446 + 20))
-    torch.testing.assert_close(forward(model, cache, ids[:, :1446]), forward(model, reference, ids[:, :1446]))
+    logits = forward(model, cache, ids[:, :1446])
+    torch.testing.assert_close(logits, forward(model, reference, ids[:, :1446]))
+    assert torch.equal(logits, forward(model, fixed, ids[:, :1446]))
     assert max(held_per_group(cache).values()) <= 1.25
     after_prefill = cache.metrics().groups["sliding_attention[512]"]
     for step in range(1446, ids.shape[1]):  # crosses a block boundary: a block leaves, another is allocated
         step_ids = ids[:, step : step + 1]
-        torch.testing.assert_close(forward(model, cache, step_ids), forward(model, reference, step_ids))
+        logits = forward(model, cache, step_ids)
+        torch.testing.assert_close(logits, forward(model, reference, step_ids))
+        assert torch.equal(logits, forward(model, fixed, step_ids))
         assert max(held_per_group(cache).values()) <= 1.25
     sliding = cache.metrics().groups["sliding_attention[512]"]
     assert sliding["blocks_used"] <= 34 < after_prefill["blocks_used"]
