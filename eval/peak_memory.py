@@ -2,12 +2,12 @@
 
 Each `--caches` spec (see `common.py`) runs `--runs` times, every run in a process of its own (a process never
 gives all freed memory back to the OS, so configurations measured in one process would read each other's
-peaks). A run loads the model, builds the cache, generates a few tokens from a short prompt (one-time setup:
-kernels, thread pools, imports), then records its resident memory (`VmRSS`), resets the kernel's high-water
-mark (`echo 5 > /proc/self/clear_refs`) and greedily generates `--new-tokens` tokens from a `--prompt-tokens`
-prompt of the text. "peak above model" is the high-water mark `VmHWM` afterwards minus that baseline: every
-byte the generation needed at its worst moment (K/V, activations, logits, allocator slack), not the cache's
-alone. The table shows the median over the runs (RSS peaks vary by about 15% from run to run).
+peaks; `--jobs` of them may run at once, which changes only the wall time). A run loads the model, builds the
+cache, generates a few tokens from a short prompt (one-time setup: kernels, thread pools, imports), then
+records its resident memory (`VmRSS`), resets the kernel's high-water mark (`echo 5 > /proc/self/clear_refs`)
+and greedily generates `--new-tokens` tokens from a `--prompt-tokens` prompt of the text. "peak above model"
+is the high-water mark `VmHWM` afterwards minus that baseline: every byte the generation needed at its worst
+moment (K/V, activations, logits, allocator slack), not the cache's alone. The table shows the median over the runs (RSS peaks vary by about 15% from run to run).
 
 Beside it, with the library's own accounting (`inspection.cache_bytes`), after every generated token: the
 cache's bytes in use and the storage it holds (for `DynamicCache` / `QuantizedCache` the two are the tensors
@@ -25,6 +25,7 @@ import json
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -120,7 +121,9 @@ def run_once(spec: str, args) -> dict:
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"the run of {spec!r} failed:\n{result.stderr[-4000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    run = json.loads(result.stdout.strip().splitlines()[-1])
+    print(f"{spec}: peak {run['peak_mib']:,.0f} MiB above the model", file=sys.stderr, flush=True)
+    return run
 
 
 def summarise(spec: str, runs: list[dict]) -> dict:
@@ -131,7 +134,7 @@ def summarise(spec: str, runs: list[dict]) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| cache | peak above model, MiB (median) | min-max | in use, MiB | held, MiB | held / in use (max over steps) |",
+        "| cache | peak above model, MiB (median) | min-max | in use, MiB | held, MiB | held / in use (max) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
@@ -150,23 +153,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--new-tokens", type=int, default=8, help="tokens generated (greedy) after the prompt")
     parser.add_argument("--runs", type=int, default=3, help="processes per cache; the peak is their median")
     parser.add_argument("--dtype", default="float32", choices=sorted(common.DTYPES))
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per run")
+    parser.add_argument("--jobs", type=int, default=1, help="runs (processes) at a time")
     parser.add_argument("--json", help="also write the rows (every run's peak included) to this JSON file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one run of this cache spec, JSON on stdout
     common.add_text_arguments(parser)
     args = parser.parse_args(argv)
-    if args.runs < 1:
-        parser.error("--runs must be >= 1")
+    if args.runs < 1 or args.jobs < 1:
+        parser.error("--runs and --jobs must be >= 1")
     if args.worker:
         print(json.dumps(worker(args)))
         return []
     for spec in args.caches:
         common.parse_cache_spec(spec)  # a typo fails before the first run
-    rows, every_run = [], {}
-    for spec in args.caches:
-        every_run[spec] = [run_once(spec, args) for _ in range(args.runs)]
-        rows.append(summarise(spec, every_run[spec]))
-        print(f"{spec}: peaks {[round(run['peak_mib']) for run in every_run[spec]]} MiB", file=sys.stderr)
+    with ThreadPoolExecutor(args.jobs) as pool:
+        futures = {spec: [pool.submit(run_once, spec, args) for _ in range(args.runs)] for spec in args.caches}
+        every_run = {spec: [future.result() for future in runs] for spec, runs in futures.items()}
+    rows = [summarise(spec, runs) for spec, runs in every_run.items()]
     print(f"{args.model} ({args.dtype}), {args.prompt_tokens}-token prompt + {args.new_tokens} new tokens, "
           f"{args.threads} threads, median of {args.runs} process(es) per cache\n")  # fmt: skip
     print(markdown(rows))
