@@ -122,7 +122,7 @@ def run_once(spec: str, args) -> dict:
     if result.returncode != 0:
         raise SystemExit(f"the run of {spec!r} failed:\n{result.stderr[-4000:]}")
     run = json.loads(result.stdout.strip().splitlines()[-1])
-    print(f"{spec}: peak {run['peak_mib']:,.0f} MiB above the model", file=sys.stderr, flush=True)
+    print(f"{spec}: {json.dumps(run)}", file=sys.stderr, flush=True)
     return run
 
 
