@@ -8,7 +8,7 @@ from .batch_generator import BatchConfig, BatchGenerator, BatchMetrics, Generati
 from .block_pool import BlockPool
 from .cache import PagedCache
 from .config import PagedCacheConfig, parse_bytes
-from .errors import CacheFileError, OutOfBlocksError
+from .errors import CacheFileError, OutOfBlocksError, UnsupportedAttentionError
 from .eviction import (
     H2O,
     TOVA,
@@ -49,6 +49,7 @@ __all__ = [
     "KeyNorm",
     "KeyNovelty",
     "OutOfBlocksError",
+    "UnsupportedAttentionError",
     "PagedCache",
     "PagedCacheConfig",
     "RandomEviction",

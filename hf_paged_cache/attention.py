@@ -14,7 +14,10 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .attention_contract import check_attention_kwargs
+from .errors import UnsupportedAttentionError
 from .layers import PAGED_KV_KWARG, PackedPagedKV, PagedKV
+from .paged_states import reused_paged_kv
 from .torch_attention import attend
 
 ATTENTION_NAME = "paged"
@@ -45,9 +48,17 @@ def paged_attention_forward(
 
     When `update()` left a `PagedKV` in the kwargs, `key`/`value` are only this step's new states and
     the history is read from the blocks; otherwise (a model that calls `update()` without kwargs, or no
-    `PagedCache`) `key`/`value` are complete and are used as given.
+    `PagedCache`) `key`/`value` are complete and are used as given. A keyword (or dropout) it cannot honour
+    is refused (`attention_contract`) and the cache takes back the step under way, so it is as it was.
     """
-    paged_kv: PagedKV | PackedPagedKV | None = kwargs.get(PAGED_KV_KWARG)
+    # A KV-shared layer (Gemma-3n) calls no `update()`: it reuses an earlier layer's states, which name its blocks.
+    paged_kv: PagedKV | PackedPagedKV | None = kwargs.get(PAGED_KV_KWARG) or reused_paged_kv(key)
+    try:
+        check_attention_kwargs(type(module).__name__, kwargs, dropout)
+    except UnsupportedAttentionError:
+        if paged_kv is not None:
+            paged_kv.undo()
+        raise
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.get("softcap")
     if paged_kv is None:
@@ -64,7 +75,8 @@ def paged_attention_forward(
 def _attend_blocks(query: torch.Tensor, paged_kv: PagedKV, mask: torch.Tensor | None, scale: float,
                    softcap: float | None) -> torch.Tensor:  # fmt: skip
     """Attention of `query` `[batch, heads, q, head_dim]` over the blocks `paged_kv` names: `[batch, q, heads, d]`."""
-    if paged_kv.uses_kernels and (mask is None or paged_kv.plan.padding_exact):
+    # A step whose tokens read some quantized blocks differently (`StepPlan.transition`) takes the torch path.
+    if paged_kv.uses_kernels and (mask is None or paged_kv.plan.padding_exact) and not any(paged_kv.plan.transition):
         out = _kernel_attention(query, paged_kv, scale, softcap)
     else:  # the torch path: row by row over views of the blocks (a quantized layer decodes its history too)
         out = paged_kv.layer.attend(query, paged_kv.plan, mask, scale, softcap).transpose(1, 2)

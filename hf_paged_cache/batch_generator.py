@@ -14,6 +14,8 @@ before they run again (on CUDA the copy in overlaps that step's forward, on a si
 or dropped and queued again with their generated tokens as part of the prompt (recompute; the prefix cache may
 recover part of it) -- whichever `preemption` says, or the cheaper by an estimate.
 Priority is the victim policy: least recently scheduled first (`"lru"`), or the seeds' weighted score.
+Each request's generation settings are checked when it is added (`request_settings.py`); a step records nothing
+until its forward and sampling succeed, and is rolled back (its requests recomputed) if either raises.
 
     outputs = generate_batch(model, [ids_a, ids_b], max_new_tokens=64, num_blocks=2048)
     outputs[0].generated_tokens
@@ -32,6 +34,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from .attention import ATTENTION_NAME
+from .attention_contract import check_model_modules
 from .batch_cache import PackedCache
 from .block_pool import BlockPool
 from .cache import PagedCache
@@ -41,6 +44,7 @@ from .layers import PagedLayer, SharedKVLayer
 from .memory import kv_bytes_per_token
 from .pool_compaction import Fragmentation, compact, device_pools, fragmentation
 from .prefix_cache import PrefixCache
+from .request_settings import FIELDS, RequestSettings, check_generation_config, request_settings, token_ids
 from .swap import SwapSpace
 
 
@@ -50,7 +54,8 @@ VICTIM_POLICIES = ("lru", "weighted")
 # measured prefill speed.
 DEFAULT_COPY_RATE = 4e9
 
-_GENERATION_FIELDS = frozenset(GenerationConfig().to_dict()) - {f.name for f in dataclasses.fields(PagedCacheConfig)}
+_CACHE_FIELDS = frozenset(f.name for f in dataclasses.fields(PagedCacheConfig))
+_GENERATION_FIELDS = FIELDS - _CACHE_FIELDS
 
 
 @dataclass(frozen=True)
@@ -126,7 +131,8 @@ class BatchConfig:
 
 @dataclass
 class GenerationOutput:
-    """One request's result: `generated_tokens` (ids), why it stopped ("eos", "length", "cancelled", "error"),
+    """One request's result: `generated_tokens` (ids), why it stopped ("eos", "stop_string", "length", "cancelled",
+    "error"),
     the error message if any, and how many prompt tokens came from the prefix cache."""
 
     request_id: int
@@ -185,16 +191,14 @@ class BatchMetrics:
 @dataclass
 class _Request:
     output: GenerationOutput
-    max_new_tokens: int
-    sampling: dict  # do_sample, temperature, top_k, top_p
-    stop_ids: frozenset[int]
-    generator: torch.Generator | None
+    settings: RequestSettings
     cache: PagedCache | None = None
     fed: int = 0  # tokens in its cache
     keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
     last_step: int = -1  # the step it was last scheduled in
     hotness: float = 0.0  # steps it was scheduled in, each weighted decay ** (steps ago), as of `last_step`
     peak: int = 0  # most tokens its cache ever held (tokens fed again below it are recomputed)
+    admitted: bool = False  # admitted once (later admissions follow a preemption or a rolled-back step)
 
     @property
     def tokens(self) -> list[int]:
@@ -211,15 +215,34 @@ class _Request:
 class BatchGenerator:
     """Serves requests added with `add_request` (streaming use: `get_result`, `cancel_request`, or iterate)."""
 
-    def __init__(self, model: PreTrainedModel, generation_config: GenerationConfig | None = None, **options):
+    def __init__(self, model: PreTrainedModel, generation_config: GenerationConfig | None = None, tokenizer=None,
+                 **options):  # fmt: skip
+        """`tokenizer` is needed only for `stop_strings`. Every option is checked before anything changes: a failed
+        constructor leaves the model as it was (the `"paged"` attention is selected last)."""
         batch_fields = {f.name for f in dataclasses.fields(BatchConfig)}
+        unknown = sorted(set(options) - batch_fields - _GENERATION_FIELDS - _CACHE_FIELDS)
+        if unknown:
+            raise ValueError(
+                f"Unknown option(s) {unknown}. Batching options: {sorted(batch_fields)}; cache options: "
+                f"{sorted(_CACHE_FIELDS)}; generation options: any `GenerationConfig` field"
+            )
+        if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+            raise ValueError(
+                f"`generation_config` must be a transformers `GenerationConfig`, got "
+                f"{type(generation_config).__name__}: pass `GenerationConfig(**settings)`, or the settings as "
+                "keyword options"
+            )
         self.config = BatchConfig(**{k: options.pop(k) for k in list(options) if k in batch_fields})
         self.model = model
         # Generation settings given as options (max_new_tokens=..., do_sample=...) override the config's.
-        generation = {k: options.pop(k) for k in list(options) if k in _GENERATION_FIELDS}
         self.generation_config = copy.deepcopy(generation_config or model.generation_config)
-        self.generation_config.update(**generation)
-        model.set_attn_implementation(ATTENTION_NAME)
+        for name in [k for k in options if k in _GENERATION_FIELDS]:
+            setattr(self.generation_config, name, options.pop(name))
+        check_generation_config(self.generation_config, "the generation config")
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.tokenizer = tokenizer
+        self._settings({}, "the generation config", 1, 0)  # its values, checked once before any request
+        check_model_modules(model)  # the packed forward always runs the "paged" attention: refuse what it ignores
         self.template = PagedCache(model.config, _pools_up_front(PagedCacheConfig(**options), model))
         _check_model(self.template)
         self.growable = self.template.options.growable
@@ -230,6 +253,7 @@ class BatchGenerator:
             raise ValueError(f"`swap_copies='async'` needs a model on CUDA, this one is on {model.device}: use 'auto'")
         self.swap = SwapSpace(self.template, self.config.swap_blocks, self.config.swap_compression,
                               self.config.swap_copies)  # fmt: skip
+        model.set_attn_implementation(ATTENTION_NAME)
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.swapped: deque[_Request] = deque()  # preempted to host memory, oldest first
@@ -249,32 +273,30 @@ class BatchGenerator:
         self._progress = None
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None, do_sample: bool | None = None,
-                    temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                    seed: int | None = None, eos_token_id: int | Sequence[int] | None = None) -> int:  # fmt: skip
-        """Queue a request (token ids); settings not given come from the generation config. Returns its id."""
-        prompt = [int(token) for token in prompt_ids]
+    def add_request(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int | None = None,
+                    do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+                    top_p: float | None = None, seed: int | None = None,
+                    eos_token_id: int | Sequence[int] | None = None, **settings) -> int:  # fmt: skip
+        """Queue a request (a list or 1-D tensor of token ids); settings not given (these, or other honoured
+        `GenerationConfig` fields such as `repetition_penalty`, `min_new_tokens`, `max_length`) come from the
+        generation config. Everything is checked here, so a bad value queues nothing. Returns its id."""
+        where = f"request {self._next_id}"
+        prompt = token_ids(prompt_ids, "prompt_ids", self.vocab_size, where)
         if not prompt:
-            raise ValueError("`prompt_ids` is empty: a request needs at least one token")
-        config = self.generation_config
-        max_new = max_new_tokens if max_new_tokens is not None else (config.max_new_tokens or 20)
-        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
-            raise ValueError(f"`max_new_tokens` must be a positive int, got {max_new!r}")
-        eos = eos_token_id if eos_token_id is not None else config.eos_token_id
-        stop_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
-        sampling = {
-            "do_sample": config.do_sample if do_sample is None else do_sample,
-            "temperature": temperature if temperature is not None else (config.temperature or 1.0),
-            "top_k": top_k if top_k is not None else config.top_k,
-            "top_p": top_p if top_p is not None else config.top_p,
-        }
-        generator = None
-        if sampling["do_sample"]:
-            generator = torch.Generator().manual_seed(seed if seed is not None else self._next_id)
-        request = _Request(GenerationOutput(self._next_id, prompt), max_new, sampling, stop_ids, generator)
+            raise ValueError(f"{where}: `prompt_ids` is empty: a request needs at least one token")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"{where}: `seed` must be an int, got {seed!r}")
+        settings.update(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                        top_p=top_p, eos_token_id=eos_token_id)  # fmt: skip
+        chosen = self._settings(settings, where, len(prompt), seed if seed is not None else self._next_id)
+        request = _Request(GenerationOutput(self._next_id, prompt), chosen)
         self._next_id += 1
         self.waiting.append(request)
         return request.output.request_id
+
+    def _settings(self, overrides: dict, where: str, prompt_length: int, seed: int) -> RequestSettings:
+        return request_settings(self.generation_config, overrides, where, prompt_length, self.vocab_size,
+                                self.model.device, seed, self.tokenizer)  # fmt: skip
 
     def cancel_request(self, request_id: int) -> bool:
         """Stop a queued or running request now and free its blocks; False if it already finished."""
@@ -368,7 +390,8 @@ class BatchGenerator:
                 self._drop_waiting_cache()
                 break
             self.running.append(self.waiting.popleft())
-            if request.peak == 0:  # its first admission (not a recompute)
+            if not request.admitted:  # its first admission (not a recompute)
+                request.admitted = True
                 request.output.prefix_hit_tokens = request.fed
                 self._admitted_prompt_tokens += len(request.output.prompt_ids)
                 if self.prefix_cache is not None:
@@ -438,10 +461,13 @@ class BatchGenerator:
 
     def _requeue(self, request: _Request) -> None:
         """Drop the request's blocks (device or host) and queue it first, to be computed again from its tokens."""
-        request.cache.reset()
+        self._drop_blocks(request)
+        self.preempted["recompute"] += 1
+
+    def _drop_blocks(self, request: _Request) -> None:
+        request.cache.reset()  # also after a forward interrupted halfway (some layers wrote, others not)
         request.cache, request.fed, request.keys = None, 0, []
         self.waiting.appendleft(request)
-        self.preempted["recompute"] += 1
 
     def _swap_is_cheaper(self, request: _Request) -> bool:
         mode = self.config.preemption
@@ -520,6 +546,9 @@ class BatchGenerator:
         self._finish(request, "error")
 
     def _forward(self, batch: list[tuple[_Request, int]]) -> None:
+        """Run the packed forward and sample; nothing is recorded until both succeed for the whole batch. If either
+        raises (the model, or an interrupt), the step is rolled back (`_roll_back`) and the exception propagates.
+        A request whose own sampling fails finishes with `error`; the others are unaffected."""
         tokens, positions, spans, keep = [], [], [], []
         for request, q in batch:
             start = len(tokens)
@@ -529,21 +558,54 @@ class BatchGenerator:
             keep.append(start + q - 1)
         ids = torch.tensor([tokens], device=self.model.device)
         cache = PackedCache([request.cache for request, _ in batch], spans, self.sliding)
-        logits = self.model(input_ids=ids, position_ids=torch.tensor([positions], device=ids.device), cache=cache,
-                            use_cache=True, logits_to_keep=torch.tensor(keep, device=ids.device)).logits[0]  # fmt: skip
-        for index, (request, q) in enumerate(batch):
+        states = [request.settings.snapshot() for request, _ in batch]
+        try:
+            logits = self.model(input_ids=ids, position_ids=torch.tensor([positions], device=ids.device),
+                                cache=cache, use_cache=True,
+                                logits_to_keep=torch.tensor(keep, device=ids.device)).logits[0]  # fmt: skip
+            samples = [self._sample(request, q, logits[index]) for index, (request, q) in enumerate(batch)]
+        except BaseException:
+            self._roll_back(batch, states)
+            raise
+        for (request, q), token in zip(batch, samples):
             self.recomputed_tokens += max(min(request.fed + q, request.peak) - request.fed, 0)
             request.fed += q
             request.peak = max(request.peak, request.fed)
             if self.prefix_cache is not None:
                 request.keys = self.prefix_cache.register(request.cache, request.tokens[: request.fed], request.keys)
-            if request.pending:
+            if token is None:
                 continue
-            token = _sample(logits[index].float(), request.sampling, request.generator)
-            request.output.generated_tokens.append(token)
-            if token in request.stop_ids or len(request.output.generated_tokens) >= request.max_new_tokens:
+            if isinstance(token, Exception):
+                request.output.error = f"sampling failed: {type(token).__name__}: {token}"
                 self.running.remove(request)
-                self._finish(request, "eos" if token in request.stop_ids else "length")
+                self._finish(request, "error")
+                continue
+            request.output.generated_tokens.append(token)
+            reason = request.settings.finish_reason(request.tokens, len(request.output.generated_tokens))
+            if reason is not None:
+                self.running.remove(request)
+                self._finish(request, reason)
+
+    @staticmethod
+    def _sample(request: _Request, q: int, logits: torch.Tensor) -> int | Exception | None:
+        """The request's next token once this step completes its pending tokens (None before), or the error its
+        sampling raised (it fails alone)."""
+        if request.pending > q:
+            return None
+        try:
+            return request.settings.next_token(logits, request.tokens)
+        except Exception as error:  # noqa: BLE001 -- recorded on the request's output
+            return error
+
+    def _roll_back(self, batch: list[tuple[_Request, int]], states: list) -> None:
+        """Undo a step that failed: the batch's caches may hold part of it (the layers before the failure wrote),
+        so each of its requests drops its blocks and is queued first again, to be computed from its tokens
+        (the prefix cache may recover whole blocks); its sampling generator goes back to its state before the
+        step. Nothing of the step was recorded, so every request then produces what it would have."""
+        for (request, _q), state in zip(reversed(batch), reversed(states)):
+            request.settings.restore(state)
+            self.running.remove(request)
+            self._drop_blocks(request)
 
     def _finish(self, request: _Request, reason: str) -> None:
         request.output.finish_reason = reason
@@ -578,7 +640,8 @@ class BatchGenerator:
 
     def compact(self, keep_free: int | None = None) -> tuple[dict[str, Fragmentation], dict[str, Fragmentation]]:
         """Pack the blocks in use to the low end of every pool (`pool_compaction.compact`; with `keep_free`, shrink
-        each pool to its blocks in use plus that many). Returns the fragmentation before and after."""
+        each growable pool to its blocks in use plus that many; fixed pools keep their size). Returns the
+        fragmentation before and after."""
         self.swap.copies.fence()  # a pending copy in writes the ids it was given, which compaction moves
         before = fragmentation(self.template)
         compact(self.template, self.prefix_cache, keep_free)
@@ -599,6 +662,9 @@ class BatchGenerator:
         try:
             for output in self:
                 results[output.request_id] = output
+        except BaseException:  # a failed step was rolled back: the results so far stay available
+            self.finished.extendleft(reversed(list(results.values())))
+            raise
         finally:
             if self._progress is not None:
                 self._progress.close()
@@ -608,13 +674,14 @@ class BatchGenerator:
 
 def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]],
                    generation_config: GenerationConfig | None = None, **options) -> list[GenerationOutput]:  # fmt: skip
-    """Generate for every prompt (lists of token ids) with continuous batching; one output per prompt, in order.
+    """Generate for every prompt (lists or 1-D tensors of token ids) with continuous batching; one output per prompt,
+    in order.
 
     `options` are `PagedCache` options (`block_size`, `num_blocks` / `max_memory`, `quant`, `eviction`, ...), the
     batching knobs of `BatchConfig` (`max_batch_tokens`, `max_num_seqs`, `prefix_caching`, `progress`), and
-    generation settings that override `generation_config` (`max_new_tokens`, `do_sample`, `eos_token_id`, ...).
-    The model is switched to the `"paged"` attention. Requests that can never fit finish with `error` set;
-    the others finish normally.
+    generation settings that override `generation_config` (`max_new_tokens`, `do_sample`, `eos_token_id`, ...;
+    `stop_strings` with `tokenizer=`). The model is switched to the `"paged"` attention. Requests that can never
+    fit finish with `error` set; the others finish normally.
     """
     generator = BatchGenerator(model, generation_config, **options)
     for prompt in prompts:
@@ -656,21 +723,3 @@ def _held_blocks(cache: PagedCache) -> int:
     """Blocks the rows of `cache` hold (full-precision and quantized; shared ones counted once per holder)."""
     return sum(len(blocks) for group in cache.groups.values() for row in group.rows
                for blocks in (row.blocks, row.quantized) if blocks is not None)  # fmt: skip
-
-
-def _sample(logits: torch.Tensor, sampling: dict, generator: torch.Generator | None) -> int:
-    """Greedy, or sampling with temperature / top-k / top-p from the request's own seeded generator."""
-    if not sampling["do_sample"]:
-        return int(logits.argmax())
-    logits = logits / max(sampling["temperature"], 1e-5)
-    top_k = sampling["top_k"]
-    if top_k:
-        threshold = torch.topk(logits, min(top_k, logits.shape[-1])).values[-1]
-        logits = logits.masked_fill(logits < threshold, float("-inf"))
-    top_p = sampling["top_p"]
-    if top_p is not None and top_p < 1.0:
-        ordered, indices = torch.sort(logits, descending=True)
-        cumulative = ordered.softmax(-1).cumsum(-1)
-        drop = cumulative - ordered.softmax(-1) > top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, indices, drop), float("-inf"))
-    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))

@@ -16,11 +16,12 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from .attention import ATTENTION_NAME
+from .attention_contract import check_attention_kwargs, check_model_features, kv_sharing_sources, model_name
 from .block_pool import BlockPool
 from .block_tables import BlockTables, QuantizedBlockTables, StepPlan
 from .config import PagedCacheConfig
 from .distributed import tensor_parallel_size
-from .errors import OutOfBlocksError
+from .errors import OutOfBlocksError, UnsupportedAttentionError
 from .eviction import Evictor
 from .layers import PagedLayer, PagedSlidingLayer, SharedKVLayer
 from .memory import SLIDING_TYPES, CacheMetrics, collect_metrics
@@ -40,9 +41,9 @@ class PagedCache(Cache):
     ```
 
     Full-attention layers share one set of block tables, sliding-window layers of each window size
-    another; layers the paged store does not own (linear attention, KV-sharing consumers) use
-    transformers' own layer classes. Options are those of `PagedCacheConfig`, given either as keyword
-    arguments or as one `PagedCacheConfig`.
+    another; KV-sharing consumers (Gemma-3n) store nothing and read their producer layer's blocks; layers
+    the paged store does not own (linear attention) use transformers' own layer classes. Options are those
+    of `PagedCacheConfig`, given either as keyword arguments or as one `PagedCacheConfig`.
 
     `fork()` (and `copy.deepcopy`) gives a second cache that shares every block by reference count, in the
     same pools: "one context, many questions" costs the questions only. A cache and its forks belong to one
@@ -68,17 +69,30 @@ class PagedCache(Cache):
         self.model_config = config.get_text_config(decoder=True)
         self.tp_size = tensor_parallel_size(config)  # ranks sharing the KV heads (tensor parallelism)
         self.groups: dict[str, BlockTables] = {}
+        self._step_start: dict[str, int] = {}  # each group's length before the step under way (to take it back)
         self._forks = _Forks(self)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(self.model_config)
         _check_layer_counts(options, len(layer_types))
         _check_quant_layers(options, layer_types)
+        # Layers the model itself makes reuse an earlier layer's K/V (transformers types them "dummy"): they call
+        # no `update()`, so they read the producer's blocks whatever `sharing` says.
+        reused = kv_sharing_sources(self.model_config)
+        if reused and options.eviction is not None:
+            raise ValueError(
+                f"`eviction` cannot serve {model_name(self.model_config)}: its layers {sorted(reused)} reuse the K/V "
+                "of earlier layers within the same forward, after those layers' eviction may already have moved "
+                "their tokens. Build the cache without `eviction` for this model."
+            )
         layers = []
         for index, (layer_type, kwargs_of_layer) in enumerate(zip(layer_types, layer_kwargs)):
             quant = options.layer_quant(index)
             source = options.shares_from(index)
+            producer = _stored_layer(layers[reused[index]]) if index in reused else None
             if source is not None:
                 _check_share_with(index, source, layer_types, layer_kwargs, layers)
                 layers.append(SharedKVLayer(layers[source]))
+            elif producer is not None:
+                layers.append(SharedKVLayer(producer))
             elif layer_type == "full_attention":
                 # With eviction each full-attention layer keeps its own tables: layers keep different tokens.
                 tables = self._group(f"full_attention@{index}" if options.eviction else "full_attention", None, quant)
@@ -136,8 +150,16 @@ class PagedCache(Cache):
         attention_kwargs = kwargs.get("kwargs")
         # Whether this forward runs the "paged" attention, which reads K/V from the blocks itself.
         in_place = attention_kwargs is not None and self._attention_is_paged()
+        if in_place:  # what the config and this layer's kwargs show is refused before this layer writes
+            try:
+                check_model_features(self.model_config)
+                check_attention_kwargs(model_name(self.model_config), attention_kwargs)
+            except UnsupportedAttentionError:
+                if self.layers_written() < len(self.paged_layers):  # earlier layers of this forward wrote
+                    self._undo_step()
+                raise
         if isinstance(layer, SharedKVLayer):
-            return layer.update(key_states, value_states, attention_kwargs if in_place else None)
+            return layer.update(key_states, value_states, attention_kwargs if in_place else None, self._undo_step)
         if not isinstance(layer, PagedLayer):
             return layer.update(key_states, value_states, *args, **kwargs)
         self._check_thread()
@@ -154,7 +176,33 @@ class PagedCache(Cache):
         after = None
         if self.evictor is not None and layer_idx in self.evictor.layers:
             after = functools.partial(self._after_attention, layer_idx)
-        return layer.update(key_states, value_states, plan, attention_kwargs, after)
+        return layer.update(key_states, value_states, plan, attention_kwargs, after, self._undo_step)
+
+    def _undo_step(self) -> None:
+        """Take back the forward step under way, whose attention refused the model (a keyword only the attention
+        function sees, e.g. gpt-oss's `s_aux`): every group that stepped goes back to its length before the step.
+        Exact for a step into an empty cache (a fresh generation) and for full-precision tables without eviction
+        (blocks that left a sliding window at the step stay freed: no later step reads them); a step's sealing or
+        evictions cannot be taken back, and then the caller is told to reset."""
+        if len(self._step_start) == len(self.groups) and not any(self._step_start.values()):
+            self.reset()
+            return
+        try:
+            unpaged = [layer for layer in self.layers if not isinstance(layer, (PagedLayer, SharedKVLayer))]
+            if self.evictor is not None or unpaged:
+                raise RuntimeError("eviction, or layers not stored in blocks, changed state the step cannot give back")
+            for name, length in self._step_start.items():
+                if isinstance(self.groups[name], QuantizedBlockTables):
+                    raise RuntimeError(f"the {name} layers may have sealed (quantized) blocks in this step")
+                self.groups[name].check_crop(length)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"The refused forward step could not be taken back ({error}): call `cache.reset()` before using the "
+                "cache again"
+            ) from error
+        for name, length in self._step_start.items():
+            self.groups[name].crop(length)
+        self.sync_lengths()
 
     def _check_thread(self) -> None:
         """Refuse (changing nothing) an update from a thread other than the one whose forward step is under
@@ -224,6 +272,7 @@ class PagedCache(Cache):
                 group.padding_exact = exact
         if self.evictor is not None:
             self.evictor.before_step(stepping, q_len)
+        self._step_start = {group.name: group.length for group in stepping}
         mirrors = self._mirrors(stepping, pads, key_states, value_states)
         growth, shortage = self._growth(stepping, q_len, pads, mirrors)
         if shortage is not None and self.evictor is not None:  # pool pressure: evict to budget, plan again
@@ -583,10 +632,11 @@ class PagedCache(Cache):
         return f"PagedCache(groups={list(self.groups)}, block_size={self.options.block_size}, layers={len(self.layers)})"
 
     # ------------------------------------------------------------------ files
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> None:
         """Write the cache to one safetensors file: the blocks in use (quantized ones as codes), the tables,
-        per-row and eviction state; `PagedCache.load` continues from it exactly. Save between forward steps."""
-        save_cache(self, path)
+        per-row and eviction state; `PagedCache.load` continues from it exactly. Save between forward steps.
+        An existing writable file is replaced; a write-protected one only with `overwrite=True`."""
+        save_cache(self, path, overwrite)
 
     @classmethod
     def load(
@@ -621,6 +671,12 @@ def _check_share_with(index: int, source: int, layer_types: list[str], layer_kwa
         )
 
 
+def _stored_layer(layer) -> PagedLayer | None:
+    """The paged layer whose blocks hold `layer`'s K/V (itself, or a `share_with` layer's source); None if not paged."""
+    layer = layer.source if isinstance(layer, SharedKVLayer) else layer
+    return layer if isinstance(layer, PagedLayer) else None
+
+
 def _copy_blocks(layers: list[PagedLayer], sources: list[int], targets: list[int]) -> None:
     """Copy-on-write: block contents from `sources` to `targets` in every layer of a group."""
     for layer in layers:
@@ -632,10 +688,11 @@ def _copy_quantized(layers: list[QuantizedLayer], sources: list[int], targets: l
         layer.copy_quantized_blocks(sources, targets)
 
 
-def _seal(layers: list[PagedLayer], sources: list[int], targets: list[int]) -> None:
-    """Quantize full-precision blocks `sources` into sealed blocks `targets` in every layer of a group."""
+def _seal(layers: list[PagedLayer], sources: list[int], targets: list[int], keep: list[int]) -> None:
+    """Quantize full-precision blocks `sources` into sealed blocks `targets` in every layer of a group, each
+    keeping a copy of blocks `keep` for the step (`QuantizedLayer.seal`)."""
     for layer in layers:
-        layer.seal(sources, targets)
+        layer.seal(sources, targets, keep)
 
 
 def _check_quant_layers(options: PagedCacheConfig, layer_types: list[str]) -> None:

@@ -20,3 +20,9 @@ class OutOfBlocksError(RuntimeError):
 class CacheFileError(ValueError):
     """`PagedCache.load` cannot use a file: it is corrupted, truncated or of another format version, or it
     does not fit the given config (another model) or options. Raised before any cache is built."""
+
+
+class UnsupportedAttentionError(ValueError):
+    """The model uses an attention feature the `"paged"` attention does not implement (learned sinks, latent
+    attention, KV-shared layers, ...). Raised before the cache changes (or after taking the step back), so the
+    cache is as it was and works with another attention implementation."""

@@ -34,10 +34,12 @@ class PagedKV:
     history lives, and the work due once attention ran (`finish`: eviction statistics and triggers), so
     neither the attention function nor the layer needs a reference to the cache."""
 
-    def __init__(self, layer: PagedLayer, plan: StepPlan, after_attention: AfterAttention | None = None):
+    def __init__(self, layer: PagedLayer, plan: StepPlan, after_attention: AfterAttention | None = None,
+                 undo: Callable[[], None] | None = None):  # fmt: skip
         self.layer = layer
         self.plan = plan
         self.after_attention = after_attention
+        self.undo_step = undo  # takes the cache's step back when the attention refuses the model
 
     @property
     def sliding_window(self) -> int | None:
@@ -51,10 +53,20 @@ class PagedKV:
         """K/V of logical positions [kv_offset, new_len) of every row, `[batch, kv_heads, n, head_dim]`."""
         return self.layer.gather(self.plan)
 
+    def undo(self) -> None:
+        """Called by the attention when it refuses the model: the cache takes back the step under way."""
+        if self.undo_step is not None:
+            self.undo_step()
+
     def finish(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None) -> None:
         """Called by the attention once this layer's output is computed."""
         if self.after_attention is not None:
             self.after_attention(self.plan, query, mask, scale, softcap)
+
+    def reader(self) -> PagedKV:
+        """The handle for another layer that attends over this layer's K/V (a KV-shared layer): the same blocks and
+        plan without the work due after attention, so eviction statistics are recorded once per stored layer."""
+        return PagedKV(self.layer, self.plan, None, self.undo_step)
 
     def own_mask(self, q_len: int, device: torch.device) -> torch.Tensor | None:
         """The mask of a sequence that has no model-made mask (a packed batch): causal over the read range,
@@ -70,6 +82,15 @@ class PackedPagedKV:
 
     def __init__(self, parts: list[tuple[int, int, PagedKV]]):
         self.parts = parts
+
+    def undo(self) -> None:
+        """Every sequence's cache takes back the step under way (the attention refused the model)."""
+        for _start, _stop, part in self.parts:
+            part.undo()
+
+    def reader(self) -> PackedPagedKV:
+        """`PagedKV.reader` for every sequence."""
+        return PackedPagedKV([(start, stop, part.reader()) for start, stop, part in self.parts])
 
 
 class LayerStorage:
@@ -93,6 +114,7 @@ class PagedLayer(CacheLayerMixin):
     is_croppable = True
     is_compileable = False
     is_quantized = False
+    read_by_others = False  # a `share_with` layer reads this layer's step after it (`SharedKVLayer`)
     key_blocks = storage_field("key_blocks")
     value_blocks = storage_field("value_blocks")
 
@@ -206,6 +228,7 @@ class PagedLayer(CacheLayerMixin):
         plan: StepPlan,
         attention_kwargs: dict | None = None,
         after_attention: AfterAttention | None = None,
+        undo: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the step's new K/V into the slots `plan` (made by the cache for the layer's group) gives.
 
@@ -218,7 +241,7 @@ class PagedLayer(CacheLayerMixin):
         self._fit_pool()
         self._write(plan, key_states, value_states)
         self.seq_len = plan.new_len
-        return self.hand_over(plan, key_states, value_states, attention_kwargs, after_attention)
+        return self.hand_over(plan, key_states, value_states, attention_kwargs, after_attention, undo)
 
     def hand_over(
         self,
@@ -227,12 +250,14 @@ class PagedLayer(CacheLayerMixin):
         value_states: torch.Tensor,
         attention_kwargs: dict | None = None,
         after_attention: AfterAttention | None = None,
+        undo: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """What `update()` returns once the step is written: a `PagedKV` in the attention kwargs (and the new
         states, usable by nothing else), or the K/V of the whole read range, gathered."""
         if attention_kwargs is not None:
-            attention_kwargs[PAGED_KV_KWARG] = PagedKV(self, plan, after_attention)
-            return paged_only(key_states), paged_only(value_states)  # any other attention fails clearly
+            paged_kv = attention_kwargs[PAGED_KV_KWARG] = PagedKV(self, plan, after_attention, undo)
+            reader = paged_kv.reader()  # for a later layer that reuses these states (a KV-shared layer)
+            return paged_only(key_states, reader), paged_only(value_states, reader)  # any other attention fails
         keys, values = self.gather(plan)
         if keys.dtype != key_states.dtype:  # a storage dtype other than the model's (e.g. fp16 for an fp32 model)
             keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
@@ -412,8 +437,9 @@ class PagedSlidingLayer(PagedLayer):
 
 
 class SharedKVLayer(CacheLayerMixin):
-    """A layer that stores nothing and reads an earlier paged layer's K/V (`share_with`): its own new K/V are
-    dropped, so attention sees the source layer's history and this step's source states."""
+    """A layer that stores nothing and reads an earlier paged layer's K/V (`share_with`, or a model's KV-shared
+    layer, which calls no `update()` and attends over its source's states): its own new K/V are dropped, so
+    attention sees the source layer's history and this step's source states."""
 
     is_compileable = False
     is_quantized = False
@@ -422,6 +448,7 @@ class SharedKVLayer(CacheLayerMixin):
         super().__init__()
         self.source = source
         self.is_initialized = True
+        source.read_by_others = True
 
     def __repr__(self) -> str:
         return f"SharedKVLayer(source={self.source!r})"
@@ -430,16 +457,20 @@ class SharedKVLayer(CacheLayerMixin):
     def is_sliding(self) -> bool:
         return self.source.is_sliding
 
+    @property
+    def is_croppable(self) -> bool:  # a crop of the cache crops the source's tables, which this layer reads
+        return self.source.is_croppable
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to allocate: the source layer stores the K/V."""
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
-               attention_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, attention_kwargs: dict | None = None,
+               undo: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         self.source.check_states(key_states)
         if self.source.seq_len != self.source.tables.length or self.source.tables.plan is None:
             raise RuntimeError("A `share_with` layer ran before its source layer wrote this step: the source must be "
                                "an earlier layer of the same forward")  # fmt: skip
-        return self.source.hand_over(self.source.tables.plan, key_states, value_states, attention_kwargs)
+        return self.source.hand_over(self.source.tables.plan, key_states, value_states, attention_kwargs, undo=undo)
 
     def get_seq_length(self) -> int:
         return self.source.get_seq_length()

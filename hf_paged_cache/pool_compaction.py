@@ -6,8 +6,10 @@ moves every referenced block of a family of caches (a template and its forks, wh
 to ids 1..n, in id order, copying the contents in every layer, and rewrites every table of every fork, the
 prefix cache's entries and the quantized groups' sealed-copy records. Every id then starts a new lifetime
 (`BlockPool.remap` bumps its epoch): blocks no one references are forgotten, including unreferenced
-prefix-cached ones. With `keep_free`, each pool then shrinks to its blocks in use plus that many, and the
-storage with it. Swapped-out caches hold host blocks and are left as they are.
+prefix-cached ones. With `keep_free`, each pool of a growable family then shrinks to its blocks in use plus that
+many, and the storage with it (it grows again on demand); a fixed pool never shrinks below the `num_blocks` /
+`max_memory` it was given, so requests it was sized for keep fitting. Swapped-out caches hold host blocks and
+are left as they are.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def fragmentation(template: PagedCache) -> dict[str, Fragmentation]:
 @torch.no_grad()
 def compact(template: PagedCache, prefix_cache: PrefixCache | None = None, keep_free: int | None = None) -> None:
     """Pack the blocks in use of every pool of `template`'s family to ids 1..n (see the module docstring); with
-    `keep_free`, shrink each pool to n + `keep_free` blocks. Call it between steps."""
+    `keep_free`, shrink each pool of a growable family to n + `keep_free` blocks (fixed pools keep their size).
+    Call it between steps."""
     if keep_free is not None and (isinstance(keep_free, bool) or not isinstance(keep_free, int) or keep_free < 0):
         raise ValueError(f"`keep_free` must be an int >= 0 (free blocks each pool keeps) or None, got {keep_free!r}")
     caches = list(template._forks.caches)
@@ -107,7 +110,7 @@ def compact(template: PagedCache, prefix_cache: PrefixCache | None = None, keep_
         group.sealed_copies.clear()
         group.sealed_copies.update({block: (group.pool.epoch(block), copy, group.qpool.epoch(copy))
                                     for block, copy in records.items()})  # fmt: skip
-    if keep_free is not None:
+    if keep_free is not None and template.options.growable:  # a fixed pool keeps the size it was given
         for pool, kind in pools:
             _shrink(template, pool, kind, min(pool.num_used + keep_free, pool.num_blocks))
 

@@ -7,12 +7,13 @@ import functools
 import pytest
 import torch
 from test_smollm2 import PROMPTS, needs_wheel
-from tiny_models import MODELS_BY_NAME, VOCAB
+from tiny_models import MODELS_BY_NAME, REFUSED_MODELS, VOCAB
 from transformers import DynamicCache
 
-from hf_paged_cache import PagedCache, StreamingLLM
+from hf_paged_cache import PagedCache, StreamingLLM, UnsupportedAttentionError
 from hf_paged_cache.batch_generator import BatchConfig, BatchGenerator, generate_batch
 from hf_paged_cache.copy_stream import CopyStream
+from hf_paged_cache.request_settings import RequestSettings
 from hf_paged_cache.smollm2 import load_smollm2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,7 +39,8 @@ def _alone(model, prompt: list[int], cache, attention: str) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa", "qwen3", "mistral_sliding", "qwen2_sliding", "gemma2"])
+@pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa", "qwen3", "mistral_sliding", "qwen2_sliding", "gemma2",
+                                  "gemma3n"])  # fmt: skip
 def test_greedy_outputs_equal_each_prompt_alone_with_dynamic_cache(name):
     model = _model(name)
     prompts = _prompts((5, 17, 9, 30, 3, 12), seed=1)
@@ -326,3 +328,246 @@ def _alone_smollm2(model, prompt: list[int]) -> list[int]:
     out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(), max_new_tokens=8,
                          do_sample=False)  # fmt: skip
     return out[0, len(prompt) :].tolist()
+
+
+def _clean(prompts, **options) -> list:
+    return generate_batch(_model("llama_gqa"), prompts, block_size=4, max_batch_tokens=16, **options)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"do_sample": True, "top_p": -0.5}, "top_p"),
+    ({"do_sample": True, "top_p": 1.5}, "top_p"),
+    ({"do_sample": True, "top_k": -1}, "top_k"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"do_sample": True, "temperature": 0.0}, "temperature"),
+    ({"do_sample": True, "temperature": -1}, "temperature"),
+    ({"do_sample": "yes"}, "do_sample"),
+    ({"repetition_penalty": 0.0}, "penalty"),
+    ({"min_new_tokens": -2}, "min_new_tokens"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"eos_token_id": "125"}, "eos_token_id"),
+    ({"eos_token_id": torch.tensor([2.0])}, "eos_token_id"),
+    ({"eos_token_id": [3, VOCAB]}, "eos_token_id"),
+    ({"num_beams": 4}, "beam search"),
+    ({"num_return_sequences": 2}, "num_return_sequences"),
+    ({"stop_strings": ["\n"]}, "tokenizer"),
+    ({"no_repeat_ngram_size": 2}, "no_repeat_ngram_size"),
+    ({"max_num_seq": 2}, "unknown generation option"),
+    ({"seed": 1.5}, "seed"),
+], ids=lambda value: str(value) if isinstance(value, str) else None)  # fmt: skip
+def test_bad_request_settings_are_refused_at_add_request_and_change_nothing(bad, match):
+    prompts = _prompts((5, 9), seed=11)
+    generator = BatchGenerator(_model("llama_gqa"), max_new_tokens=NEW, block_size=4, max_batch_tokens=16)
+    generator.add_request(prompts[0])
+    with pytest.raises(ValueError, match=f"request 1: .*{match}"):
+        generator.add_request(prompts[1], **bad)
+    assert generator.add_request(prompts[1]) == 1  # the failed call took no id and queued nothing
+    outputs = generator.run()
+    assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in _clean(prompts, max_new_tokens=NEW)]
+
+
+@pytest.mark.parametrize("prompt", ["123", [1.0, 2.0], [True, 5], [4, -1], [4, VOCAB], [2**70], 7, [[3, 4]],
+                                    torch.ones(2, 3, dtype=torch.long), torch.tensor([1.5])])  # fmt: skip
+def test_prompts_that_are_not_token_ids_are_refused_naming_the_request(prompt):
+    generator = BatchGenerator(_model("llama_gqa"), max_new_tokens=2, block_size=4)
+    with pytest.raises(ValueError, match="request 0: `prompt_ids`"):
+        generator.add_request(prompt)
+    assert not generator.has_work()
+
+
+def test_prompts_and_eos_ids_as_tensors_equal_lists():
+    prompts = _prompts((5, 9), seed=12)
+    plain = _clean(prompts, max_new_tokens=NEW)
+    eos = plain[1].generated_tokens[2]  # request 1 stops there (request 0 may stop earlier if it makes it too)
+    generator = BatchGenerator(_model("llama_gqa"), max_new_tokens=NEW, block_size=4, max_batch_tokens=16)
+    for prompt in prompts:
+        generator.add_request(torch.tensor(prompt), eos_token_id=torch.tensor(eos))
+    outputs = generator.run()
+    for output, expected in zip(outputs, plain):
+        cut = expected.generated_tokens.index(eos) + 1 if eos in expected.generated_tokens else NEW
+        assert output.generated_tokens == expected.generated_tokens[:cut]
+        assert output.finish_reason == ("eos" if cut < NEW or eos in expected.generated_tokens else "length")
+
+
+@pytest.mark.parametrize("options", [
+    {"repetition_penalty": 1.5},
+    {"max_length": 9 + 4},  # the longer prompt's 9 tokens and 4 new ones; max_length caps prompt + new tokens
+    {"min_new_tokens": 5, "eos": 1},  # eos = the greedy second token: without the minimum it stops at once
+], ids=["repetition_penalty", "max_length", "min_new_tokens"])  # fmt: skip
+def test_honoured_options_give_the_tokens_of_model_generate(options):
+    model = _model("llama_gqa")
+    prompts = _prompts((7, 9), seed=13)
+    options = dict(options)
+    if "eos" in options:
+        options["eos_token_id"] = _clean(prompts[1:], max_new_tokens=NEW)[0].generated_tokens[options.pop("eos")]
+    budget = {} if "max_length" in options else {"max_new_tokens": NEW}
+    outputs = _clean(prompts, **budget, **options)
+    model.set_attn_implementation("sdpa")
+    for prompt, output in zip(prompts, outputs):
+        ids = torch.tensor([prompt])
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(), do_sample=False,
+                                  **budget, **options)[0, len(prompt) :].tolist()  # fmt: skip
+        assert output.generated_tokens == expected
+    if "max_length" in options:
+        assert [len(o.prompt_ids) + len(o.generated_tokens) for o in outputs] == [13, 13]
+
+
+def test_a_max_length_the_prompt_fills_is_refused():
+    generator = BatchGenerator(_model("llama_gqa"), max_length=9, block_size=4)
+    generator.add_request(_prompts((8,))[0])  # room for one new token
+    with pytest.raises(ValueError, match="request 1: `max_length`=9 .* 9-token prompt"):
+        generator.add_request(_prompts((9,))[0])
+    assert [len(o.generated_tokens) for o in generator.run()] == [1]
+
+
+def test_sampling_follows_generate_rules():
+    prompts = _prompts((7, 9), seed=14)
+    greedy = _clean(prompts, max_new_tokens=NEW)
+    top1 = _clean(prompts, max_new_tokens=NEW, do_sample=True, top_k=1, temperature=0.7)  # one candidate left
+    assert [o.generated_tokens for o in top1] == [o.generated_tokens for o in greedy]
+    # Greedy ignores the sampling settings, as `generate` does (it only warns).
+    lenient = _clean(prompts, max_new_tokens=NEW, temperature=0.0, top_p=1.5)
+    assert [o.generated_tokens for o in lenient] == [o.generated_tokens for o in greedy]
+    with pytest.raises(ValueError, match="the generation config: .*temperature"):
+        BatchGenerator(_model("llama_gqa"), do_sample=True, temperature=0.0)
+
+
+def test_unknown_options_and_configs_fail_before_the_model_changes():
+    model, _config = MODELS_BY_NAME["llama_gqa"].build()
+    before = model.config._attn_implementation
+    with pytest.raises(ValueError, match=r"Unknown option\(s\) \['max_num_seq'\].*max_num_seqs"):
+        BatchGenerator(model, max_num_seq=2)
+    with pytest.raises(ValueError, match="GenerationConfig"):
+        BatchGenerator(model, {"max_new_tokens": 4})
+    with pytest.raises(ValueError, match="num_beams"):
+        BatchGenerator(model, num_beams=4)
+    with pytest.raises(ValueError, match="swap_copies"):
+        BatchGenerator(model, swap_copies="async")
+    assert model.config._attn_implementation == before
+
+
+def _failing(method, fails_at, error, when=lambda *args: True):
+    """`method` that raises `error` at its `fails_at`-th call for which `when(*args)` holds, once."""
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        if when(*args):
+            calls.append(None)
+            if len(calls) == fails_at:
+                raise error
+        return method(*args, **kwargs)
+
+    return wrapper
+
+
+def test_a_request_whose_sampling_fails_finishes_with_error_and_the_others_go_on(monkeypatch):
+    prompts = _prompts((5, 9, 12), seed=15)
+    clean = _clean(prompts, max_new_tokens=NEW)
+    original = RequestSettings.next_token
+    bad_prompt = prompts[1]
+    monkeypatch.setattr(RequestSettings, "next_token", _failing(original, 3, ValueError("bad logits"),
+                        when=lambda self, logits, tokens: tokens[: len(bad_prompt)] == bad_prompt))  # fmt: skip
+    generator = BatchGenerator(_model("llama_gqa"), max_new_tokens=NEW, block_size=4, max_batch_tokens=16)
+    for prompt in prompts:
+        generator.add_request(prompt)
+    outputs = generator.run()
+    assert outputs[1].finish_reason == "error" and "bad logits" in outputs[1].error
+    assert outputs[1].generated_tokens == clean[1].generated_tokens[:2]
+    assert [outputs[i].generated_tokens for i in (0, 2)] == [clean[i].generated_tokens for i in (0, 2)]
+    assert generator.template.metrics().blocks_used == 0 and not generator.has_work()
+
+
+def test_an_interrupt_during_sampling_rolls_the_step_back(monkeypatch):
+    """Every request samples (seeded): the draws made in the interrupted step are undone too."""
+    prompts = _prompts((5, 9, 12), seed=16)
+    options = {"max_new_tokens": NEW, "do_sample": True, "top_k": 0}
+    clean = _clean(prompts, **options)
+    last = prompts[2]
+    monkeypatch.setattr(RequestSettings, "next_token", _failing(RequestSettings.next_token, 2, KeyboardInterrupt(),
+                        when=lambda self, logits, tokens: tokens[: len(last)] == last))  # fmt: skip
+    generator = BatchGenerator(_model("llama_gqa"), block_size=4, max_batch_tokens=16, **options)
+    for prompt in prompts:
+        generator.add_request(prompt)
+    with pytest.raises(KeyboardInterrupt):
+        generator.run()
+    steps = len(generator.history)
+    outputs = generator.run()
+    assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in clean]
+    assert all(o.finish_reason == "length" for o in outputs) and len(generator.history) > steps
+    assert generator.template.metrics().blocks_used == 0
+
+
+@pytest.mark.parametrize("fails_at", [2, 5])
+def test_a_forward_that_fails_after_some_layers_wrote_is_rolled_back(fails_at):
+    """The second layer raises (once) while the first has written the step: the generator stays usable and every
+    request then produces exactly the tokens of a run without the failure."""
+    model = _model("llama_gqa")
+    prompts = _prompts((5, 17, 9), seed=17, prefix=4)
+    clean = _clean(prompts, max_new_tokens=NEW)
+    layer = model.model.layers[1]
+    layer.forward = _failing(layer.forward, fails_at, RuntimeError("device lost"))
+    try:
+        generator = BatchGenerator(model, max_new_tokens=NEW, block_size=4, max_batch_tokens=16)
+        for prompt in prompts:
+            generator.add_request(prompt)
+        with pytest.raises(RuntimeError, match="device lost"):
+            generator.run()
+        outputs = generator.run()
+    finally:
+        del layer.forward
+    assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in clean]
+    assert generator.template.metrics().blocks_used == 0 and not generator.has_work()
+    assert generator.metrics().prompt_tokens == sum(map(len, prompts))  # requeued, not admitted twice
+
+
+@needs_wheel
+def test_stop_strings_with_a_tokenizer_stop_where_generate_stops():
+    from transformers import AutoTokenizer
+
+    from hf_paged_cache.smollm2 import model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir())  # the tiny model's ids are valid ids of this vocabulary
+    model = _model("llama_gqa")
+    prompts = _prompts((7, 9), seed=18)
+    clean = _clean(prompts, max_new_tokens=NEW)
+    stop = tokenizer.decode(clean[1].generated_tokens[2:4])  # request 1 stops at its fourth token at the latest
+    outputs = _clean(prompts, max_new_tokens=NEW, stop_strings=stop, tokenizer=tokenizer)
+    model.set_attn_implementation("sdpa")
+    for prompt, output in zip(prompts, outputs):
+        ids = torch.tensor([prompt])
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(), do_sample=False,
+                                  max_new_tokens=NEW, stop_strings=stop, tokenizer=tokenizer)  # fmt: skip
+        assert output.generated_tokens == expected[0, len(prompt) :].tolist()
+    assert outputs[1].finish_reason == "stop_string" and len(outputs[1].generated_tokens) <= 4
+
+@pytest.mark.parametrize("name, match", [
+    ("gpt_oss", r"uses `sinks`"),
+    ("deepseek_v3", r"v_head_dim 8 < qk_head_dim 24"),
+])  # fmt: skip
+def test_models_the_paged_attention_cannot_serve_are_refused_at_construction(name, match):
+    entry = next(entry for entry in REFUSED_MODELS if entry.name == name)
+    model, _config = entry.build()
+    implementation = model.config._attn_implementation
+    with pytest.raises(UnsupportedAttentionError, match=match):
+        BatchGenerator(model)
+    assert model.config._attn_implementation == implementation  # refused before the model was switched
+
+
+def test_a_keyword_refused_at_the_first_step_leaves_every_request_intact():
+    """A keyword only the attention call shows: the step's writes are taken back, the requests stay queued to run."""
+    model, _config = MODELS_BY_NAME["llama_gqa"].build()
+    prompts = _prompts((5, 9), seed=2)
+    expected = [o.generated_tokens for o in generate_batch(model, prompts, max_new_tokens=NEW, block_size=4)]
+    generator = BatchGenerator(model, max_new_tokens=NEW, block_size=4)
+    for prompt in prompts:
+        generator.add_request(prompt)
+    hooks = [layer.self_attn.register_forward_pre_hook(
+        lambda _module, args, kwargs: (args, {**kwargs, "position_bias": torch.zeros(1)}), with_kwargs=True)
+        for layer in model.model.layers]  # fmt: skip
+    with pytest.raises(UnsupportedAttentionError, match="LlamaAttention uses `position_bias`"):
+        generator.step()
+    for hook in hooks:
+        hook.remove()
+    assert generator.template.metrics().blocks_used == 0  # the requests' caches share the template's pools
+    assert [o.generated_tokens for o in generator.run()] == expected

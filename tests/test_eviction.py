@@ -590,6 +590,8 @@ def test_eviction_with_quantization_and_beam_search_on_every_architecture(entry)
     model, _config = entry.build()
     if not entry.passes_attention_kwargs:
         pytest.skip(f"{entry.name} calls update() without attention kwargs: it cannot read an evicted cache")
+    if entry.reuses_kv:
+        pytest.skip(f"{entry.name} reuses K/V across layers: eviction is refused for it (see the test below)")
     input_ids, attention_mask = padded_batch((0, 3), 24, seed=6)
     policy = POLICIES["tova"](per_head=entry.name.endswith("gqa"))  # per-head eviction composes too
     cache = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=4, eviction=policy)
@@ -604,3 +606,13 @@ def test_eviction_with_quantization_and_beam_search_on_every_architecture(entry)
     for group in full:
         for row in range(len(group.tables)):
             assert group.stored_count(row) <= BUDGET + BLOCK
+
+
+def test_eviction_is_refused_for_layers_that_reuse_another_layers_kv():
+    """Gemma-3n's KV-shared layers read their producer's blocks later in the same forward, after the producer's
+    eviction may have moved its tokens: refused when the cache is built, naming the option and the layers."""
+    model, _config = MODELS_BY_NAME["gemma3n"].build()
+    with pytest.raises(ValueError, match=r"`eviction` cannot serve Gemma3nText model: its layers \[2, 3\] reuse"):
+        PagedCache(model.config, block_size=BLOCK, eviction=POLICIES["tova"]())
+    gemma3 = _model("gemma3")  # the same sliding / full mix without KV sharing evicts
+    assert PagedCache(gemma3.config, block_size=BLOCK, eviction=POLICIES["tova"]()).evictor is not None

@@ -34,14 +34,27 @@ def test_compaction_packs_the_pool_and_changes_no_contents_or_outputs(options, k
     assert all(f.holes == 0 and f.used == fragmented[name].used for name, f in packed.items())
     for request, contents in zip(generator.running, before):
         assert all((a == b).all() for a, b in zip(stored_blocks(request.cache), contents))
-    if keep_free is not None:
-        assert all(f.blocks == f.used + keep_free for f in packed.values())
-        layer = generator.template.paged_layers[0]
-        assert layer.key_blocks.shape[0] == layer.tables.pool.num_blocks + 1
+    if keep_free is not None:  # a fixed pool keeps the size it was given
+        assert all(f.blocks == fragmented[name].blocks == OPTIONS["num_blocks"] for name, f in packed.items())
     outputs = generator.run()
     assert [o.generated_tokens for o in outputs] == expected
     if not options and late:  # the prefix cache's entries on blocks in use moved with them
         assert sum(outputs[i].prefix_hit_tokens for i in late) > 0
+
+
+def test_keep_free_shrinks_a_growable_pool_which_grows_again():
+    options = {key: value for key, value in OPTIONS.items() if key != "num_blocks"}
+    expected = [o.generated_tokens for o in _generator({}).run()]
+    generator = BatchGenerator(_model("llama_gqa"), **options)
+    for prompt in _prompts(PRESSURE, seed=10, prefix=8):
+        generator.add_request(prompt)
+    while not (generator.finished and len(generator.running) > 1):
+        generator.step()
+    _fragmented, packed = generator.compact(keep_free=1)
+    assert all(f.blocks == f.used + 1 for f in packed.values())
+    layer = generator.template.paged_layers[0]
+    assert layer.key_blocks.shape[0] == layer.tables.pool.num_blocks + 1
+    assert [o.generated_tokens for o in generator.run()] == expected
 
 
 def test_bad_compaction_knobs_fail_clearly():

@@ -30,6 +30,7 @@ class TinyModel:
     sliding_window: int | None = None  # smallest sliding window of the model, if any
     passes_position_ids: bool = True  # attention layers receive `position_ids` (left padding is not stored)
     passes_attention_kwargs: bool = True  # calls `cache.update(..., kwargs=...)`; if not, "paged" falls back to gather
+    reuses_kv: bool = False  # some layers reuse an earlier layer's K/V (KV sharing): no eviction for it
 
 
 def _make(model_class, config: PretrainedConfig, seed: int = 0) -> tuple[PreTrainedModel, PretrainedConfig]:
@@ -137,6 +138,60 @@ def gpt_neox():
     return _make(transformers.GPTNeoXForCausalLM, config)
 
 
+def gpt_oss():
+    """Learned attention sinks (`s_aux`), sliding and full layers; no SDPA support in transformers."""
+    config = transformers.GptOssConfig(
+        **_common(num_local_experts=2, num_experts_per_tok=1, head_dim=16),
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    return _make(transformers.GptOssForCausalLM, config)
+
+
+def granitemoe_swa():
+    """Granite-MoE with sliding-window layers: learned attention sinks (`s_aux`) too."""
+    config = transformers.GraniteMoeSWAConfig(**_common(num_local_experts=2, num_experts_per_tok=1, sliding_window=8,
+                                                        layer_types=["sliding_attention", "full_attention"]))
+    return _make(transformers.GraniteMoeSWAForCausalLM, config)
+
+
+def gemma3n():
+    """KV-shared layers: the last two layers reuse the K/V of the last earlier layer of their type."""
+    config = transformers.Gemma3nTextConfig(
+        **_common(num_hidden_layers=4, head_dim=16, intermediate_size=[2 * HIDDEN] * 4),
+        sliding_window=8,
+        num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB,
+        laurel_rank=4,
+        altup_num_inputs=2,
+        activation_sparsity_pattern=[0.0] * 4,
+    )
+    return _make(transformers.Gemma3nForCausalLM, config)
+
+
+def deepseek_v3():
+    """Multi-head latent attention: compressed latents are cached; values (8) narrower than keys (16 + 8)."""
+    config = transformers.DeepseekV3Config(
+        **_common(num_key_value_heads=4),
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=2,
+        num_experts_per_tok=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        moe_intermediate_size=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    return _make(transformers.DeepseekV3ForCausalLM, config)
+
+
 MODELS: list[TinyModel] = [
     TinyModel("llama_gqa", llama_gqa),
     TinyModel("llama_mqa", llama_mqa),
@@ -148,8 +203,15 @@ MODELS: list[TinyModel] = [
     TinyModel("phi3", phi3),
     TinyModel("gpt2", gpt2, gather_impl="eager"),
     TinyModel("gpt_neox", gpt_neox, passes_position_ids=False, passes_attention_kwargs=False),
+    TinyModel("gemma3n", gemma3n, sliding_window=8, reuses_kv=True),
 ]
 MODELS_BY_NAME = {entry.name: entry for entry in MODELS}
+# Models whose attention the "paged" attention refuses (exact only through the gather path).
+REFUSED_MODELS: list[TinyModel] = [
+    TinyModel("gpt_oss", gpt_oss, gather_impl="eager", sliding_window=8),
+    TinyModel("granitemoe_swa", granitemoe_swa, gather_impl="eager", sliding_window=8),
+    TinyModel("deepseek_v3", deepseek_v3),
+]
 
 
 def padded_batch(pads: tuple[int, ...], length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

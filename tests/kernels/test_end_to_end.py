@@ -4,6 +4,7 @@ windows and soft-capping all run in the kernels."""
 
 import pytest
 import torch
+from tiny_models import gemma3n
 from transformers import (
     DynamicCache,
     Gemma2Config,
@@ -26,16 +27,21 @@ MODELS = {
         Gemma2Config(**COMMON, sliding_window=6, attn_logit_softcapping=20.0, final_logit_softcapping=None)
     ),
 }
+# Its last layers read the blocks of earlier ones; chunked only (it covers both kernels) to keep the interpreter short.
+KV_SHARED = {"gemma3n-kv-shared": lambda: gemma3n()[0]}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("chunked", [False, True], ids=["prefill", "chunked"])
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize(("name", "chunked"), [
+    *(pytest.param(name, chunked, id=f"{name}-{'chunked' if chunked else 'prefill'}")
+      for name in MODELS for chunked in (False, True)),
+    *(pytest.param(name, True, id=f"{name}-chunked") for name in KV_SHARED),
+])  # fmt: skip
 def test_generate_through_kernels_matches_dynamic_cache(name, chunked, monkeypatch):
     torch.manual_seed(0)
-    model = MODELS[name]().eval()
+    model = (MODELS | KV_SHARED)[name]().eval()
     ids = torch.randint(1, 96, (2, 9))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0  # fewer pads than a chunk, so padding is known exactly and the kernels may read

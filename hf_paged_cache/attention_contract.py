@@ -1,0 +1,128 @@
+"""What the `"paged"` attention honours, and the clear refusal of what it does not.
+
+transformers hands an attention function every keyword its model passes, and the paged attention reads only the
+ones it knows: any other that changes the attention (gpt-oss's learned sink logits `s_aux`) would be dropped and the
+tokens would differ from `DynamicCache` without an error. So each keyword is either honoured (listed here with why) or
+refused, and model features that show in the config (multi-head latent attention) or in the modules (sink
+parameters) are refused before the cache changes. KV-shared layers (Gemma-3n) read their producer layer's blocks
+(`kv_sharing_sources`); only those whose producer the config does not name are refused.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+
+from .errors import UnsupportedAttentionError
+from .layers import PAGED_KV_KWARG
+
+# Keywords the paged attention receives and honours, each with the reason it is safe.
+HONOURED: dict[str, str] = {
+    PAGED_KV_KWARG: "the handle `update()` leaves: where the step's history lives",
+    "softcap": "logit soft-capping (Gemma-2), applied by the torch path and the kernels",
+    "sliding_window": "the layer's window: its sliding group stores exactly that window and both read paths mask by it",
+    "position_ids": "positions are already applied to query and key (RoPE); read only to count left padding",
+    "use_cache": "tells the model to keep a cache; no attention math",
+    "output_attentions": "weights are not returned (None, as with SDPA); outputs are unchanged",
+    "output_hidden_states": "a flag for the model's outputs; no attention math",
+    "output_router_logits": "a flag for a mixture-of-experts model's outputs; no attention math",
+    "return_dict": "a flag for the model's outputs; no attention math",
+    "num_items_in_batch": "normalises the training loss; no attention math",
+    "deterministic": "a flash-attention kernel setting; no attention math",
+}
+
+# Keywords that change the attention in a way the paged attention does not implement, with what they do.
+REFUSED: dict[str, str] = {
+    "s_aux": "learned attention-sink logits (gpt-oss, Granite-MoE-SWA) that join every softmax's denominator",
+    "sinks": "learned attention-sink logits that join every softmax's denominator",
+    "position_bias": "an additive attention bias (T5-style relative positions)",
+    "indices": "a sparse selection of the keys each query attends to",
+    "block_indices": "a sparse selection of the key blocks each query attends to",
+    "is_causal": "is_causal=False: bidirectional attention (the paged attention is causal)",
+    "cu_seq_lens_q": "packed-sequence boundaries: the paged attention would attend across the packed sequences",
+    "cu_seq_lens_k": "packed-sequence boundaries: the paged attention would attend across the packed sequences",
+    "max_length_q": "packed-sequence lengths: the paged attention would attend across the packed sequences",
+    "max_length_k": "packed-sequence lengths: the paged attention would attend across the packed sequences",
+    "seq_idx": "packed-sequence indices: the paged attention would attend across the packed sequences",
+}
+
+# Values of a refused keyword that ask for nothing the paged attention lacks.
+_HARMLESS = {"is_causal": (True,)}
+
+REMEDY = (
+    'Load the model with attn_implementation="sdpa" (or "eager" where it has no SDPA support): a PagedCache then '
+    "hands the attention the gathered K/V (the gather path), which is exact."
+)
+
+
+def check_attention_kwargs(model: str, kwargs: dict, dropout: float = 0.0) -> None:
+    """Raise `UnsupportedAttentionError` for the first keyword (or a dropout) the paged attention cannot honour.
+
+    A keyword outside both lists is refused too when it carries a value: it exists to change something."""
+    if dropout:
+        refuse(model, f"dropout={dropout}", "attention dropout (training mode); the paged attention has none")
+    for name, value in kwargs.items():
+        if name in HONOURED or value is None or any(value is harmless for harmless in _HARMLESS.get(name, ())):
+            continue
+        refuse(model, f"`{name}`", REFUSED.get(name, "a keyword the paged attention does not know"))
+
+
+def check_model_features(config: PretrainedConfig) -> None:
+    """Refuse, from the config alone, models whose attention the paged attention cannot read from blocks."""
+    model = model_name(config)
+    qk_dim = getattr(config, "qk_head_dim", None)
+    if qk_dim is None and getattr(config, "qk_nope_head_dim", None) is not None:
+        qk_dim = config.qk_nope_head_dim + getattr(config, "qk_rope_head_dim", 0)
+    v_dim = getattr(config, "v_head_dim", None)
+    if v_dim is not None and qk_dim is not None and v_dim < qk_dim:
+        refuse(model, "multi-head latent attention",
+               f"values narrower than keys (v_head_dim {v_dim} < qk_head_dim {qk_dim}) are not supported by the "
+               "paged attention (the model caches compressed latents and expands them after `update()`)")  # fmt: skip
+    if getattr(config, "kv_lora_rank", None):
+        refuse(model, "multi-head latent attention",
+               f"the model caches compressed latents (kv_lora_rank {config.kv_lora_rank}) and expands them into keys "
+               "and values after `update()`, but the paged attention keeps the history in blocks")  # fmt: skip
+    sources = kv_sharing_sources(config)
+    unread = [index for index, mode in enumerate(getattr(config, "kv_sharing_modes", None) or [])
+              if mode not in (None, "store") and index not in sources]  # fmt: skip
+    if unread:
+        refuse(model, "KV-shared layers",
+               f"layers {unread} reuse K/V without an earlier \"store\" layer of their own layer type to read them "
+               "from, so the paged attention cannot tell which layer's blocks hold their history")  # fmt: skip
+
+
+def kv_sharing_sources(config: PretrainedConfig) -> dict[int, int]:
+    """`{consumer: producer}` of a model whose layers reuse an earlier layer's K/V (`kv_sharing_modes` "reuse", as
+    in Gemma-3n): the producer is the last earlier "store" layer of the consumer's layer type, whose `update()`
+    result the model hands to the consumer's attention. A consumer without one is left out (and refused above)."""
+    modes, types = getattr(config, "kv_sharing_modes", None), getattr(config, "layer_types", None)
+    if not modes or types is None:
+        return {}
+    sources, last_store = {}, {}
+    for index, mode in enumerate(modes):
+        if mode == "reuse" and types[index] in last_store:
+            sources[index] = last_store[types[index]]
+        elif mode == "store":
+            last_store[types[index]] = index
+    return sources
+
+
+def check_model_modules(model: torch.nn.Module) -> None:
+    """`check_model_features`, plus what only the modules show: learned sink logits (a `sinks` parameter)."""
+    check_model_features(model.config)
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            refuse(f"{type(model).__name__} ({name})", "`sinks`", REFUSED["sinks"])
+
+
+def refuse(model: str, feature: str, reason: str) -> None:
+    raise UnsupportedAttentionError(
+        f'{model} uses {feature} with the "paged" attention: {reason}, which the paged attention does not implement, '
+        f"so its tokens would differ from DynamicCache. {REMEDY}"
+    )
+
+
+def model_name(config: PretrainedConfig) -> str:
+    """The model class the config names (its first architecture), else the model family of its config class."""
+    architectures = getattr(config, "architectures", None)
+    return architectures[0] if architectures else f"{type(config).__name__.removesuffix('Config')} model"

@@ -1,0 +1,164 @@
+"""The `"paged"` attention's keyword contract: what it cannot honour is refused clearly, and the cache is unchanged."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+import torch
+import transformers
+from tiny_models import MODELS_BY_NAME, REFUSED_MODELS, VOCAB
+from transformers import DynamicCache
+
+from hf_paged_cache import PagedCache, UnsupportedAttentionError
+from hf_paged_cache.attention_contract import HONOURED, REFUSED, check_model_features
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+REFUSED_BY_NAME = {entry.name: entry for entry in REFUSED_MODELS}
+# The attention function's own parameters: a call may name them, they never reach its `**kwargs`.
+PARAMETERS = {"module", "query", "key", "value", "attention_mask", "scaling", "dropout"}
+NEW = 5
+
+
+def _call_keywords(text: str):
+    """Top-level `name=` keywords of every `attention_interface(...)` call in a modeling file's text."""
+    for match in re.finditer(r"attention_interface\(", text):
+        depth, end = 1, match.end()
+        while depth:
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            end += 1
+        level, top = 0, []
+        for char in text[match.end() : end - 1]:
+            level += (char in "([{") - (char in ")]}")
+            top.append(char if level == 0 else " ")
+        yield from re.findall(r"(?:^|,)\s*([A-Za-z_]\w*)\s*=(?!=)", "".join(top))
+
+
+def test_every_keyword_transformers_passes_to_the_attention_is_classified():
+    models = pathlib.Path(transformers.__file__).parent / "models"
+    seen = {keyword for path in models.glob("*/modeling_*.py") for keyword in _call_keywords(path.read_text())}
+    assert {"s_aux", "softcap", "sliding_window"} <= seen  # the scan finds the calls
+    assert not seen - PARAMETERS - HONOURED.keys() - REFUSED.keys()
+    assert not HONOURED.keys() & REFUSED.keys()
+
+
+def _prompt(length: int = 6) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(0))
+
+
+def _generate(model, implementation: str, cache, ids: torch.Tensor) -> list[int]:
+    model.set_attn_implementation(implementation)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=NEW, do_sample=False)
+    return out[0, ids.shape[1] :].tolist()
+
+
+def _state(cache: PagedCache) -> tuple:
+    metrics = cache.metrics()
+    return cache.get_seq_length(), metrics.blocks_used, metrics.tokens_stored
+
+
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("gpt_oss", r"GptOssAttention uses `s_aux`.*attention-sink logits"),
+        ("granitemoe_swa", r"GraniteMoeSWAAttention uses `s_aux`.*attention-sink logits"),
+        ("deepseek_v3", r"values narrower than keys \(v_head_dim 8 < qk_head_dim 24\)"),
+    ],
+)
+def test_refused_models_fail_clearly_and_leave_the_cache_as_it_was(name, match):
+    """The refusal names the model and the cause and the remedy; the same cache then serves the gather path exactly."""
+    entry = REFUSED_BY_NAME[name]
+    model, config = entry.build()
+    ids = _prompt()
+    cache = PagedCache(config, block_size=4)
+    before = _state(cache)
+    model.set_attn_implementation("paged")
+    with pytest.raises(UnsupportedAttentionError, match=match) as error:
+        model(ids, cache=cache)
+    assert 'attn_implementation="sdpa"' in str(error.value)
+    assert _state(cache) == before
+    expected = _generate(model, entry.gather_impl, DynamicCache(config=config), ids)
+    assert _generate(model, entry.gather_impl, cache, ids) == expected
+
+
+def test_a_refusal_after_a_prefill_takes_the_step_back():
+    """gpt-oss's sinks show only at the attention call, after the first layer wrote: that step is taken back."""
+    model, config = REFUSED_BY_NAME["gpt_oss"].build()
+    ids = _prompt()
+    cache = PagedCache(config, block_size=4)
+    model.set_attn_implementation("eager")
+    model(ids, cache=cache)
+    before = _state(cache)
+    model.set_attn_implementation("paged")
+    with pytest.raises(UnsupportedAttentionError, match="s_aux"):
+        model(torch.tensor([[7]]), cache=cache)
+    assert _state(cache) == before
+    model.set_attn_implementation("eager")
+    logits = model(torch.tensor([[7]]), cache=cache).logits
+    reference = DynamicCache(config=config)
+    model(ids, cache=reference)
+    torch.testing.assert_close(logits, model(torch.tensor([[7]]), cache=reference).logits)
+
+
+def test_an_unknown_keyword_and_training_dropout_are_refused_before_anything_is_written():
+    model, config = MODELS_BY_NAME["llama_gqa"].build()
+    model.set_attn_implementation("paged")
+    cache = PagedCache(config, block_size=4)
+    before = _state(cache)
+    with pytest.raises(UnsupportedAttentionError, match=r"Llama model uses `position_bias`.*additive attention"):
+        model(_prompt(), cache=cache, position_bias=torch.zeros(1))
+    assert _state(cache) == before
+    # Shown by the second layer only, after the first one wrote: the cache takes that write back.
+    hook = model.model.layers[1].self_attn.register_forward_pre_hook(
+        lambda _module, args, kwargs: (args, {**kwargs, "position_bias": torch.zeros(1)}), with_kwargs=True)
+    with pytest.raises(UnsupportedAttentionError, match="`position_bias`"):
+        model(_prompt(), cache=cache)
+    hook.remove()
+    assert _state(cache) == before
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    model.train()
+    with pytest.raises(UnsupportedAttentionError, match=r"LlamaAttention uses dropout=0.1"):
+        model(_prompt(), cache=cache)
+    assert _state(cache) == before
+
+
+def test_kv_shared_layers_read_their_producers_blocks_and_a_refusal_there_takes_the_step_back():
+    """Gemma-3n's last layers reuse an earlier layer's `update()` result: under "paged" they attend over that layer's
+    blocks (the tokens of DynamicCache + SDPA), and a keyword refused at such a layer's attention (after every
+    storing layer wrote) takes the step back: the cache continues with DynamicCache's logits."""
+    model, config = MODELS_BY_NAME["gemma3n"].build()
+    ids = _prompt(11)  # longer than the sliding window (8)
+    reference = DynamicCache(config=config)
+    expected = _generate(model, "sdpa", reference, ids)
+    cache = PagedCache(config, block_size=4)
+    assert _generate(model, "paged", cache, ids) == expected
+    consumer = model.model.layers[3].self_attn  # reuses layer 1's K/V and calls no `update()`
+    hook = consumer.register_forward_pre_hook(
+        lambda _module, args, kwargs: (args, {**kwargs, "position_bias": torch.zeros(1)}), with_kwargs=True)
+    with pytest.raises(UnsupportedAttentionError, match="`position_bias`"), torch.no_grad():
+        model(torch.tensor([[7]]), cache=cache)
+    hook.remove()
+    assert cache.get_seq_length() == reference.get_seq_length()
+    with torch.no_grad():
+        logits = model(torch.tensor([[7]]), cache=cache).logits
+        model.set_attn_implementation("sdpa")
+        torch.testing.assert_close(logits, model(torch.tensor([[7]]), cache=reference).logits)
+
+
+class _ProducerlessGemma3nConfig(transformers.Gemma3nTextConfig):
+    """A config whose KV-shared layers name no "store" layer to read from."""
+
+    @property
+    def kv_sharing_modes(self) -> list[str | None]:
+        return [None if mode == "store" else mode for mode in super().kv_sharing_modes]
+
+
+def test_kv_shared_layers_without_a_producer_are_refused():
+    _model, config = MODELS_BY_NAME["gemma3n"].build()
+    check_model_features(config)  # the real Gemma-3n layout is served
+    producerless = _ProducerlessGemma3nConfig(**config.to_dict())
+    with pytest.raises(UnsupportedAttentionError, match=r"layers \[2, 3\] reuse K/V without an earlier \"store\""):
+        check_model_features(producerless)
