@@ -183,6 +183,7 @@ RANDOM_LLAMAS = {
                            num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
                            tie_word_embeddings=True),
 }  # fmt: skip
+TINY_GEMMA3 = "tiny-gemma3"
 
 
 @dataclass(frozen=True)
@@ -207,9 +208,12 @@ def load_model(name: str, dtype: torch.dtype = torch.float32):
     """`(model, encode)`: `encode(text) -> list[int]`, and `encode.decode(ids) -> str` (a `Codec`).
 
     `smollm2` is SmolLM2-135M-Instruct from its PyPI wheel; a name of `RANDOM_LLAMAS` is a random-weight
-    Llama over bytes (`tiny-llama`: 2 layers, for smoke tests; their perplexity means nothing); anything
-    else is a local path or hub id for `AutoModelForCausalLM`.
+    Llama over bytes (`tiny-llama`: 2 layers, for smoke tests; their perplexity means nothing); `tiny-gemma3` a
+    random-weight Gemma-3 over bytes with sliding layers (for memory); anything else is a local path or hub id for
+    `AutoModelForCausalLM`.
     """
+    if name == TINY_GEMMA3:
+        return _tiny_gemma3().to(dtype).eval(), BYTES
     if name == "smollm2":
         from hf_paged_cache.smollm2 import load_smollm2
 
@@ -231,6 +235,24 @@ def load_model(name: str, dtype: torch.dtype = torch.float32):
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
     return model, tokenizer_codec(tokenizer)
+
+
+def _tiny_gemma3():
+    """A random-weight Gemma-3 over bytes with the real model's layer proportions (five sliding layers of window
+    512 per full one, one KV head): how sliding groups hold memory, with no weights to download."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=12, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64, sliding_window=512,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 2, max_position_embeddings=16384,
+        pad_token_id=0, eos_token_id=None, bos_token_id=None,
+    )  # fmt: skip
+    model = Gemma3ForCausalLM(config)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model
 
 
 # ---------------------------------------------------------------------------------------------- text

@@ -551,6 +551,24 @@ class BlockTables:
         self.length = 0
         self.plan = None
 
+    def trim_pool(self, num_blocks: int, copy_blocks: BlockCopier) -> None:
+        """Move the blocks in use to ids 1..n in id order (`copy_blocks` copies their contents in every layer of
+        the group) and shrink the pool to `num_blocks` (>= n) ids, so the layers' storage can shrink with it.
+        Only for a pool whose every reference is a row of this group (a cache without forks, full precision):
+        nothing else learns the new ids. The plan of the step just applied is made again on them."""
+        pool = self.pool
+        used = [block for block in range(1, pool.num_blocks + 1) if pool.ref_count(block)]
+        mapping = {block: new for new, block in enumerate(used, start=1)}
+        moved = {old: new for old, new in mapping.items() if old != new}
+        if moved:
+            copy_blocks(list(moved), list(moved.values()))
+        pool.remap(mapping)
+        for row in self.rows:
+            row.blocks.renumber(mapping)
+        pool.shrink(num_blocks)
+        if self.plan is not None:
+            self.plan = self._make_plan(self.plan.q_len, self.plan.new_tokens, self.plan.mirrors)
+
     def trim_to_window(self) -> None:
         """Free the blocks a recorded past kept beyond the window (after `crop` in assisted decoding)."""
         for row, (quantized, fp) in zip(self.rows, self._window_drops(keep_past=False)):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import numbers
 import os
 import threading
 import weakref
@@ -174,7 +175,7 @@ class PagedCache(Cache):
             return layer.update(key_states, value_states, plan)
         after = None
         if self.evictor is not None and layer_idx in self.evictor.layers:
-            after = functools.partial(self.evictor.after_attention, layer_idx)
+            after = functools.partial(self._after_attention, layer_idx)
         return layer.update(key_states, value_states, plan, attention_kwargs, after, self._undo_step)
 
     def _undo_step(self) -> None:
@@ -288,6 +289,7 @@ class PagedCache(Cache):
                              mirrors[group.name])  # fmt: skip
         if self.evictor is not None:
             self.evictor.step_planned(q_len)
+        self._trim(stepping)  # blocks that left a window this step, or that a reorder let go since the last
         return tables.plan
 
     def _check_step(self, layer: PagedLayer, batch: int, q_len: int) -> None:
@@ -368,6 +370,33 @@ class PagedCache(Cache):
             )
         for group in self.groups.values():
             group.pool = BlockPool(num_blocks)
+
+    def _after_attention(self, layer_idx: int, *attention) -> None:
+        """After a layer's `"paged"` attention: the evictor records its statistics and may evict, and the storage
+        of the blocks an eviction freed is given back at once (a prompt compressed to 25% holds 25%)."""
+        self.evictor.after_attention(layer_idx, *attention)
+        self._trim([self.layers[layer_idx].tables])
+
+    def _trim(self, groups: list[BlockTables]) -> None:
+        """Keep a growable pool's storage within `GROWTH` x its blocks in use after blocks were freed (a window moved
+        on, an eviction, a crop; the rows a reorder let go at the next step): a pool holding more is packed to its
+        low ids and cut to `_grown_size` of them, never below `initial_blocks`, and its layers' storage with it.
+        Packing keeps every row's read path, so no result changes. Fixed pools keep the size asked for.
+        Only full-precision groups of a cache that shares its pools with no fork (forks, and the batch generator's
+        requests, hold ids this cache cannot rewrite; `BatchGenerator.compact` packs those)."""
+        if not self.options.growable or len(self._forks.caches) > 1:
+            return
+        for group in groups:
+            pool = group.pool
+            if pool is None or isinstance(group, QuantizedBlockTables):
+                continue
+            target = max(_grown_size(pool.num_used), self.options.initial_blocks or 0)
+            if pool.num_blocks + 1 <= GROWTH * pool.num_used or target >= pool.num_blocks:
+                continue
+            members = self._members[group.name]
+            group.trim_pool(target, functools.partial(_copy_blocks, members))
+            for layer in members:
+                layer.fit_pool()
 
     def step_demand(self, q_len: int) -> dict[BlockPool, int]:
         """Free blocks per pool that this cache's next step of `q_len` tokens per row takes (what it allocates
@@ -478,7 +507,10 @@ class PagedCache(Cache):
         tokens evicted (summed over layers and rows)."""
         if self.evictor is None:
             raise ValueError("This PagedCache has no eviction policy: build it with `eviction=...` (e.g. SnapKV(budget=1024))")
-        return self.evictor.evict([group for group in self.groups.values() if group.length > 0], slack=0)
+        groups = [group for group in self.groups.values() if group.length > 0]
+        evicted = self.evictor.evict(groups, slack=0)
+        self._trim(groups)
+        return evicted
 
     # ------------------------------------------------------------------ whole-cache edits used by generate()
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -537,6 +569,11 @@ class PagedCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (assisted and prompt-lookup decoding roll back this way)."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, numbers.Integral):
+            raise ValueError(
+                f"`tokens_to_remove` must be an int <= 0 (the negative count of tokens to remove from the end), got "
+                f"{tokens_to_remove!r}"
+            )
         if tokens_to_remove > 0:
             raise ValueError(
                 f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
@@ -555,6 +592,7 @@ class PagedCache(Cache):
             self.groups[name].trim_to_window()
         if self.evictor is not None:
             self.evictor.cropped()
+        self._trim([self.groups[name] for name in targets])
         for layer in self.layers:
             if isinstance(layer, PagedLayer):
                 layer.sync_length()

@@ -178,12 +178,15 @@ class PagedCacheConfig:
             return
         if not isinstance(self.share_with, Mapping):
             raise ValueError(f"`share_with` must map a layer index to an earlier source layer, got {self.share_with!r}")
+        # Every pair points backwards before any chain is reported: the remedy for a chain names a layer's
+        # source's source, which is only a valid suggestion once every source is known to be earlier.
         for layer, source in self.share_with.items():
             if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in (layer, source)) or source >= layer:
                 raise ValueError(
                     f"`share_with` maps layer {layer!r} to {source!r}: give int layer indices with the source earlier "
                     "than the layer that reads it (e.g. {5: 4})"
                 )
+        for layer, source in self.share_with.items():
             if source in self.share_with:
                 raise ValueError(
                     f"`share_with` makes layer {source} both a reader (of layer {self.share_with[source]}) and the "

@@ -165,13 +165,21 @@ class PagedLayer(CacheLayerMixin):
                                   fill=0.0)
 
     def _fit_pool(self) -> None:
-        """Grow the storage after the (growable) pool grew; existing blocks keep their ids."""
+        """Size the storage to the pool: grown after the (growable) pool grew, existing blocks keeping their ids;
+        cut after the pool was trimmed (the ids above its end are free), so the memory is given back."""
         blocks = self.tables.pool.num_blocks + 1
         if len(self.key_blocks) < blocks:
             grown_keys, grown_values = self._allocate(self.kv_shape[1], blocks), self._allocate(self.value_dim, blocks)
             grown_keys[: self.key_blocks.shape[0]] = self.key_blocks
             grown_values[: self.value_blocks.shape[0]] = self.value_blocks
             self.key_blocks, self.value_blocks = grown_keys, grown_values
+        elif len(self.key_blocks) > blocks:
+            self.key_blocks, self.value_blocks = self.key_blocks[:blocks].clone(), self.value_blocks[:blocks].clone()
+
+    def fit_pool(self) -> None:
+        """Size the storage to the pool now (a trimmed pool gives its memory back before the next write)."""
+        if self.is_initialized:
+            self._fit_pool()
 
     def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
         if self.is_initialized:

@@ -82,6 +82,12 @@ class BlockList:
         self.ids = ids
         self.run_from = max((i for i in range(1, len(ids)) if ids[i] != ids[i - 1] + 1), default=0)
 
+    def renumber(self, mapping: dict[int, int]) -> None:
+        """The same blocks under the ids `mapping` gives them (a pool packed in id order, so consecutive ids stay
+        consecutive). `run_from` is kept: reads take the path they took before (a view or a gather, which round
+        differently), so the packing changes no result."""
+        self.ids = [mapping[block] for block in self.ids]
+
     def append_shared(self, block: int, fresh: bool) -> None:
         """Append `block`: a fresh allocation (already referenced) or one more reference to a shared one."""
         if not fresh:

@@ -7,11 +7,12 @@ import threading
 import pytest
 import torch
 from cache_state import cache_state
-from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (AttentionInterface, DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM)
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import hf_paged_cache
-from hf_paged_cache import TOVA, OutOfBlocksError, PagedCache, estimate_kv_bytes, kv_bytes_per_token
+from hf_paged_cache import H2O, TOVA, OutOfBlocksError, PagedCache, StreamingLLM, estimate_kv_bytes, kv_bytes_per_token
 from hf_paged_cache.attention import paged_attention_forward
 
 
@@ -153,6 +154,19 @@ def test_crop_beyond_a_dropped_window_raises_and_changes_nothing():
         cache.crop(3)
 
 
+@pytest.mark.parametrize("bad", [-1.5, -2.0, "-2", None, False])
+def test_crop_by_a_non_integer_names_the_parameter_and_changes_nothing(bad):
+    model = tiny_llama()
+    cache = PagedCache(model.config, block_size=4)
+    forward(model, cache, torch.randint(1, 128, (1, 10)))
+    before = cache_state(cache)
+    with pytest.raises(ValueError, match=r"`tokens_to_remove` must be an int <= 0 .* got"):
+        cache.crop(bad)
+    assert cache_state(cache) == before
+    cache.crop(-2)
+    assert cache.get_seq_length() == 8
+
+
 def test_crop_with_recorded_past_is_exact():
     model = tiny_mistral(window=8)
     ids = torch.randint(1, 128, (1, 30))
@@ -233,6 +247,75 @@ def test_default_pool_is_sized_by_the_first_step_and_holds_at_most_1_25x_what_it
     preallocated = PagedCache(model.config, block_size=4, initial_blocks=64)
     forward(model, preallocated, torch.randint(1, 128, (1, 8)))
     assert preallocated.metrics().blocks_total == 64  # an explicit `initial_blocks` is kept
+
+
+def tiny_gemma3(window=512):
+    """Gemma-3's proportions at a tiny width: five sliding layers per full one, one KV head."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=window,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"], pad_token_id=0,
+    )  # fmt: skip
+    return Gemma3ForCausalLM(config).eval()
+
+
+def held_per_group(cache):
+    """Per group, storage held over bytes in use (the library's own accounting)."""
+    return {name: group["pool_bytes"] / group["used_bytes"] for name, group in cache.metrics().groups.items()}
+
+
+def test_sliding_window_pool_gives_back_what_leaves_the_window_and_stays_exact():
+    # A 1,446-token prompt fills 91 blocks of the sliding group; the first decode step drops all but the window's.
+    model = tiny_gemma3(window=512)
+    cache, reference = PagedCache(model.config), DynamicCache(config=model.config)
+    fixed = PagedCache(model.config, num_blocks=128)  # never trimmed: packing must change no result
+    ids = torch.randint(1, 128, (1, 1446 + 20))
+    logits = forward(model, cache, ids[:, :1446])
+    torch.testing.assert_close(logits, forward(model, reference, ids[:, :1446]))
+    assert torch.equal(logits, forward(model, fixed, ids[:, :1446]))
+    assert max(held_per_group(cache).values()) <= 1.25
+    after_prefill = cache.metrics().groups["sliding_attention[512]"]
+    for step in range(1446, ids.shape[1]):  # crosses a block boundary: a block leaves, another is allocated
+        step_ids = ids[:, step : step + 1]
+        logits = forward(model, cache, step_ids)
+        torch.testing.assert_close(logits, forward(model, reference, step_ids))
+        assert torch.equal(logits, forward(model, fixed, step_ids))
+        assert max(held_per_group(cache).values()) <= 1.25
+    sliding = cache.metrics().groups["sliding_attention[512]"]
+    assert sliding["blocks_used"] <= 34 < after_prefill["blocks_used"]
+    assert sliding["pool_bytes"] < after_prefill["pool_bytes"] / 2  # the storage itself shrank
+
+
+@pytest.mark.parametrize("policy", [H2O(budget=0.25), StreamingLLM(budget=0.25)], ids=["h2o", "streaming"])
+def test_eviction_gives_back_the_storage_of_the_blocks_it_frees(policy):
+    model = tiny_llama()
+    model.set_attn_implementation("paged")
+    cache = PagedCache(model.config, eviction=policy)
+    fixed = PagedCache(model.config, eviction=policy, num_blocks=128)  # a fixed pool keeps its size
+    ids = torch.randint(1, 128, (1, 800 + 20))
+    torch.testing.assert_close(forward(model, cache, ids[:, :800]), forward(model, fixed, ids[:, :800]))
+    assert cache.metrics().evicted_tokens > 0
+    assert max(held_per_group(cache).values()) <= 1.25  # right after the prompt's compression
+    for step in range(800, ids.shape[1]):
+        step_ids = ids[:, step : step + 1]
+        torch.testing.assert_close(forward(model, cache, step_ids), forward(model, fixed, step_ids))
+        assert max(held_per_group(cache).values()) <= 1.25
+    assert cache.metrics().tokens_stored == fixed.metrics().tokens_stored
+    assert {group["blocks_total"] for group in fixed.metrics().groups.values()} == {128}
+
+
+def test_crop_gives_back_storage_but_never_below_initial_blocks():
+    model = tiny_llama()
+    ids = torch.randint(1, 128, (1, 201))
+    for options, floor in (({}, 0), ({"initial_blocks": 40}, 40)):
+        cache, reference = PagedCache(model.config, block_size=4, **options), DynamicCache(config=model.config)
+        forward(model, cache, ids[:, :200]), forward(model, reference, ids[:, :200])
+        cache.crop(-150)
+        reference.crop(-150)
+        assert cache.metrics().blocks_total == max(floor, 15)  # 13 blocks in use: 16 of storage with the null block
+        assert floor or cache.metrics().pool_bytes <= 1.25 * cache.metrics().used_bytes
+        torch.testing.assert_close(forward(model, cache, ids[:, 200:]), forward(model, reference, ids[:, 200:]))
 
 
 def test_metrics_summary_shows_pool_bytes_next_to_bytes_in_use():

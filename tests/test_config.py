@@ -69,3 +69,17 @@ def test_triton_backend_off_cuda_needs_the_interpreter(monkeypatch):
         PagedCacheConfig(backend="triton", device="cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert PagedCacheConfig(backend="triton", device="cpu").backend == "triton"
+
+
+@pytest.mark.parametrize("share_with", [{1: 0, 0: 1}, {0: 1, 1: 0}])
+def test_share_with_cycle_reports_the_backward_pair_not_a_self_reference(share_with):
+    # A cycle used to be reported as a chain whose remedy pointed layer 1 at layer 1 (itself refused).
+    with pytest.raises(ValueError, match=r"maps layer 0 to 1: .* source earlier") as error:
+        PagedCacheConfig(share_with=share_with)
+    assert "point layer" not in str(error.value)
+
+
+def test_share_with_chain_remedy_names_an_earlier_layer():
+    with pytest.raises(ValueError, match="point layer 2 at layer 0 directly"):
+        PagedCacheConfig(share_with={1: 0, 2: 1})
+    assert PagedCacheConfig(share_with={2: 0, 1: 0}).share_with == {2: 0, 1: 0}

@@ -105,6 +105,19 @@ def test_save_load_script_tiny(tmp_path):
     assert rows[1]["kv_bytes"] < 0.6 * rows[0]["kv_bytes"] and rows[2]["kv_bytes"] < 0.6 * rows[0]["kv_bytes"]
 
 
+def test_peak_memory_script_tiny(tmp_path):
+    out = tmp_path / "peak.json"
+    # tiny-gemma3 has sliding layers (window 512): a 600-token prompt leaves the window at the first decode step
+    result = _run("peak_memory.py", "--model", "tiny-gemma3", "--prompt-tokens", "600", "--new-tokens", "3",
+                  "--runs", "1", "--caches", "paged", "--json", str(out))  # fmt: skip
+    payload = json.loads(out.read_text())
+    (row,) = payload["rows"]
+    assert row["cache"] == "paged" and len(payload["runs"]["paged"]) == 1
+    assert row["peak_mib"] > 0 and row["tokens"] == 600 + 3 - 1  # the last token is not fed back
+    assert row["max_held_ratio"] <= 1.25 and row["held_mib"] <= 1.25 * row["used_mib"]
+    assert "| `paged` |" in result.stdout and "peak above model" in result.stdout
+
+
 @pytest.mark.skipif(HAVE_QUANTO, reason="optimum-quanto is installed")
 def test_quantized_spec_without_quanto_says_what_to_install():
     model, _ = common.load_model(common.TINY_LLAMA)
