@@ -69,6 +69,17 @@ def check_attention_kwargs(model: str, kwargs: dict, dropout: float = 0.0) -> No
 def check_model_features(config: PretrainedConfig) -> None:
     """Refuse, from the config alone, models whose attention the paged attention cannot read from blocks."""
     model = model_name(config)
+    # A heterogeneous config holds per-layer attributes only on its layers' configs (reading them globally raises).
+    for layer in config.per_layer_config if getattr(config, "is_heterogeneous", False) else [config]:
+        _check_latent_attention(model, layer)
+    shared = [index for index, mode in enumerate(getattr(config, "kv_sharing_modes", None) or []) if mode == "reuse"]
+    if shared:
+        refuse(model, "KV-shared layers",
+               f"layers {shared} reuse an earlier layer's K/V, but under the paged attention that layer hands "
+               "over only this step's new states (its history stays in the blocks)")  # fmt: skip
+
+
+def _check_latent_attention(model: str, config: PretrainedConfig) -> None:
     qk_dim = getattr(config, "qk_head_dim", None)
     if qk_dim is None and getattr(config, "qk_nope_head_dim", None) is not None:
         qk_dim = config.qk_nope_head_dim + getattr(config, "qk_rope_head_dim", 0)
@@ -81,11 +92,6 @@ def check_model_features(config: PretrainedConfig) -> None:
         refuse(model, "multi-head latent attention",
                f"the model caches compressed latents (kv_lora_rank {config.kv_lora_rank}) and expands them into keys "
                "and values after `update()`, but the paged attention keeps the history in blocks")  # fmt: skip
-    shared = [index for index, mode in enumerate(getattr(config, "kv_sharing_modes", None) or []) if mode == "reuse"]
-    if shared:
-        refuse(model, "KV-shared layers",
-               f"layers {shared} reuse an earlier layer's K/V, but under the paged attention that layer hands "
-               "over only this step's new states (its history stays in the blocks)")  # fmt: skip
 
 
 def check_model_modules(model: torch.nn.Module) -> None:

@@ -12,7 +12,7 @@ from tiny_models import MODELS_BY_NAME, REFUSED_MODELS, VOCAB
 from transformers import DynamicCache
 
 from hf_paged_cache import PagedCache, UnsupportedAttentionError
-from hf_paged_cache.attention_contract import HONOURED, REFUSED
+from hf_paged_cache.attention_contract import HONOURED, REFUSED, check_model_features
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REFUSED_BY_NAME = {entry.name: entry for entry in REFUSED_MODELS}
@@ -124,3 +124,16 @@ def test_an_unknown_keyword_and_training_dropout_are_refused_before_anything_is_
     with pytest.raises(UnsupportedAttentionError, match=r"LlamaAttention uses dropout=0.1"):
         model(_prompt(), cache=cache)
     assert _state(cache) == before
+
+
+def test_latent_attention_in_a_heterogeneous_config_is_refused():
+    """Per-layer attributes of a heterogeneous config can only be read from its layers' configs: the latent-attention
+    check reads them there, so the refusal is clean (it used to raise transformers' AmbiguousGlobalPerLayerAttributeError
+    from inside the check, e.g. for dots3_note_text)."""
+    _model, config = REFUSED_BY_NAME["deepseek_v3"].build()
+    plain = {**config.to_dict(), "kv_lora_rank": 0, "v_head_dim": 24}  # no latents, values as wide as keys
+    check_model_features(transformers.DeepseekV3Config(**plain))  # nothing to refuse
+    layered = transformers.DeepseekV3Config(**plain, per_layer_config={1: {"kv_lora_rank": 8}})  # latents in layer 1
+    assert layered.is_heterogeneous
+    with pytest.raises(UnsupportedAttentionError, match=r"multi-head latent attention.*kv_lora_rank 8"):
+        check_model_features(layered)
