@@ -81,6 +81,8 @@ OVERRIDES: dict[str, dict] = {
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                   use_mamba_kernels=False),
     "dots1": dict(n_shared_experts=1),
+    "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=8),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # its default layer_types is None
     "mamba2": dict(num_heads=8, n_groups=1),  # num_heads * head_dim must be expand * hidden_size
     "gemma3n_text": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
                          num_kv_shared_layers=2, intermediate_size=[128] * 4, hidden_size_per_layer_input=8,
