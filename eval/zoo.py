@@ -46,6 +46,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 import hf_paged_cache  # noqa: E402
 from hf_paged_cache import PagedCache, UnsupportedAttentionError, generate_batch  # noqa: E402
+from hf_paged_cache.attention_contract import REMEDY  # noqa: E402
 
 VOCAB, PAD_ID, BOS_ID, EOS_ID = 128, 0, 1, 2
 ATOL = 1e-4
@@ -401,6 +402,14 @@ def model_types(selected: str | None) -> list[str]:
 SYMBOLS = {"exact": "✓", "n/a": "n/a", "refused": "refused", "ref-fails": "ref-fails", "differs": "**✗ differs**",
            "error": "**✗ error**", "timeout": "timeout"}  # fmt: skip
 DEFECTS = ("differs", "error")
+OUTCOMES = {
+    "exact": "every cell exact (n/a where the model has no paged read path)",
+    "refused": "every cell exact or refused with a reason (most: the paged read path or the batch generator)",
+    "ref-fails": "DynamicCache itself cannot run it: nothing to compare",
+    "defect": "at least one silent difference or raw error",
+    "timeout": "over the time limit",
+    "skipped": "not swept: not a text decoder, or no tiny config (reason below)",
+}
 
 
 def outcome(result: ModelResult) -> str:
@@ -428,9 +437,8 @@ def markdown(results: list[ModelResult], modes, command: str) -> str:
             cell_counts[cell.status] = cell_counts.get(cell.status, 0) + 1
     swept = [r for r in results if not r.skipped]
     lines = [
-        "| outcome | model types |", "|---|---|",
-        *(f"| {name} | {counts[name]} |" for name in ("exact", "refused", "ref-fails", "defect", "timeout", "skipped")
-          if name in counts),
+        "| outcome | model types | meaning |", "|---|---|---|",
+        *(f"| {name} | {counts[name]} | {OUTCOMES[name]} |" for name in OUTCOMES if name in counts),
         "", "Cells (model × read path × mode): " + ", ".join(f"{n} {s}" for s, n in sorted(cell_counts.items())) + ".",
         "", "## The matrix", "",
         "✓ exact · refused: a clear error before anything changed (reason below) · ref-fails: DynamicCache itself "
@@ -443,18 +451,24 @@ def markdown(results: list[ModelResult], modes, command: str) -> str:
     for result in swept:
         row = [SYMBOLS[result.cells[c].status] if c in result.cells else "–" for c in columns]
         lines.append(f"| {result.model_type} | {result.model_class} | {result.gather_impl} | " + " | ".join(row) + " |")
-    reasons: dict[tuple[str, str], list[str]] = {}
+    reasons: dict[tuple[str, str], dict[str, list[str]]] = {}
     for result in swept:
         for column, cell in result.cells.items():
             if cell.status != "exact":
-                reasons.setdefault((cell.status, cell.detail), []).append(f"{result.model_type} ({column})")
+                detail = cell.detail.replace(REMEDY, "").strip()  # said once, below
+                reasons.setdefault((cell.status, detail), {}).setdefault(result.model_type, []).append(column)
     for status, title in (("differs", "Silent differences (defects)"), ("error", "Raw errors (defects)"),
-                          ("refused", "Refusals"), ("ref-fails", "Where DynamicCache itself fails"),
-                          ("timeout", "Timeouts")):  # fmt: skip
-        entries = [(detail, cells) for (s, detail), cells in reasons.items() if s == status]
-        if entries:
-            lines += ["", f"## {title}", ""]
-            lines += [f"- {', '.join(cells)}: {detail}" for detail, cells in sorted(entries, key=lambda e: e[1])]
+                          ("refused", "Refusals"), ("n/a", "No paged read path"),
+                          ("ref-fails", "Where DynamicCache itself fails"), ("timeout", "Timeouts")):  # fmt: skip
+        entries = [(detail, models) for (s, detail), models in reasons.items() if s == status]
+        if not entries:
+            continue
+        lines += ["", f"## {title}", ""]
+        if status == "refused":
+            lines += [f"Each refusal by the \"paged\" attention ends with the remedy: {REMEDY}", ""]
+        for detail, models in sorted(entries, key=lambda entry: sorted(entry[1])):
+            where = "; ".join(f"{model} ({', '.join(columns)})" for model, columns in models.items())
+            lines.append(f"- {where}: {detail}")
     skipped = [r for r in results if r.skipped]
     if skipped:
         lines += ["", "## Not swept", "", "| model type | class | why |", "|---|---|---|"]
@@ -507,8 +521,9 @@ def main(argv=None) -> int:
     for model_type, key, cell in defects:
         print(f"DEFECT {model_type} {key}: {cell.status}: {cell.detail}", flush=True)
     if args.write:
-        shown = " ".join(a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--results"))
-        args.write.write_text(markdown(results, modes, f"python eval/zoo.py {shown}".strip()))
+        shown = [f"--models {args.models}" if args.models else "", "--fast" if args.fast else "",
+                 f"--modes {args.modes}" if args.modes and not args.fast else "", f"--write {args.write}"]  # fmt: skip
+        args.write.write_text(markdown(results, modes, " ".join(["python eval/zoo.py", *filter(None, shown)])))
     return 1 if defects else 0
 
 
