@@ -100,7 +100,7 @@ UNSWEPT: dict[str, str] = {
 
 @dataclass
 class Cell:
-    status: str  # exact | refused | differs | ref-fails | error | timeout
+    status: str  # exact | n/a | refused | differs | ref-fails | error | timeout
     detail: str = ""
 
 
@@ -112,7 +112,6 @@ class ModelResult:
     skipped: str = ""  # why the model type is not swept (not a text decoder, no tiny config)
     cells: dict[str, Cell] = field(default_factory=dict)  # "path/mode" -> Cell
     seconds: float = 0.0
-    note: str = ""
 
 
 class ZooTimeout(Exception):
@@ -135,11 +134,11 @@ def _pattern_length(values) -> int:
     return max(2, max(first.values(), default=0) + 1)
 
 
-def tiny_config(model_type: str, config_class=None):
+def tiny_config(model_type: str):
     """A small random-weight config of `model_type`: `SIZES` where the config has the field, per-layer patterns
     (`layer_types`, `layers_block_type`, `hybrid_override_pattern`, ...) cut to their shortest prefix holding one
     layer of each type, then `OVERRIDES`."""
-    config_class = config_class or CONFIG_MAPPING[model_type]
+    config_class = CONFIG_MAPPING[model_type]
     defaults = config_class().to_dict()
     kwargs = {key: _smaller(value, defaults[key]) for key, value in SIZES.items() if key in defaults}
     kwargs.update({key: value for key, value in FIXED.items() if key in defaults})
@@ -153,11 +152,12 @@ def tiny_config(model_type: str, config_class=None):
     depth_field = next((name for name in LAYER_COUNT_FIELDS if isinstance(defaults.get(name), int)), None)
     depth = defaults.get(depth_field) if depth_field else None
     per_layer = {key: value for key, value in defaults.items()
-                 if depth and isinstance(value, (list, str)) and len(value) == depth and key != "model_type"}  # fmt: skip
+                 if depth and isinstance(value, (list, str)) and len(value) == depth and key != "model_type"}
     patterns = [value for value in per_layer.values() if all(isinstance(item, str) for item in value)]
     # Shorter string lists are cyclic layer patterns (recurrent_gemma's block_types): keep one full cycle.
-    patterns += [value for key, value in defaults.items() if depth and isinstance(value, list) and 1 < len(value) < depth
-                 and all(isinstance(item, str) for item in value) and key.endswith("types")]  # fmt: skip
+    patterns += [value for key, value in defaults.items()
+                 if depth and key.endswith("types") and isinstance(value, list) and 1 < len(value) < depth
+                 and all(isinstance(item, str) for item in value)]
     layers = max([2] + [_pattern_length(value) for value in patterns])
     if depth_field:
         kwargs[depth_field] = layers
@@ -186,14 +186,14 @@ def build(model_type: str):
     base = CONFIG_MAPPING[model_type]()
     if getattr(base, "is_encoder_decoder", False):
         raise ValueError("not a text decoder: an encoder-decoder family (its causal LM is the decoder half)")
-    modalities = [name for name in (getattr(base, "sub_configs", None) or {})
-                  if any(word in name for word in ("vision", "audio", "vq", "patcher", "encoder", "decoder", "text"))]  # fmt: skip
+    parts = ("vision", "audio", "vq", "patcher", "encoder", "decoder", "text")
+    modalities = [name for name in (getattr(base, "sub_configs", None) or {}) if any(part in name for part in parts)]
     if modalities:
         text = getattr(model_class, "config_class", None)
-        if text is not None and text.model_type != model_type and text.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-            raise ValueError(f"not a text decoder: a composite model ({', '.join(modalities)}); its text model is swept as "
-                             f"`{text.model_type}`")  # fmt: skip
-        raise ValueError(f"not a text decoder: a composite model ({', '.join(modalities)})")
+        own = getattr(text, "model_type", model_type)
+        swept = own != model_type and own in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        also = f"; its text model is swept as `{own}`" if swept else ""
+        raise ValueError(f"not a text decoder: a composite model ({', '.join(modalities)}){also}")
     config = tiny_config(model_type)
     lost = layer_kinds(CONFIG_MAPPING[model_type]()) - layer_kinds(config)
     if lost:
@@ -317,7 +317,8 @@ def classify_failure(exc: BaseException) -> Cell:
     else our run raised while the reference ran (from transformers or torch, on our cache) is an error."""
     message = " ".join(str(exc).split())
     ours, where = _where(exc)
-    if isinstance(exc, UnsupportedAttentionError) or (ours and isinstance(exc, (ValueError, NotImplementedError, RuntimeError))):
+    deliberate = ours and isinstance(exc, (ValueError, NotImplementedError, RuntimeError))
+    if isinstance(exc, UnsupportedAttentionError) or deliberate:
         return Cell("refused", message)
     return Cell("error", f"{type(exc).__name__} at {where}: {message[:300]}")
 
@@ -367,7 +368,7 @@ def sweep_model(model_type: str, modes, time_limit: float) -> ModelResult:
             impl = result.gather_impl if path == "gather" else "paged"
             if impl == "paged" and mode != "batch" and not _honours_paged(model):
                 result.cells[key] = Cell("n/a", f"the model ignores attn_implementation (its attention is its own, "
-                                                f"{result.gather_impl}): a PagedCache serves it through the gather path")
+                                         f"{result.gather_impl}): a PagedCache serves it through the gather path")
                 continue
             paged = (lambda: PagedCache(model.config, block_size=BLOCK_SIZE)) if mode != "batch" else None
             try:
@@ -439,7 +440,8 @@ def markdown(results: list[ModelResult], modes, command: str) -> str:
     lines = [
         "| outcome | model types | meaning |", "|---|---|---|",
         *(f"| {name} | {counts[name]} | {OUTCOMES[name]} |" for name in OUTCOMES if name in counts),
-        "", "Cells (model × read path × mode): " + ", ".join(f"{n} {s}" for s, n in sorted(cell_counts.items())) + ".",
+        "", "Cells (model × read path × mode): " + ", ".join(f"{n} {s}" for s, n in sorted(cell_counts.items()))
+        + ".",
         "", "## The matrix", "",
         "✓ exact · refused: a clear error before anything changed (reason below) · ref-fails: DynamicCache itself "
         "cannot run it · n/a: the model ignores `attn_implementation` (its own attention code), so there is no "
@@ -477,9 +479,9 @@ def markdown(results: list[ModelResult], modes, command: str) -> str:
         "# Supported models", "",
         f"Generated by `{command}` with transformers {transformers.__version__} and torch {torch.__version__}: every "
         "model type with a causal-LM class, built tiny with random weights (eval/zoo.py), generating with a "
-        "`PagedCache` and with `DynamicCache`. *gather*: the model's own attention (\"sdpa\", or \"eager\" where it has "
-        "no SDPA) on K/V gathered from the blocks; *paged*: `attn_implementation=\"paged\"`; *batch*: `generate_batch` "
-        "against each prompt generated alone with DynamicCache. Modes: greedy on a left-padded batch, beam search "
+        "`PagedCache` and with `DynamicCache`. *gather*: the model's own attention (\"sdpa\", or \"eager\" where it "
+        "has no SDPA) on K/V gathered from the blocks; *paged*: `attn_implementation=\"paged\"`; *batch*: "
+        "`generate_batch` against each prompt generated alone with DynamicCache. Modes: greedy on a left-padded batch, beam search "
         "(2 beams), seeded sampling, chunked prefill (`prefill_chunk_size=3`). Exact means the same tokens and "
         "logits within 1e-4 (relative to the largest logit when it is above 1).", "",
     ]  # fmt: skip

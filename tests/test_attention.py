@@ -128,8 +128,8 @@ def test_an_unknown_keyword_and_training_dropout_are_refused_before_anything_is_
 
 def test_latent_attention_in_a_heterogeneous_config_is_refused():
     """Per-layer attributes of a heterogeneous config can only be read from its layers' configs: the latent-attention
-    check reads them there, so the refusal is clean (it used to raise transformers' AmbiguousGlobalPerLayerAttributeError
-    from inside the check, e.g. for dots3_note_text)."""
+    check reads them there, so the refusal is clean (it used to raise transformers'
+    AmbiguousGlobalPerLayerAttributeError from inside the check, e.g. for dots3_note_text)."""
     _model, config = REFUSED_BY_NAME["deepseek_v3"].build()
     plain = {**config.to_dict(), "kv_lora_rank": 0, "v_head_dim": 24}  # no latents, values as wide as keys
     check_model_features(transformers.DeepseekV3Config(**plain))  # nothing to refuse

@@ -27,7 +27,8 @@ REFUSED_BY_PAGED = ["gpt_oss", "deepseek_v3"]  # learned sinks, multi-head laten
 def test_exact_on_both_read_paths(model_type):
     result = zoo.sweep_model(model_type, zoo.FAST_MODES, time_limit=60)
     assert not result.skipped, result.skipped
-    assert {key: cell.status for key, cell in result.cells.items()} == {"gather/greedy": "exact", "paged/greedy": "exact"}, result
+    statuses = {key: cell.status for key, cell in result.cells.items()}
+    assert statuses == {"gather/greedy": "exact", "paged/greedy": "exact"}, result
 
 
 @pytest.mark.parametrize("model_type", REFUSED_BY_PAGED)
@@ -38,10 +39,18 @@ def test_refused_by_the_paged_attention_and_exact_through_gather(model_type):
     assert paged.status == "refused" and 'with the "paged" attention' in paged.detail, paged
 
 
+def test_a_model_that_ignores_attn_implementation_has_no_paged_cells():
+    """XGLM's attention is its own code: only the gather path exists, and generate_batch refuses it cleanly."""
+    result = zoo.sweep_model("xglm", ("greedy", "batch"), time_limit=60)
+    statuses = {key: cell.status for key, cell in result.cells.items()}
+    assert statuses == {"gather/greedy": "exact", "paged/greedy": "n/a", "paged/batch": "refused"}, result
+
+
 def test_hybrid_tiny_config_keeps_one_layer_of_each_type():
     config = zoo.tiny_config("qwen3_next")
     assert config.num_hidden_layers <= 4
-    assert zoo.layer_kinds(config) == zoo.layer_kinds(zoo.CONFIG_MAPPING["qwen3_next"]()) == {"linear_attention", "full_attention"}
+    full_size = zoo.CONFIG_MAPPING["qwen3_next"]()
+    assert zoo.layer_kinds(config) == zoo.layer_kinds(full_size) == {"linear_attention", "full_attention"}
 
 
 def test_compare_reports_a_changed_token_and_a_changed_logit():
