@@ -482,8 +482,8 @@ def markdown(results: list[ModelResult], modes, command: str) -> str:
         "`PagedCache` and with `DynamicCache`. *gather*: the model's own attention (\"sdpa\", or \"eager\" where it "
         "has no SDPA) on K/V gathered from the blocks; *paged*: `attn_implementation=\"paged\"`; *batch*: "
         "`generate_batch` against each prompt generated alone with DynamicCache. Modes: greedy on a left-padded batch, "
-        "beam search (2 beams), seeded sampling, chunked prefill (`prefill_chunk_size=3`). Exact means the same tokens and "
-        "logits within 1e-4 (relative to the largest logit when it is above 1).", "",
+        "beam search (2 beams), seeded sampling, chunked prefill (`prefill_chunk_size=3`). Exact means the same tokens "
+        "and logits within 1e-4 (relative to the largest logit when it is above 1).", "",
     ]  # fmt: skip
     return "\n".join(header + lines) + "\n"
 
