@@ -82,6 +82,11 @@ OVERRIDES: dict[str, dict] = {
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                   use_mamba_kernels=False),
     "dots1": dict(n_shared_experts=1),
+    # Defaults that cannot build a model: rope settings per layer type, and dbrx's sub-configs (clip_qkv=None breaks).
+    "cohere_compass_text": dict(rope_parameters={kind: {"rope_type": "default", "rope_theta": 10000.0}
+                                                 for kind in ("full_attention", "sliding_attention")}),
+    "dbrx": dict(attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                 ffn_config={"hidden_size": 64, "ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 1}),
     "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=8),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # its default layer_types is None
     "mamba2": dict(num_heads=8, n_groups=1),  # num_heads * head_dim must be expand * hidden_size
