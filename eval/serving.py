@@ -37,13 +37,14 @@ import common  # noqa: E402
 from hf_paged_cache import BatchGenerator, generate_batch  # noqa: E402
 
 
-def one_by_one(model, prompts, new_tokens):
-    model.set_attn_implementation("sdpa")
+def one_by_one(model, prompts, new_tokens, make_cache=lambda model: DynamicCache(config=model.config), attn="sdpa"):
+    """Each prompt alone through `generate`, with a fresh `make_cache(model)` under attention `attn`."""
+    model.set_attn_implementation(attn)
     outputs = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(), max_new_tokens=new_tokens,
-                             do_sample=False)  # fmt: skip
+        ids = torch.tensor([prompt], device=model.device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=make_cache(model),
+                             max_new_tokens=new_tokens, do_sample=False)  # fmt: skip
         outputs.append(out[0, len(prompt) :].tolist())
     return outputs
 
@@ -54,8 +55,8 @@ def padded_batches(model, prompts, new_tokens, size: int = 8, pad_id: int = 0):
     for start in range(0, len(prompts), size):
         group = prompts[start : start + size]
         width = max(map(len, group))
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=model.device)
         out = model.generate(ids, attention_mask=mask, cache=DynamicCache(), max_new_tokens=new_tokens, do_sample=False,
                              pad_token_id=pad_id)  # fmt: skip
         outputs += out[:, width:].tolist()

@@ -14,9 +14,10 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention_contract import check_attention_kwargs
+from .attention_contract import check_attention_kwargs, sink_logits
 from .errors import UnsupportedAttentionError
 from .layers import PAGED_KV_KWARG, PackedPagedKV, PagedKV
+from .paged_states import reused_paged_kv
 from .torch_attention import attend
 
 ATTENTION_NAME = "paged"
@@ -50,9 +51,11 @@ def paged_attention_forward(
     `PagedCache`) `key`/`value` are complete and are used as given. A keyword (or dropout) it cannot honour
     is refused (`attention_contract`) and the cache takes back the step under way, so it is as it was.
     """
-    paged_kv: PagedKV | PackedPagedKV | None = kwargs.get(PAGED_KV_KWARG)
+    # A KV-shared layer (Gemma-3n) calls no `update()`: it reuses an earlier layer's states, which name its blocks.
+    paged_kv: PagedKV | PackedPagedKV | None = kwargs.get(PAGED_KV_KWARG) or reused_paged_kv(key)
     try:
         check_attention_kwargs(type(module).__name__, kwargs, dropout)
+        sinks = sink_logits(type(module).__name__, kwargs, query.shape[1])
     except UnsupportedAttentionError:
         if paged_kv is not None:
             paged_kv.undo()
@@ -60,28 +63,31 @@ def paged_attention_forward(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.get("softcap")
     if paged_kv is None:
-        return attend(query, key, value, attention_mask, scale, softcap).transpose(1, 2).contiguous(), None
+        return attend(query, key, value, attention_mask, scale, softcap, sinks).transpose(1, 2).contiguous(), None
     if isinstance(paged_kv, PackedPagedKV):  # each sequence of a packed batch attends over its own blocks
         outs = [
-            _attend_blocks(query[:, :, start:stop], part, part.own_mask(stop - start, query.device), scale, softcap)
+            _attend_blocks(query[:, :, start:stop], part, part.own_mask(stop - start, query.device), scale, softcap,
+                           sinks)  # fmt: skip
             for start, stop, part in paged_kv.parts
         ]
         return torch.cat(outs, dim=1).contiguous(), None
-    return _attend_blocks(query, paged_kv, attention_mask, scale, softcap).contiguous(), None
+    return _attend_blocks(query, paged_kv, attention_mask, scale, softcap, sinks).contiguous(), None
 
 
 def _attend_blocks(query: torch.Tensor, paged_kv: PagedKV, mask: torch.Tensor | None, scale: float,
-                   softcap: float | None) -> torch.Tensor:  # fmt: skip
+                   softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     """Attention of `query` `[batch, heads, q, head_dim]` over the blocks `paged_kv` names: `[batch, q, heads, d]`."""
-    if paged_kv.uses_kernels and (mask is None or paged_kv.plan.padding_exact):
-        out = _kernel_attention(query, paged_kv, scale, softcap)
+    # A step whose tokens read some quantized blocks differently (`StepPlan.transition`) takes the torch path.
+    if paged_kv.uses_kernels and (mask is None or paged_kv.plan.padding_exact) and not any(paged_kv.plan.transition):
+        out = _kernel_attention(query, paged_kv, scale, softcap, sinks)
     else:  # the torch path: row by row over views of the blocks (a quantized layer decodes its history too)
-        out = paged_kv.layer.attend(query, paged_kv.plan, mask, scale, softcap).transpose(1, 2)
-    paged_kv.finish(query, mask, scale, softcap)  # eviction statistics and triggers, if any
+        out = paged_kv.layer.attend(query, paged_kv.plan, mask, scale, softcap, sinks).transpose(1, 2)
+    paged_kv.finish(query, mask, scale, softcap, sinks)  # eviction statistics and triggers, if any
     return out
 
 
-def _kernel_attention(query: torch.Tensor, paged_kv: PagedKV, scale: float, softcap: float | None) -> torch.Tensor:
+def _kernel_attention(query: torch.Tensor, paged_kv: PagedKV, scale: float, softcap: float | None,
+                      sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     """Triton kernels over the blocks; returns `[batch, q, heads, head_dim]`."""
     from .kernels import paged_decode_attention, paged_prefill_attention
 
@@ -92,10 +98,10 @@ def _kernel_attention(query: torch.Tensor, paged_kv: PagedKV, scale: float, soft
     if query.shape[2] == 1:
         out = paged_decode_attention(
             query[:, :, 0], layer.key_blocks, layer.value_blocks, tables, seq_lens, scale, window, softcap,
-            quantized=quantized,
+            quantized=quantized, sinks=sinks,
         )  # fmt: skip
         return out.unsqueeze(1)
     return paged_prefill_attention(
         query.transpose(1, 2), layer.key_blocks, layer.value_blocks, tables, seq_lens,
-        plan.tensor("query_lens", device), scale, window, softcap, quantized=quantized,
+        plan.tensor("query_lens", device), scale, window, softcap, quantized=quantized, sinks=sinks,
     )  # fmt: skip

@@ -1,10 +1,11 @@
 """What the `"paged"` attention honours, and the clear refusal of what it does not.
 
 transformers hands an attention function every keyword its model passes, and the paged attention reads only the
-ones it knows: any other that changes the attention (gpt-oss's learned sink logits `s_aux`) would be dropped and the
-tokens would differ from `DynamicCache` without an error. So each keyword is either honoured (listed here with why) or
-refused, and model features that show in the config (multi-head latent attention, KV-shared layers) or in the
-modules (sink parameters) are refused before the cache changes.
+ones it knows: any other that changes the attention (a T5-style `position_bias`) would be dropped and the tokens
+would differ from `DynamicCache` without an error. So each keyword is either honoured (listed here with why, learned
+sink logits `s_aux` among them) or refused, and model features that show in the config (multi-head latent attention)
+are refused before the cache changes. KV-shared layers (Gemma-3n) read their producer layer's blocks
+(`kv_sharing_sources`); only those whose producer the config does not name are refused.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ HONOURED: dict[str, str] = {
     PAGED_KV_KWARG: "the handle `update()` leaves: where the step's history lives",
     "softcap": "logit soft-capping (Gemma-2), applied by the torch path and the kernels",
     "sliding_window": "the layer's window: its sliding group stores exactly that window and both read paths mask by it",
+    "s_aux": "learned attention-sink logits, one per query head (gpt-oss, Granite-MoE-SWA): the torch path and the "
+    "kernels add them to every softmax's denominator, and eviction's attention mass too (see `sink_logits`)",
     "position_ids": "positions are already applied to query and key (RoPE); read only to count left padding",
     "use_cache": "tells the model to keep a cache; no attention math",
     "output_attentions": "weights are not returned (None, as with SDPA); outputs are unchanged",
@@ -32,8 +35,7 @@ HONOURED: dict[str, str] = {
 
 # Keywords that change the attention in a way the paged attention does not implement, with what they do.
 REFUSED: dict[str, str] = {
-    "s_aux": "learned attention-sink logits (gpt-oss, Granite-MoE-SWA) that join every softmax's denominator",
-    "sinks": "learned attention-sink logits that join every softmax's denominator",
+    "sinks": "attention-sink logits under another name than `s_aux` (the one form the paged attention reads)",
     "position_bias": "an additive attention bias (T5-style relative positions)",
     "indices": "a sparse selection of the keys each query attends to",
     "block_indices": "a sparse selection of the key blocks each query attends to",
@@ -72,11 +74,13 @@ def check_model_features(config: PretrainedConfig) -> None:
     # A heterogeneous config holds per-layer attributes only on its layers' configs (reading them globally raises).
     for layer in config.per_layer_config if getattr(config, "is_heterogeneous", False) else [config]:
         _check_latent_attention(model, layer)
-    shared = [index for index, mode in enumerate(getattr(config, "kv_sharing_modes", None) or []) if mode == "reuse"]
-    if shared:
+    sources = kv_sharing_sources(config)
+    unread = [index for index, mode in enumerate(getattr(config, "kv_sharing_modes", None) or [])
+              if mode not in (None, "store") and index not in sources]  # fmt: skip
+    if unread:
         refuse(model, "KV-shared layers",
-               f"layers {shared} reuse an earlier layer's K/V, but under the paged attention that layer hands "
-               "over only this step's new states (its history stays in the blocks)")  # fmt: skip
+               f"layers {unread} reuse K/V without an earlier \"store\" layer of their own layer type to read them "
+               "from, so the paged attention cannot tell which layer's blocks hold their history")  # fmt: skip
 
 
 def _check_latent_attention(model: str, config: PretrainedConfig) -> None:
@@ -94,12 +98,30 @@ def _check_latent_attention(model: str, config: PretrainedConfig) -> None:
                "and values after `update()`, but the paged attention keeps the history in blocks")  # fmt: skip
 
 
-def check_model_modules(model: torch.nn.Module) -> None:
-    """`check_model_features`, plus what only the modules show: learned sink logits (a `sinks` parameter)."""
-    check_model_features(model.config)
-    for name, module in model.named_modules():
-        if isinstance(getattr(module, "sinks", None), torch.Tensor):
-            refuse(f"{type(model).__name__} ({name})", "`sinks`", REFUSED["sinks"])
+def kv_sharing_sources(config: PretrainedConfig) -> dict[int, int]:
+    """`{consumer: producer}` of a model whose layers reuse an earlier layer's K/V (`kv_sharing_modes` "reuse", as
+    in Gemma-3n): the producer is the last earlier "store" layer of the consumer's layer type, whose `update()`
+    result the model hands to the consumer's attention. A consumer without one is left out (and refused above)."""
+    modes, types = getattr(config, "kv_sharing_modes", None), getattr(config, "layer_types", None)
+    if not modes or types is None:
+        return {}
+    sources, last_store = {}, {}
+    for index, mode in enumerate(modes):
+        if mode == "reuse" and types[index] in last_store:
+            sources[index] = last_store[types[index]]
+        elif mode == "store":
+            last_store[types[index]] = index
+    return sources
+
+
+def sink_logits(model: str, kwargs: dict, heads: int) -> torch.Tensor | None:
+    """The learned sink logits `s_aux` the model passes (one per query head), or None; refused in another shape,
+    which would mean a sink the paged attention does not know how to apply."""
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (heads,)):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        refuse(model, f"`s_aux` of shape {shape}", f"sink logits other than one per query head ({heads})")
+    return sinks
 
 
 def refuse(model: str, feature: str, reason: str) -> None:

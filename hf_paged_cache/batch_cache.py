@@ -64,5 +64,6 @@ class PackedCache(Cache):
             own = {} if positions is None else {"position_ids": positions[..., start:stop]}
             cache.update(key_states[:, :, start:stop], value_states[:, :, start:stop], layer_idx, kwargs=own)
             parts.append((start, stop, own[PAGED_KV_KWARG]))
-        attention_kwargs[PAGED_KV_KWARG] = PackedPagedKV(parts)
-        return paged_only(key_states), paged_only(value_states)
+        packed = attention_kwargs[PAGED_KV_KWARG] = PackedPagedKV(parts)
+        reader = packed.reader()  # for a later layer that reuses these states (a KV-shared layer)
+        return paged_only(key_states, reader), paged_only(value_states, reader)

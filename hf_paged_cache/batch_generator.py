@@ -34,7 +34,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from .attention import ATTENTION_NAME
-from .attention_contract import check_model_modules
+from .attention_contract import check_model_features
 from .batch_cache import PackedCache
 from .block_pool import BlockPool
 from .cache import PagedCache
@@ -243,7 +243,7 @@ class BatchGenerator:
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.tokenizer = tokenizer
         self._settings({}, "the generation config", 1, 0)  # its values, checked once before any request
-        check_model_modules(model)  # the packed forward always runs the "paged" attention: refuse what it ignores
+        check_model_features(model.config)  # the packed forward always runs the "paged" attention
         self.template = PagedCache(model.config, _pools_up_front(PagedCacheConfig(**options), model))
         _check_model(self.template)
         self.growable = self.template.options.growable

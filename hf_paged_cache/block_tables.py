@@ -52,6 +52,14 @@ class StepPlan:
     # Rows that store nothing of their own this step: row -> the earlier row whose blocks it shares and whose
     # new K/V it repeats exactly (identical rows, e.g. `num_return_sequences`); each layer checks before writing.
     mirrors: dict[int, int] = field(default_factory=dict)
+    # Blocks each layer seals from this step's own tokens before it reads (quantized groups, steps longer than
+    # the residual window): (row, index of its first new token in the step, the full-precision blocks holding
+    # the stored tokens among them, how many those are, the sealed block ids).
+    arrivals: list[tuple[int, int, list[int], int, list[int]]] = field(default_factory=list)
+    # Per row, the blocks that some of this step's tokens read quantized and the others in full precision (see
+    # `QuantizedBlockTables`): the last ones of `quantized_tables` when the step sealed them as they arrived,
+    # else the first full-precision ones.
+    transition: list[int] = field(default_factory=list)
     _memo: dict = field(default_factory=dict, repr=False)
 
     def cached(self, key, build: Callable[[], object]):
@@ -285,6 +293,7 @@ class BlockTables:
         last `new_tokens[row]` stored ones; mirror rows write nothing."""
         write_slots, write_tokens = [], []
         for index, new in enumerate(new_tokens):
+            new = min(new, self.stored_tokens(index))  # tokens sealed as they arrived are not stored here
             if new and index not in mirrors:
                 first_token = index * q_len + (q_len - new)
                 write_slots.append(self.slots(index, self.stored_tokens(index) - new, new))
@@ -328,6 +337,9 @@ class BlockTables:
     def _new_row(self, pad: int) -> Row:
         return Row(pads=pad, base=pad, blocks=BlockList(self.pool))
 
+    def _take_arrivals(self, q_len: int, pads: list[int], mirrors: dict[int, int]) -> None:
+        """After a step's drops: take out of the rows the blocks its layers seal as they write (quantized groups)."""
+
     def _seal(self, q_len: int, seal_blocks: BlockCopier) -> None:
         """Quantize the blocks a step seals (quantized groups)."""
 
@@ -341,6 +353,7 @@ class BlockTables:
             if drop and index not in mirrors:
                 self.rows[index].blocks.drop_front(drop)
                 self.rows[index].base += drop * bs
+        self._take_arrivals(q_len, pads, mirrors)
         cow_src, cow_dst = [], []
         for index, (stored, _held, new) in enumerate(growth):
             if index not in mirrors and new and stored % bs and self._shared_beyond_mirrors(index, mirrors):
@@ -552,13 +565,16 @@ class BlockTables:
 class QuantizedBlockTables(BlockTables):
     """Block tables whose rows start with sealed quantized blocks (ids of a second pool, `qpool`).
 
-    At each step's planning, every full-precision block that holds only tokens stored before the step
-    and lies wholly before the most recent `residual_length` tokens (counted after the step) is sealed:
-    a quantized block is allocated, every layer of the group quantizes the block into it, and the
-    full-precision block goes back to its pool. Only tokens stored before the step are sealed, so no
-    layer has written the step's new tokens yet and a freed block may be reused in the same step.
-    History is quantized exactly once; quantized blocks are always full, so rows share them without
-    copy-on-write.
+    Sealing follows positions, not step sizes. A token at position p reads quantized every block that ends
+    at least `R = max(residual_length, 1)` positions before p + 1, as in token-by-token decoding; a step
+    seals what its first new token reads that way (blocks of tokens stored before the step: a quantized
+    block is allocated, every layer of the group quantizes the block into it, the full-precision block
+    goes back to its pool). A step of at most R tokens seals nothing more, so a crop back to any of its
+    tokens (assisted decoding) finds exactly the blocks a cache grown to that length would have sealed.
+    A longer step (a prompt chunk) leaves the row as token-by-token growth would: each layer quantizes the
+    blocks its new tokens complete up to R positions before the step's end straight from the new K/V
+    (`StepPlan.arrivals`), so they never take a full-precision block. History is quantized exactly once;
+    quantized blocks are always full, so rows share them without copy-on-write.
     """
 
     def __init__(self, name: str, pool: BlockPool | None, qpool: BlockPool, block_size: int,
@@ -570,6 +586,12 @@ class QuantizedBlockTables(BlockTables):
         # Shared full-precision block -> (its epoch, its sealed copy, that copy's epoch), shared by the forks of
         # the cache: the first table to seal a shared block seals it, the others take a reference to the copy.
         self.sealed_copies: dict[int, tuple[int, int, int]] = {}
+        self._arrivals: list[tuple[int, int, list[int], int, list[int]]] = []  # this step's (`StepPlan.arrivals`)
+
+    @property
+    def window(self) -> int:
+        """R: a token reads quantized the blocks that end at least R positions before it + 1."""
+        return max(self.residual_length, 1)
 
     def _new_row(self, pad: int) -> Row:
         return Row(pads=pad, base=pad, blocks=BlockList(self.pool), quantized=BlockList(self.qpool))
@@ -577,11 +599,57 @@ class QuantizedBlockTables(BlockTables):
     def _seal_counts(self, q_len: int, fp_drops: list[int]) -> list[int]:
         if self.length == 0:
             return [0] * len(self.rows)
-        horizon = min(self.length, self.length + q_len - self.residual_length)
+        horizon = self.length + 1 - self.window  # what the step's first token reads quantized
         return [
             max(min(max(horizon - row.base, 0) // self.block_size, len(row.blocks)) - drop, 0)
             for row, drop in zip(self.rows, fp_drops)
         ]
+
+    def _transition(self, q_len: int, stored: int, new: int) -> int:
+        """Blocks from the start of a row's full-precision tokens (`stored` of them after the step's drops, then
+        `new`) that some but not all of the step's tokens read quantized: those ending R positions or more
+        before the step's end."""
+        return max((stored + new - self.window) // self.block_size, 0) if q_len > 1 else 0
+
+    def _arrival(self, q_len: int, stored: int, new: int) -> tuple[int, int, int]:
+        """(blocks, of their tokens the stored ones, full-precision blocks holding those) that a step seals
+        as its layers write: the transition blocks of a step longer than R, none otherwise."""
+        sealed = self._transition(q_len, stored, new) if q_len > self.window else 0
+        older = min(stored, sealed * self.block_size)
+        return sealed, older, ceil_div(older, self.block_size)
+
+    def _row_growth(self, q_len: int, pads: list[int], drops: list[int]):
+        """As `BlockTables._row_growth`, with the blocks sealed as they arrive taken out."""
+        for stored, held, new in super()._row_growth(q_len, pads, drops):
+            sealed, older, blocks = self._arrival(q_len, stored, new)
+            yield stored - older, held - blocks, new - (sealed * self.block_size - older)
+
+    def _take_arrivals(self, q_len: int, pads: list[int], mirrors: dict[int, int]) -> None:
+        self._arrivals = []
+        for index, row in enumerate(self.rows):
+            new = q_len if self.length else q_len - pads[index]
+            sealed, older, blocks = self._arrival(q_len, self.stored_tokens(index), new)
+            if not sealed or index in mirrors:
+                continue
+            sources = row.blocks.ids[:blocks]  # every layer kept a copy of their tokens (`_seal`)
+            row.blocks.drop_front(blocks)
+            last = row.quantized.ids[-1] if len(row.quantized) else None
+            fresh = self.qpool.allocate(sealed, after=last)
+            row.quantized.append_fresh(fresh)
+            row.base += sealed * self.block_size
+            self._arrivals.append((index, q_len - new, sources, older, fresh))
+
+    def _make_plan(self, q_len: int, new_tokens: list[int], mirrors: dict[int, int]) -> StepPlan:
+        plan = super()._make_plan(q_len, new_tokens, mirrors)
+        plan.arrivals = self._arrivals
+        if q_len > self.window:
+            sealed = {row: len(fresh) for row, _first, _sources, _older, fresh in self._arrivals}
+            plan.transition = [sealed.get(mirrors.get(row, row), 0) for row in range(len(self.rows))]
+        else:
+            plan.transition = [self._transition(q_len, self.stored_tokens(row), 0) for row in range(len(self.rows))]
+        plan.transition = [0 if row.kept_positions is not None else count
+                           for row, count in zip(self.rows, plan.transition)]  # fmt: skip
+        return plan
 
     def _sealed_blocks(self, q_len: int) -> list[list[int]]:
         """Per row, the full-precision block ids a step of `q_len` tokens seals."""
@@ -593,7 +661,16 @@ class QuantizedBlockTables(BlockTables):
         sealed = {block for blocks in self._sealed_blocks(q_len) for block in blocks}
         quantized_drops = [(row.quantized, drop) for row, (drop, _fp) in zip(self.rows, self._window_drops())]
         freed = blocks_freed(quantized_drops) if self.rows else 0
-        return [*super().demands(q_len, pads, mirrors), (self.qpool, len(sealed), freed, f"{self.name} (quantized)")]
+        drops = self._step_drops(q_len)
+        arrivals = [self._arrival(q_len, stored, new)
+                    for stored, _held, new in BlockTables._row_growth(self, q_len, pads, drops)]  # fmt: skip
+        needed = len(sealed) + sum(sealed for row, (sealed, _, _) in enumerate(arrivals) if row not in mirrors)
+        ((pool, fp_needed, _freed, name),) = super().demands(q_len, pads, mirrors)
+        # The full-precision blocks sealed with new tokens follow the drops, and go back to the pool with them.
+        leading = [(row.blocks, drop + blocks) for row, drop, (_, _, blocks) in zip(self.rows, drops, arrivals)]
+        fp_freed = blocks_freed(leading)
+        return [(pool, fp_needed, fp_freed if self.rows else 0, name),
+                (self.qpool, needed, freed, f"{self.name} (quantized)")]  # fmt: skip
 
     def _seal(self, q_len: int, seal_blocks: BlockCopier) -> None:
         sealed: dict[int, int] = {}  # fp block -> its quantized block (rows sharing a block share its copy)
@@ -611,8 +688,18 @@ class QuantizedBlockTables(BlockTables):
         for block, copy in sealed.items():
             if self.pool.ref_count(block) > sum(block in ids for ids in self.tables):  # a fork holds it too
                 self.sealed_copies[block] = (self.pool.epoch(block), copy, self.qpool.epoch(copy))
-        if sealed:
-            seal_blocks(list(sealed), list(sealed.values()))
+        keep = self._kept_blocks(q_len)
+        if sealed or keep:
+            seal_blocks(list(sealed), list(sealed.values()), keep)
+
+    def _kept_blocks(self, q_len: int) -> list[int]:
+        """The full-precision blocks whose tokens a step seals along with new ones: each layer keeps a copy of
+        them when the step is planned, before any block the step frees can be handed out again."""
+        drops, keep = self._step_drops(q_len), {}
+        for index, (stored, _held, new) in enumerate(BlockTables._row_growth(self, q_len, [], drops)):
+            blocks = self._arrival(q_len, stored, new)[2]
+            keep.update(dict.fromkeys(self.rows[index].blocks.ids[drops[index] : drops[index] + blocks]))
+        return list(keep)
 
     def _sealed_copy(self, block: int) -> int | None:
         """The sealed copy a fork already made of `block`, if both are still the blocks they were."""

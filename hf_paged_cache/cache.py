@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from .attention import ATTENTION_NAME
-from .attention_contract import check_attention_kwargs, check_model_features, model_name
+from .attention_contract import check_attention_kwargs, check_model_features, kv_sharing_sources, model_name
 from .block_pool import BlockPool
 from .block_tables import BlockTables, QuantizedBlockTables, StepPlan
 from .config import PagedCacheConfig
@@ -40,9 +40,9 @@ class PagedCache(Cache):
     ```
 
     Full-attention layers share one set of block tables, sliding-window layers of each window size
-    another; layers the paged store does not own (linear attention, KV-sharing consumers) use
-    transformers' own layer classes. Options are those of `PagedCacheConfig`, given either as keyword
-    arguments or as one `PagedCacheConfig`.
+    another; KV-sharing consumers (Gemma-3n) store nothing and read their producer layer's blocks; layers
+    the paged store does not own (linear attention) use transformers' own layer classes. Options are those
+    of `PagedCacheConfig`, given either as keyword arguments or as one `PagedCacheConfig`.
 
     `fork()` (and `copy.deepcopy`) gives a second cache that shares every block by reference count, in the
     same pools: "one context, many questions" costs the questions only. A cache and its forks belong to one
@@ -73,13 +73,25 @@ class PagedCache(Cache):
         layer_types, layer_kwargs = get_layer_types_and_kwargs(self.model_config)
         _check_layer_counts(options, len(layer_types))
         _check_quant_layers(options, layer_types)
+        # Layers the model itself makes reuse an earlier layer's K/V (transformers types them "dummy"): they call
+        # no `update()`, so they read the producer's blocks whatever `sharing` says.
+        reused = kv_sharing_sources(self.model_config)
+        if reused and options.eviction is not None:
+            raise ValueError(
+                f"`eviction` cannot serve {model_name(self.model_config)}: its layers {sorted(reused)} reuse the K/V "
+                "of earlier layers within the same forward, after those layers' eviction may already have moved "
+                "their tokens. Build the cache without `eviction` for this model."
+            )
         layers = []
         for index, (layer_type, kwargs_of_layer) in enumerate(zip(layer_types, layer_kwargs)):
             quant = options.layer_quant(index)
             source = options.shares_from(index)
+            producer = _stored_layer(layers[reused[index]]) if index in reused else None
             if source is not None:
                 _check_share_with(index, source, layer_types, layer_kwargs, layers)
                 layers.append(SharedKVLayer(layers[source]))
+            elif producer is not None:
+                layers.append(SharedKVLayer(producer))
             elif layer_type == "full_attention":
                 # With eviction each full-attention layer keeps its own tables: layers keep different tokens.
                 tables = self._group(f"full_attention@{index}" if options.eviction else "full_attention", None, quant)
@@ -582,10 +594,11 @@ class PagedCache(Cache):
         return f"PagedCache(groups={list(self.groups)}, block_size={self.options.block_size}, layers={len(self.layers)})"
 
     # ------------------------------------------------------------------ files
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> None:
         """Write the cache to one safetensors file: the blocks in use (quantized ones as codes), the tables,
-        per-row and eviction state; `PagedCache.load` continues from it exactly. Save between forward steps."""
-        save_cache(self, path)
+        per-row and eviction state; `PagedCache.load` continues from it exactly. Save between forward steps.
+        An existing writable file is replaced; a write-protected one only with `overwrite=True`."""
+        save_cache(self, path, overwrite)
 
     @classmethod
     def load(
@@ -620,6 +633,12 @@ def _check_share_with(index: int, source: int, layer_types: list[str], layer_kwa
         )
 
 
+def _stored_layer(layer) -> PagedLayer | None:
+    """The paged layer whose blocks hold `layer`'s K/V (itself, or a `share_with` layer's source); None if not paged."""
+    layer = layer.source if isinstance(layer, SharedKVLayer) else layer
+    return layer if isinstance(layer, PagedLayer) else None
+
+
 def _copy_blocks(layers: list[PagedLayer], sources: list[int], targets: list[int]) -> None:
     """Copy-on-write: block contents from `sources` to `targets` in every layer of a group."""
     for layer in layers:
@@ -631,10 +650,11 @@ def _copy_quantized(layers: list[QuantizedLayer], sources: list[int], targets: l
         layer.copy_quantized_blocks(sources, targets)
 
 
-def _seal(layers: list[PagedLayer], sources: list[int], targets: list[int]) -> None:
-    """Quantize full-precision blocks `sources` into sealed blocks `targets` in every layer of a group."""
+def _seal(layers: list[PagedLayer], sources: list[int], targets: list[int], keep: list[int]) -> None:
+    """Quantize full-precision blocks `sources` into sealed blocks `targets` in every layer of a group, each
+    keeping a copy of blocks `keep` for the step (`QuantizedLayer.seal`)."""
     for layer in layers:
-        layer.seal(sources, targets)
+        layer.seal(sources, targets, keep)
 
 
 def _check_quant_layers(options: PagedCacheConfig, layer_types: list[str]) -> None:

@@ -104,7 +104,8 @@ class PagedCacheConfig:
             A model not trained for it changes its outputs: measure the quality first.
         sharing: False turns every sharing feature off, for troubleshooting ("repeated or odd text"):
             identical rows store their blocks separately, beams and forks copy blocks instead of sharing
-            them, and `share_with` is ignored (every layer stores its own K/V).
+            them, and `share_with` is ignored (every layer stores its own K/V; a model's own KV-shared layers,
+            Gemma-3n's, still read their producer's: the model computes no K/V for them).
     """
 
     block_size: int = 16

@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 
 PAGED_KV_KWARG = "paged_kv"
 MAX_RUNS = 8  # a row's read cut into more runs of blocks than this is gathered slot by slot
-# (plan, query, mask, scale, softcap): what runs after a layer's attention (eviction), bound by the cache.
-AfterAttention = Callable[[StepPlan, torch.Tensor, "torch.Tensor | None", float, "float | None"], None]
+# (plan, query, mask, scale, softcap, sinks): what runs after a layer's attention (eviction), bound by the cache.
+AfterAttention = Callable[[StepPlan, torch.Tensor, "torch.Tensor | None", float, "float | None", "torch.Tensor | None"],
+                          None]  # fmt: skip
 
 
 class PagedKV:
@@ -58,10 +59,16 @@ class PagedKV:
         if self.undo_step is not None:
             self.undo_step()
 
-    def finish(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None) -> None:
+    def finish(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None,
+               sinks: torch.Tensor | None = None) -> None:  # fmt: skip
         """Called by the attention once this layer's output is computed."""
         if self.after_attention is not None:
-            self.after_attention(self.plan, query, mask, scale, softcap)
+            self.after_attention(self.plan, query, mask, scale, softcap, sinks)
+
+    def reader(self) -> PagedKV:
+        """The handle for another layer that attends over this layer's K/V (a KV-shared layer): the same blocks and
+        plan without the work due after attention, so eviction statistics are recorded once per stored layer."""
+        return PagedKV(self.layer, self.plan, None, self.undo_step)
 
     def own_mask(self, q_len: int, device: torch.device) -> torch.Tensor | None:
         """The mask of a sequence that has no model-made mask (a packed batch): causal over the read range,
@@ -82,6 +89,10 @@ class PackedPagedKV:
         """Every sequence's cache takes back the step under way (the attention refused the model)."""
         for _start, _stop, part in self.parts:
             part.undo()
+
+    def reader(self) -> PackedPagedKV:
+        """`PagedKV.reader` for every sequence."""
+        return PackedPagedKV([(start, stop, part.reader()) for start, stop, part in self.parts])
 
 
 class LayerStorage:
@@ -105,6 +116,7 @@ class PagedLayer(CacheLayerMixin):
     is_croppable = True
     is_compileable = False
     is_quantized = False
+    read_by_others = False  # a `share_with` layer reads this layer's step after it (`SharedKVLayer`)
     key_blocks = storage_field("key_blocks")
     value_blocks = storage_field("value_blocks")
 
@@ -237,8 +249,9 @@ class PagedLayer(CacheLayerMixin):
         """What `update()` returns once the step is written: a `PagedKV` in the attention kwargs (and the new
         states, usable by nothing else), or the K/V of the whole read range, gathered."""
         if attention_kwargs is not None:
-            attention_kwargs[PAGED_KV_KWARG] = PagedKV(self, plan, after_attention, undo)
-            return paged_only(key_states), paged_only(value_states)  # any other attention fails clearly
+            paged_kv = attention_kwargs[PAGED_KV_KWARG] = PagedKV(self, plan, after_attention, undo)
+            reader = paged_kv.reader()  # for a later layer that reuses these states (a KV-shared layer)
+            return paged_only(key_states, reader), paged_only(value_states, reader)  # any other attention fails
         keys, values = self.gather(plan)
         if keys.dtype != key_states.dtype:  # a storage dtype other than the model's (e.g. fp16 for an fp32 model)
             keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
@@ -319,7 +332,8 @@ class PagedLayer(CacheLayerMixin):
         return out[0], out[1]
 
     def attend(
-        self, query: torch.Tensor, plan: StepPlan, mask: torch.Tensor | None, scale: float, softcap: float | None
+        self, query: torch.Tensor, plan: StepPlan, mask: torch.Tensor | None, scale: float, softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The `"paged"` attention's torch path over this layer, `[batch, heads, q, head_dim]`.
 
@@ -330,7 +344,7 @@ class PagedLayer(CacheLayerMixin):
         """
         q_len = query.shape[2]
         if plan.tables.compacted:
-            return attend(query, *self.read_with_mask(plan, mask, q_len), scale, softcap)
+            return attend(query, *self.read_with_mask(plan, mask, q_len), scale, softcap, sinks)
         if mask is None and q_len > 1:
             mask = causal_mask(q_len, plan.new_len - plan.kv_offset, query.device)
         out = []
@@ -340,7 +354,7 @@ class PagedLayer(CacheLayerMixin):
                 continue
             row_mask = None if mask is None else mask[row if mask.shape[0] > 1 else 0, None, :, :, runs[0][0] :]
             keys, values = self.row_kv(plan, row)
-            out.append(attention(query[row : row + 1], keys[None], values[None], row_mask, scale, softcap))
+            out.append(attention(query[row : row + 1], keys[None], values[None], row_mask, scale, softcap, sinks))
         # The columns before a row's first run are its padding, hidden by the model's mask: the whole mask
         # tells which query rows see no key at all.
         return zero_unattended(torch.cat(out), mask)
@@ -418,8 +432,9 @@ class PagedSlidingLayer(PagedLayer):
 
 
 class SharedKVLayer(CacheLayerMixin):
-    """A layer that stores nothing and reads an earlier paged layer's K/V (`share_with`): its own new K/V are
-    dropped, so attention sees the source layer's history and this step's source states."""
+    """A layer that stores nothing and reads an earlier paged layer's K/V (`share_with`, or a model's KV-shared
+    layer, which calls no `update()` and attends over its source's states): its own new K/V are dropped, so
+    attention sees the source layer's history and this step's source states."""
 
     is_compileable = False
     is_quantized = False
@@ -428,6 +443,7 @@ class SharedKVLayer(CacheLayerMixin):
         super().__init__()
         self.source = source
         self.is_initialized = True
+        source.read_by_others = True
 
     def __repr__(self) -> str:
         return f"SharedKVLayer(source={self.source!r})"
@@ -435,6 +451,10 @@ class SharedKVLayer(CacheLayerMixin):
     @property
     def is_sliding(self) -> bool:
         return self.source.is_sliding
+
+    @property
+    def is_croppable(self) -> bool:  # a crop of the cache crops the source's tables, which this layer reads
+        return self.source.is_croppable
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to allocate: the source layer stores the K/V."""

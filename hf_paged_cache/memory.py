@@ -154,7 +154,8 @@ def estimate_kv_bytes(
         kv_format = options.layer_format(index)
         sealed = 0
         if kv_format is not None:  # the held blocks are the last `held`; the oldest of all may be sealed
-            full_precision = blocks - max((seq_len - residual_length) // block_size, 0)
+            # Sealed: the blocks ending R = max(residual_length, 1) or more tokens before the end.
+            full_precision = blocks - max((seq_len - max(residual_length, 1)) // block_size, 0)
             sealed = held - min(held, full_precision)
             total += batch_size * sealed * kv_format.bytes_per_block(block_size, heads, head_dim)
         total += batch_size * (held - sealed) * block_size * 2 * heads * head_dim * element

@@ -5,7 +5,9 @@ history from the blocks through the `PagedKV` handle. The cache picks that path 
 built from, so a different model object (or a config switched after the cache was built) would run e.g.
 SDPA over the new tokens alone: wrong outputs, or a shape error from deep inside torch. The states
 therefore come wrapped: the `"paged"` attention never touches them, and any other attention fails with
-the library's error at its first operation on them.
+the library's error at its first operation on them. They also carry the layer's handle, for models whose later
+layers attend over an earlier layer's `update()` result (Gemma-3n's KV-shared layers): those layers' attention
+calls get the states but not the producer's kwargs, and read the producer's blocks through that handle.
 """
 
 from __future__ import annotations
@@ -30,7 +32,12 @@ MISREAD = (
 
 
 class PagedOnlyStates(torch.Tensor):
-    """A tensor of new K/V states that only the `"paged"` attention may receive (it reads the blocks)."""
+    """A tensor of new K/V states that only the `"paged"` attention may receive (it reads the blocks).
+
+    `paged_kv` is a read-only handle on the producing layer's blocks (no eviction work attached), for a layer that
+    reuses these states instead of calling `update()` itself."""
+
+    paged_kv = None
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -39,5 +46,12 @@ class PagedOnlyStates(torch.Tensor):
         raise RuntimeError(MISREAD)
 
 
-def paged_only(states: torch.Tensor) -> PagedOnlyStates:
-    return states.as_subclass(PagedOnlyStates)
+def paged_only(states: torch.Tensor, paged_kv=None) -> PagedOnlyStates:
+    guarded = states.as_subclass(PagedOnlyStates)
+    guarded.paged_kv = paged_kv
+    return guarded
+
+
+def reused_paged_kv(states: torch.Tensor):
+    """The handle on the blocks behind `states` when they are what a paged layer's `update()` returned, else None."""
+    return states.paged_kv if isinstance(states, PagedOnlyStates) else None

@@ -5,8 +5,10 @@ so runs of consecutive ids stay runs) and every layer writes just those blocks, 
 codes, scales and zero points. A JSON header in the safetensors metadata holds the rest: the options,
 the model's shapes, each group's tables and per-row state (padding, base, kept positions, quantized
 prefix), and the evictor's counters; its scores are tensors. A SHA-256 over the header and every tensor
-makes a corrupted file fail before anything is built. Loading reads tensors and JSON only -- no pickle,
-no code from the file: an eviction policy is named by its class, which must already be imported.
+makes a corrupted file fail before anything is built; it has no key, so it does not stop a crafted file, and
+every header value is checked against the others and the tensors present before anything is allocated from it.
+Loading reads tensors and JSON only -- no pickle, no code from the file: an eviction policy is named by its
+class, which must already be imported.
 
 A loaded cache is standalone, with its own pools sized to the blocks it holds (or by `num_blocks` /
 `max_memory`), and continues exactly as the saved one would have. `PagedCache.save` / `PagedCache.load` hand
@@ -20,6 +22,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import stat
 import uuid
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -36,6 +39,7 @@ from .block_tables import BlockTables, QuantizedBlockTables
 from .config import PagedCacheConfig, _check_device_exists
 from .errors import CacheFileError
 from .eviction import EvictionPolicy
+from .file_header import CRAFTED, check_header, checked_tensor, dtype_name, dtype_of, malformed_header, show_value
 from .layers import PagedLayer
 from .memory import _attention_layer_shapes
 from .quantized_layers import QuantizedLayer
@@ -51,11 +55,19 @@ POLICY_FIELDS_BEFORE = {"per_head": False, "protect_novel": 0.0, "rotary": "half
 # Options that say where and how large the loaded cache's storage is; every other option shapes what the
 # cache stores or how it continues, so it must equal the file's.
 PLACEMENT = ("num_blocks", "max_memory", "initial_blocks", "device", "backend")
+# Options a file sizes the loaded pool by (unless the load overrides one), and the allocator's bookkeeping per
+# block (four list entries), which a pool costs even before any storage is allocated.
+POOL_SIZE = ("num_blocks", "initial_blocks", "max_memory")
+BOOKKEEPING = 32
 
 
 # ---------------------------------------------------------------------------------------------- saving
-def save_cache(cache: Cache, path: str | os.PathLike) -> None:
-    """Write `cache` to `path` (replaced atomically: a failed save leaves any earlier file as it was)."""
+def save_cache(cache: Cache, path: str | os.PathLike, overwrite: bool = False) -> None:
+    """Write `cache` to `path` (replaced atomically: a failed save leaves any earlier file as it was). An existing
+    file is replaced when it is writable, a write-protected one only with `overwrite=True`: the rename that makes
+    the save atomic would otherwise replace a file whose permissions forbid writing it."""
+    path = Path(path)
+    _check_target(path, overwrite)
     _check_savable(cache)
     tensors: dict[str, torch.Tensor] = {}
     groups = list(cache.groups.values())
@@ -75,7 +87,6 @@ def save_cache(cache: Cache, path: str | os.PathLike) -> None:
         header["layers"].append(_save_layer(layer, group, *used[group], f"layers.{index}", tensors) if saved else None)
     tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}
     text = json.dumps(header)
-    path = Path(path)
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")  # beside it: os.replace stays atomic
     try:
         save_file(tensors, temporary, metadata={FORMAT: text, DIGEST: _digest(text, tensors)})
@@ -83,6 +94,20 @@ def save_cache(cache: Cache, path: str | os.PathLike) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def _check_target(path: Path, overwrite: bool) -> None:
+    """Refuse a directory, and a write-protected file unless `overwrite` (no write bit counts even for root)."""
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"PagedCache.save: `overwrite` must be a bool, got {overwrite!r}")
+    if path.is_dir():
+        raise IsADirectoryError(f"PagedCache.save: {str(path)!r} is a directory; give the path of a file to write")
+    if path.exists() and not overwrite:
+        if not os.access(path, os.W_OK) or not path.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
+            raise PermissionError(
+                f"PagedCache.save: {str(path)!r} exists and is write-protected; pass `overwrite=True` to replace it, "
+                "or save to another path"
+            )
 
 
 def _check_savable(cache: Cache) -> None:
@@ -148,7 +173,7 @@ def _save_layer(layer: PagedLayer, group: int, used: list[int], qused: list[int]
     tensors[f"{prefix}.keys"] = _heads_first(layer.key_blocks).index_select(1, ids)
     tensors[f"{prefix}.values"] = _heads_first(layer.value_blocks).index_select(1, ids)
     entry = {
-        "group": group, "dtype": _dtype_name(layer.dtype), "device": str(layer.device),
+        "group": group, "dtype": dtype_name(layer.dtype), "device": str(layer.device),
         "kv_heads": layer.kv_shape[0], "head_dim": layer.kv_shape[1], "value_dim": layer.value_dim,
     }  # fmt: skip
     if isinstance(layer, QuantizedLayer):
@@ -206,7 +231,7 @@ def _options_to_json(options: PagedCacheConfig) -> dict:
     for field in dataclasses.fields(options):
         value = getattr(options, field.name)
         if isinstance(value, torch.dtype):
-            value = _dtype_name(value)
+            value = dtype_name(value)
         elif isinstance(value, torch.device):
             value = str(value)
         elif isinstance(value, EvictionPolicy):
@@ -221,7 +246,7 @@ def _options_from_json(values: dict) -> dict:
     values = dict(values)
     for name, value in values.items():
         if name == "dtype" and value is not None:
-            values[name] = _dtype(value)
+            values[name] = dtype_of(value)
         elif name == "eviction" and value is not None:
             values[name] = _policy_from_json(value)
         elif isinstance(value, dict):
@@ -256,15 +281,6 @@ def _policy_from_json(saved: dict) -> EvictionPolicy:
     return cls(**saved["fields"])
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype):
-        raise CacheFileError(f"the file names an unknown dtype {name!r}: it is corrupted")
-    return dtype
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -278,19 +294,37 @@ def load_cache(
         raise ValueError("Pass either a `PagedCacheConfig` or keyword options to PagedCache.load, not both")
     if options is not None and not isinstance(options, PagedCacheConfig):
         raise TypeError(f"`options` must be a PagedCacheConfig, got {type(options).__name__}")
+    names = [field.name for field in dataclasses.fields(PagedCacheConfig)]
+    unknown = sorted(set(overrides) - set(names))
+    if unknown:
+        raise TypeError(f"unknown option(s) {unknown}; PagedCache options are: {', '.join(names)}")
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"PagedCache.load: {str(path)!r} is a directory; give the path of a file that "
+                                "`PagedCache.save` wrote")  # fmt: skip
     try:
-        header, tensors = _read(Path(path))
+        header, tensors = _read(path)
         options = _resolve_options(header, options, overrides)
-        cache = cache_class(config, options)
-        _check_model(header, cache)
-        _restore(cache, header, tensors)
+        try:
+            cache = cache_class(config, options)
+        except CacheFileError:
+            raise
+        except ValueError as error:  # options equal to the file's that this config cannot take
+            raise CacheFileError(f"its options do not fit this config ({error}): load the file with the config of "
+                                 "the model that saved it") from None  # fmt: skip
+        with malformed_header():
+            _check_model(header, tensors, cache)
+            _restore(cache, header, tensors)
     except CacheFileError as error:
         raise CacheFileError(f"PagedCache.load({str(path)!r}): {error}") from None
     return cache
 
 
+
+
 def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The header and tensors of a file `save_cache` wrote, or a `CacheFileError` saying what is wrong."""
+    """The header and tensors of a file `save_cache` wrote, checked against each other, or a `CacheFileError`
+    saying what is wrong."""
     try:
         with safe_open(path, framework="pt") as handle:
             metadata = handle.metadata() or {}
@@ -309,13 +343,19 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
             "the file's checksum does not match its contents, so it was corrupted after it was written: save the "
             "cache again"
         )
-    header = json.loads(text)
-    if header.get("version") not in READS:
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as error:
+        raise CacheFileError(f"its header is not JSON a PagedCache wrote ({type(error).__name__}): {CRAFTED}") from None
+    version = header.get("version") if isinstance(header, dict) else None
+    if version not in READS:
         raise CacheFileError(
-            f"the file has format version {header.get('version')}, but this hf_paged_cache reads versions "
+            f"the file has format version {show_value(version)}, but this hf_paged_cache reads versions "
             f"{', '.join(map(str, READS))}: "
             "load it with the hf_paged_cache version that saved it, or save the cache again with this one"
         )
+    with malformed_header():
+        check_header(header, tensors)
     return header, tensors
 
 
@@ -323,9 +363,12 @@ def _digest(header: str, tensors: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256(header.encode())
     for name in sorted(tensors):
         tensor = tensors[name]
-        digest.update(f"{name}:{_dtype_name(tensor.dtype)}:{tuple(tensor.shape)};".encode())
+        digest.update(f"{name}:{dtype_name(tensor.dtype)}:{tuple(tensor.shape)};".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- checking a header
 
 
 def _resolve_options(header: dict, options: PagedCacheConfig | None, overrides: dict) -> PagedCacheConfig:
@@ -334,12 +377,17 @@ def _resolve_options(header: dict, options: PagedCacheConfig | None, overrides: 
     if saved.get("eviction") is not None:  # a policy saved before a field existed ran as the field's first value
         fields = saved["eviction"]["fields"]
         fields.update({name: value for name, value in POLICY_FIELDS_BEFORE.items() if name not in fields})
+    try:  # the file's own options; its device is only parsed (it may be one this machine lacks)
+        own = PagedCacheConfig(**_options_from_json({name: value for name, value in saved.items() if name != "device"}))
+        if saved.get("device") is not None:
+            torch.device(saved["device"])
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise CacheFileError(f"its options are not valid PagedCache options ({error}): {CRAFTED}") from None
     if options is None:
-        unknown = sorted(set(overrides) - set(saved))
-        if unknown:
-            raise TypeError(f"unknown option(s) {unknown}; PagedCache options are: {', '.join(saved)}")
-        kept = _options_from_json({name: value for name, value in saved.items() if name not in overrides})
-        options = PagedCacheConfig(**kept, **overrides)
+        placement = {"device": saved["device"]} if saved.get("device") is not None else {}
+        options = dataclasses.replace(own, **{**placement, **overrides})
+        if not set(overrides) & set(POOL_SIZE):
+            _check_pool_size(header, options)
     given = _options_to_json(options)
     dtypes = {layer["dtype"] for layer in header["layers"] if layer is not None}
     for name, value in saved.items():
@@ -357,6 +405,34 @@ def _resolve_options(header: dict, options: PagedCacheConfig | None, overrides: 
     return options
 
 
+def _check_pool_size(header: dict, options: PagedCacheConfig) -> None:
+    """Refuse a pool the file's own size options ask for that this machine's memory cannot hold: honouring a crafted
+    `num_blocks` would allocate without bound before any block is read."""
+    limit = _machine_memory()
+    per_block = BOOKKEEPING + options.block_size * sum(
+        layer["kv_heads"] * (layer["head_dim"] + layer["value_dim"]) * dtype_of(layer["dtype"]).itemsize
+        for layer in header["layers"] if layer is not None
+    )  # fmt: skip
+    for name in POOL_SIZE:
+        value = getattr(options, name)
+        size = None if value is None else value if name == "max_memory" else value * per_block
+        if limit is not None and size is not None and size > limit:
+            raise CacheFileError(
+                f"the file sizes its pool by {name}={value} ({size:,} bytes), more than this machine's memory "
+                f"({limit:,} bytes): pass `num_blocks` or `max_memory` to size the loaded cache's pool"
+            )
+
+
+def _machine_memory() -> int | None:
+    """Bytes of host memory plus those of every visible accelerator (None where the platform does not say)."""
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    devices = range(torch.cuda.device_count()) if torch.cuda.is_available() else ()
+    return host + sum(torch.cuda.get_device_properties(index).total_memory for index in devices)
+
+
 def _describe(name: str, value) -> str:
     """An option's JSON form as the user writes it."""
     if name == "dtype" and value is not None:
@@ -367,8 +443,8 @@ def _describe(name: str, value) -> str:
     return repr(value)
 
 
-def _check_model(header: dict, cache: Cache) -> None:
-    """Raise if `cache` (built from the given config and options) cannot hold the file's layers."""
+def _check_model(header: dict, tensors: dict[str, torch.Tensor], cache: Cache) -> None:
+    """Raise if `cache` (built from the given config and options) cannot hold the file's groups and layers."""
     model, config = header["model"], cache.model_config
     remedy = "load the file with the config of the model that saved it (`model.config`)"
     if (model["model_type"], model["layers"]) != (config.model_type, len(cache.layers)):
@@ -381,13 +457,21 @@ def _check_model(header: dict, cache: Cache) -> None:
             f"the file was saved by one of {model['tp_size']} tensor-parallel ranks, but this config runs on "
             f"{cache.tp_size}: load each rank's file under the same tensor parallelism"
         )
+    for index, saved in enumerate(header["groups"]):
+        group = cache.groups.get(saved["name"])
+        if group is None or isinstance(group, QuantizedBlockTables) != (saved["quantized_blocks"] is not None):
+            raise CacheFileError(f"the file's groups[{index}] is {saved['name']!r}, a group this config and these "
+                                 f"options do not make ({', '.join(cache.groups)}): {remedy}")  # fmt: skip
     names = [group["name"] for group in header["groups"]]
     shapes = {index: (heads // cache.tp_size, head_dim)
               for index, _window, heads, head_dim in _attention_layer_shapes(config)}  # fmt: skip
+    filled = {group["name"] for group in header["groups"] if group["rows"]}
     for index, (layer, saved) in enumerate(zip(cache.layers, header["layers"])):
-        if saved is None:
-            continue
         group = getattr(layer, "tables", None)
+        if saved is None:
+            if group is not None and group.name in filled:
+                raise CacheFileError(f"the header's `layers[{index}]` is null, but its group holds rows: {CRAFTED}")
+            continue
         if group is None or group.name != names[saved["group"]]:
             kind = group.name if group is not None else f"a {type(layer).__name__}"
             raise CacheFileError(f"layer {index} is stored as {names[saved['group']]!r} in the file, but this config "
@@ -397,7 +481,30 @@ def _check_model(header: dict, cache: Cache) -> None:
                 f"layer {index} stores {saved['kv_heads']} KV heads of size {saved['head_dim']} in the file, but this "
                 f"config has {shapes.get(index)} (heads, head size) per rank: {remedy}"
             )
+        if isinstance(layer, QuantizedLayer) and saved.get("error_stats") is None:
+            raise CacheFileError(f"layer {index} is quantized but the header's `layers[{index}]` has no `error_stats`: "
+                                 f"{CRAFTED}")  # fmt: skip
         _check_format(index, layer, saved)
+    _check_evictor(header["eviction"], tensors, cache.evictor)
+
+
+def _check_evictor(saved: dict | None, tensors: dict[str, torch.Tensor], evictor) -> None:
+    """Raise if the file's eviction state does not fit the cache's evictor (built from the same options)."""
+    if (saved is None) != (evictor is None):
+        raise CacheFileError(f"the header's `eviction` is {'absent' if saved is None else 'present'} but the options "
+                             f"{'do' if saved is None else 'do not'} evict: {CRAFTED}")  # fmt: skip
+    if saved is None:
+        return
+    for index in saved["scored_layers"]:
+        if index not in evictor.stats:
+            raise CacheFileError(f"eviction scores of layer {index} are misplaced (it is not evicted): {CRAFTED}")
+    for name in saved["generators"]:
+        generator = getattr(evictor.policy, name, None)
+        state = tensors.get(f"eviction.policy.{name}")
+        expected = generator.get_state() if isinstance(generator, torch.Generator) else None
+        if expected is None or state is None or (state.dtype, state.shape) != (expected.dtype, expected.shape):
+            raise CacheFileError(f"the policy's random state {name!r} does not fit {type(evictor.policy).__name__}: "
+                                 f"{CRAFTED}")  # fmt: skip
 
 
 def _check_format(index: int, layer, saved: dict) -> None:
@@ -442,16 +549,15 @@ def _restore(cache: Cache, header: dict, tensors: dict[str, torch.Tensor]) -> No
 def _restore_group(group: BlockTables, saved: dict, tensors: dict[str, torch.Tensor], prefix: str, growable: bool):
     rows = saved["rows"]
     quantized = saved["quantized_blocks"] is not None
-    blocks = _ids_of(tensors, f"{prefix}.blocks", sum(row["blocks"] for row in rows), saved["blocks"])
+    blocks = tensors[f"{prefix}.blocks"].tolist()  # tables, rows and tensors were checked with the header
     # Without rows nothing is allocated (the pools of a `max_memory` cache that never ran do not exist yet).
     slots = _allocate(group.pool, blocks, saved["blocks"], group.name, growable) if rows else []
     qblocks, qslots = [], []
     if quantized and rows:
         count = saved["quantized_blocks"]
-        qblocks = _ids_of(tensors, f"{prefix}.quantized", sum(row["quantized"] for row in rows), count)
+        qblocks = tensors[f"{prefix}.quantized"].tolist()
         qslots = _allocate(group.qpool, qblocks, count, f"{group.name} (quantized)", growable)
-    kept_counts = [(row["kept"] or 0) * (row.get("kept_heads") or 1) for row in rows]
-    kept = _tensor(tensors, f"{prefix}.kept", (sum(kept_counts),), torch.long) if sum(kept_counts) else None
+    kept = tensors.get(f"{prefix}.kept")
     group.rows, fp_from, q_from, kept_from = [], 0, 0, 0
     for row in rows:
         fp = _block_list(group.pool, [slots[b] for b in blocks[fp_from : fp_from + row["blocks"]]], row["run_from"])
@@ -502,35 +608,29 @@ def _restore_layer(layer: PagedLayer, saved: dict, slots: list[int], qslots: lis
     ids = torch.tensor(slots, dtype=torch.long, device=device)
     for name, blocks in (("keys", _heads_first(layer.key_blocks)), ("values", _heads_first(layer.value_blocks))):
         shape = (blocks.shape[0], len(slots), *blocks.shape[2:])
-        blocks.index_copy_(1, ids, _tensor(tensors, f"{prefix}.{name}", shape, blocks.dtype).to(device))
+        blocks.index_copy_(1, ids, checked_tensor(tensors, f"{prefix}.{name}", shape, blocks.dtype).to(device))
     if isinstance(layer, QuantizedLayer):
         ids = torch.tensor(qslots, dtype=torch.long, device=device)
         for side, fields in (("qkey", layer.qkey), ("qvalue", layer.qvalue)):
             for name, field in fields.items():
-                stored = _tensor(tensors, f"{prefix}.{side}.{name}", (len(qslots), *field.shape[1:]), field.dtype)
+                stored = checked_tensor(tensors, f"{prefix}.{side}.{name}", (len(qslots), *field.shape[1:]), field.dtype)
                 field.index_copy_(0, ids, stored.to(device))
         layer.error_stats = saved["error_stats"]
     layer.sync_length()
 
 
 def _restore_evictor(evictor, saved: dict, tensors: dict[str, torch.Tensor]) -> None:
-    for index in saved["scored_layers"]:
-        scores = tensors.get(f"eviction.scores.{index}")
-        if index not in evictor.stats or scores is None:
-            raise CacheFileError(f"eviction scores of layer {index} are missing or misplaced: the file is corrupted")
-        evictor.stats[index].scores = scores.to(evictor.layers[index].device, copy=True)
+    for index in saved["scored_layers"]:  # checked by `_check_header` and `_check_evictor`
+        evictor.stats[index].scores = tensors[f"eviction.scores.{index}"].to(evictor.layers[index].device, copy=True)
     for name in saved["generators"]:
-        generator = getattr(evictor.policy, name, None)
-        if not isinstance(generator, torch.Generator) or f"eviction.policy.{name}" not in tensors:
-            raise CacheFileError(f"the policy's random state {name!r} does not fit {type(evictor.policy).__name__}")
-        generator.set_state(tensors[f"eviction.policy.{name}"])
+        getattr(evictor.policy, name).set_state(tensors[f"eviction.policy.{name}"])
     evictor.counts = {name: list(counts) for name, counts in saved["counts"].items()}
     evictor.decode_steps, evictor.last_q_len = saved["decode_steps"], saved["last_q_len"]
 
 
 def _empty_states(saved: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero-token K/V of a saved layer's shapes and dtype: what a layer's storage is allocated from."""
-    dtype = _dtype(saved["dtype"])
+    dtype = dtype_of(saved["dtype"])
     return (torch.empty(1, saved["kv_heads"], 0, saved["head_dim"], dtype=dtype, device=device),
             torch.empty(1, saved["kv_heads"], 0, saved["value_dim"], dtype=dtype, device=device))  # fmt: skip
 
@@ -546,17 +646,3 @@ def _device(name: str, prefix: str) -> torch.device:
     return device
 
 
-def _tensor(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    tensor = tensors.get(name)
-    if tensor is None or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
-        found = "missing" if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)}"
-        raise CacheFileError(f"tensor {name!r} is {found}, expected {dtype} {tuple(shape)}: the file is corrupted")
-    return tensor
-
-
-def _ids_of(tensors: dict[str, torch.Tensor], name: str, length: int, count: int) -> list[int]:
-    """A table tensor of `length` file block indices, each below `count`."""
-    ids = _tensor(tensors, name, (length,), torch.long).tolist()
-    if any(not 0 <= block < count for block in ids):
-        raise CacheFileError(f"tensor {name!r} names blocks outside the file's {count}: the file is corrupted")
-    return ids

@@ -2,7 +2,9 @@
 
 Which blocks are sealed when is the tables' business (`block_tables.QuantizedBlockTables`); a layer
 quantizes the blocks it is told to (`seal`, one vectorized `quantize` per layer for all blocks sealed
-at a step) and reads them back.
+at a step; `_seal_arrivals`, the blocks a long step's own tokens complete, from their K/V) and reads them
+back. A token reads a block quantized or not by positions alone, so the blocks at the residual window's
+edge during a multi-token step (`StepPlan.transition`) are read both ways, each query its own way.
 
 Reads: the `"paged"` attention (`QuantizedLayer.attend`) dequantizes runs of at most `CHUNK_TOKENS`
 quantized tokens at a time and merges the chunks with an online softmax, so no full-precision copy of
@@ -43,6 +45,8 @@ class QuantizedLayer(PagedLayer):
         self.kv_format: KVFormat = tables.kv_format
         # Sampled reconstruction error: per "key" / "value", [sum of sample means, samples, max].
         self.error_stats = {"key": [0.0, 0, 0.0], "value": [0.0, 0, 0.0]}
+        self._arrived: dict = {}  # this step's blocks sealed as they arrived, full precision, until the paged read
+        self._kept = None  # (ids, keys, values): full-precision blocks `seal` kept for this step's arrivals
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -52,6 +56,7 @@ class QuantizedLayer(PagedLayer):
     def fork(self, tables: QuantizedBlockTables) -> QuantizedLayer:
         twin = super().fork(tables)
         twin.error_stats = copy.deepcopy(self.error_stats)
+        twin._arrived, twin._kept = {}, None
         return twin
 
     def _allocate_quantized(self, blocks: int) -> tuple[dict, dict]:
@@ -93,24 +98,69 @@ class QuantizedLayer(PagedLayer):
                     tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     # ------------------------------------------------------------------ sealing
+    def update(self, key_states, value_states, plan: StepPlan, attention_kwargs=None, *hooks):
+        """`PagedLayer.update` (`hooks`: its arguments after `attention_kwargs`), after quantizing the blocks
+        this step's own tokens complete (`plan.arrivals`)."""
+        self._arrived = {}
+        if plan.arrivals:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self._fit_pool()
+            arrived = self._seal_arrivals(plan, key_states, value_states)
+            if attention_kwargs is not None:  # the paged read gives the step's earlier tokens their full precision
+                arrived.update({row: arrived[source] for row, source in plan.mirrors.items() if source in arrived})
+                self._arrived = {row: pair for row, pair in arrived.items() if plan.transition[row]}
+        return super().update(key_states, value_states, plan, attention_kwargs, *hooks)
+
     @torch.no_grad()
-    def seal(self, sources: list[int], targets: list[int]) -> None:
-        """Quantize full-precision blocks `sources` into quantized blocks `targets` (one call per K / V);
-        the first of them is decoded again to sample the reconstruction error."""
+    def _seal_arrivals(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor) -> dict:
+        """Quantize each arriving block from the step's K/V (and the stored tokens among them, from the copies
+        `seal` kept of their full-precision blocks) and return those full-precision blocks per row,
+        `[blocks, block_size, kv_heads, head_dim]` K and V: a transient copy, never blocks of the pool."""
+        bs, arrived, targets = self.tables.block_size, {}, []
+        kept, self._kept = self._kept, None
+        for row, first, sources, older, sealed in plan.arrivals:
+            count = len(sealed) * bs - older
+            pair = []
+            for states, copies in ((key_states, kept and kept[1]), (value_states, kept and kept[2])):
+                tokens = states[row, :, first : first + count].transpose(0, 1).to(device=self.device, dtype=self.dtype)
+                if older:
+                    stored = copies[[kept[0].index(block) for block in sources]].flatten(0, 1)[:older]
+                    tokens = torch.cat([stored, tokens])
+                pair.append(tokens.reshape(len(sealed), bs, *tokens.shape[1:]))
+            arrived[row] = tuple(pair)
+            targets.extend(sealed)
+        keys, values = (torch.cat([pair[side] for pair in arrived.values()]) for side in (0, 1))
+        self._quantize(keys, values, torch.arange(keys.shape[0], device=self.device), targets)
+        return arrived
+
+    def seal(self, sources: list[int], targets: list[int], keep: list[int] = ()) -> None:
+        """Quantize full-precision blocks `sources` into quantized blocks `targets` (one call per K / V), and keep
+        a copy of blocks `keep`, whose tokens this step seals with new ones (`_seal_arrivals`)."""
         if not self.is_initialized:
             return
         self._fit_pool()
-        src = torch.tensor(sources, device=self.device)
+        if keep:
+            ids = torch.tensor(keep, device=self.device)
+            self._kept = (list(keep), self.key_blocks.index_select(0, ids), self.value_blocks.index_select(0, ids))
+        if sources:
+            self._quantize(self.key_blocks, self.value_blocks, torch.tensor(sources, device=self.device), targets)
+
+    @torch.no_grad()
+    def _quantize(self, key_blocks: torch.Tensor, value_blocks: torch.Tensor, src: torch.Tensor,
+                  targets: list[int]) -> None:  # fmt: skip
+        """Blocks `src` of `key_blocks` / `value_blocks` (the storage, or a transient copy) into quantized blocks
+        `targets`; the first of them is decoded again to sample the reconstruction error."""
         dst = torch.tensor(targets, device=self.device)
         kernels = self.uses_kernels()
         if kernels:  # one launch quantizes every block of K and V
             from .kernels import quantize_blocks
 
             fmt = self.kv_format
-            quantize_blocks(self.key_blocks, self.value_blocks, src, self.qkey, self.qvalue, dst, fmt.key, fmt.value)
+            quantize_blocks(key_blocks, value_blocks, src, self.qkey, self.qvalue, dst, fmt.key, fmt.value)
         for name, blocks, fmt, fields in (
-            ("key", self.key_blocks, self.kv_format.key, self.qkey),
-            ("value", self.value_blocks, self.kv_format.value, self.qvalue),
+            ("key", key_blocks, self.kv_format.key, self.qkey),
+            ("value", value_blocks, self.kv_format.value, self.qvalue),
         ):
             if not kernels:
                 fmt.quantize(blocks.index_select(0, src), fields, dst)
@@ -194,7 +244,8 @@ class QuantizedLayer(PagedLayer):
         return keys, values
 
     def attend(
-        self, query: torch.Tensor, plan: StepPlan, mask: torch.Tensor | None, scale: float, softcap: float | None
+        self, query: torch.Tensor, plan: StepPlan, mask: torch.Tensor | None, scale: float, softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The `"paged"` attention over this layer: `[batch, heads, q, head_dim]`, like `attention.attend`.
 
@@ -206,8 +257,8 @@ class QuantizedLayer(PagedLayer):
         once at the end, as the Triton kernels do -- not every decoded token of a long history.
         """
         batch, _heads, q_len, _ = query.shape
-        if not self._reads_quantized(plan):
-            return super().attend(query, plan, mask, scale, softcap)
+        if not self._reads_quantized(plan) and not any(plan.transition):
+            return super().attend(query, plan, mask, scale, softcap, sinks)
         width = plan.new_len - plan.kv_offset
         if mask is None:
             mask = causal_mask(q_len, width, query.device)
@@ -215,7 +266,10 @@ class QuantizedLayer(PagedLayer):
         out = []
         for row in range(batch):
             row_mask = mask[row if mask.shape[0] > 1 else 0, 0]
-            softmax = OnlineSoftmax(rotate_heads(query[row].float()) if rotate_keys else query[row], scale, softcap)
+            softmax = OnlineSoftmax(rotate_heads(query[row].float()) if rotate_keys else query[row], scale, softcap,
+                                    sinks)  # fmt: skip
+            if plan.transition[row]:
+                row_mask = self._attend_transition(softmax, plan, row, row_mask)
             for blocks, first in self._quantized_chunks(plan, row):
                 keys, values = self._dequantized(blocks, torch.float32, rotated=True)
                 softmax.update(keys, values, visible_columns(row_mask, first - plan.kv_offset, keys.shape[1]))
@@ -228,7 +282,46 @@ class QuantizedLayer(PagedLayer):
                 softmax.update(keys, values, row_mask[:, first : first + stop - start])
             result = softmax.result()
             out.append(rotate_heads(result) if rotate_values else result)
+        if not self.read_by_others:  # the transient copy is not needed again this step
+            self._arrived = {}
         return torch.stack(out).to(query.dtype)
+
+    def _attend_transition(self, softmax: OnlineSoftmax, plan: StepPlan, row: int, row_mask: torch.Tensor):
+        """Attend the row's transition blocks as each query would read them one token at a time: quantized when
+        they end `window` positions or more before the query's own position + 1, else in full precision. Returns
+        the row's mask with their columns hidden from the other reads."""
+        tables, count = self.tables, plan.transition[row]
+        bs, heads = tables.block_size, self.kv_shape[0]
+        if row in self._arrived:  # sealed as they arrived: the last of the row's quantized blocks
+            first = plan.base[row] - count * bs
+            keys, values = self._arrived[row]
+            quantized = self._dequantized(plan.quantized_tables[row][-count:], torch.float32, rotated=True)
+        else:  # still full precision: decoded as they will be sealed
+            first = plan.base[row]
+            ids = torch.tensor(tables.rows[row].blocks.ids[:count], device=self.device)
+            keys, values = self.key_blocks[ids], self.value_blocks[ids]
+            fields = []
+            for fmt, blocks, dim in ((self.kv_format.key, keys, self.kv_shape[1]),
+                                     (self.kv_format.value, values, self.value_dim)):  # fmt: skip
+                scratch = fmt.allocate(count, bs, heads, dim, device=self.device)
+                fmt.quantize(blocks, scratch, range(count))
+                fields.append(fmt.dequantize(scratch, slice(0, count), torch.float32, rotated=True))
+            quantized = tuple(field.flatten(0, 1).transpose(0, 1) for field in fields)
+        keys, values = (part.flatten(0, 1).transpose(0, 1).float() for part in (keys, values))
+        keys = rotate_heads(keys) if self.kv_format.key.rotate else keys
+        values = rotate_heads(values) if self.kv_format.value.rotate else values
+        positions = torch.arange(plan.new_len - plan.q_len, plan.new_len, device=row_mask.device)
+        ends = first + (torch.arange(count * bs, device=row_mask.device) // bs + 1) * bs
+        reads_quantized = ends[None, :] <= positions[:, None] + 1 - tables.window
+        visible = visible_columns(row_mask, first - plan.kv_offset, count * bs)
+        for start in range(0, count * bs, CHUNK_TOKENS):  # a bounded transient, as for the quantized prefix
+            columns = slice(start, start + CHUNK_TOKENS)
+            quantized_part = (side[:, columns] for side in quantized)
+            softmax.update(*quantized_part, visible[:, columns] & reads_quantized[:, columns])
+            softmax.update(keys[:, columns], values[:, columns], visible[:, columns] & ~reads_quantized[:, columns])
+        hidden = row_mask.clone()
+        hidden[:, max(first - plan.kv_offset, 0) : max(first + count * bs - plan.kv_offset, 0)] = False
+        return hidden
 
 
 def _id_runs(table: list[int], first: int, block_size: int) -> list[tuple[slice, int]]:

@@ -1,5 +1,8 @@
-"""The torch attention every read path shares: causal masks, soft-capping, grouped (GQA) heads, an online
-softmax over K/V chunks, and the attention mass eviction scores are made of.
+"""The torch attention every read path shares: causal masks, soft-capping, learned sink logits, grouped (GQA)
+heads, an online softmax over K/V chunks, and the attention mass eviction scores are made of.
+
+A sink (gpt-oss's `s_aux`: one learned logit per query head) joins every softmax's denominator and has no value:
+it takes probability from the keys, adds nothing to the output, and is never a key (never windowed or evicted).
 
 Kernels have their own Triton versions (`hf_paged_cache.kernels`); this module is what runs everywhere
 else, so the plain, quantized and statistics paths agree by construction.
@@ -31,6 +34,11 @@ def grouped_logits(queries: torch.Tensor, keys: torch.Tensor, scale: float, soft
     return logits
 
 
+def grouped_sinks(sinks: torch.Tensor, kv_heads: int, q_len: int) -> torch.Tensor:
+    """Per-head sink logits `[heads]` laid out like the grouped logits' rows: `[kv_heads, g * q, 1]` (float32)."""
+    return sinks.float()[:, None].expand(-1, q_len).reshape(kv_heads, -1, 1)
+
+
 def group_visibility(visible: torch.Tensor, group: int) -> torch.Tensor:
     """A `[q, n]` mask repeated for each query head of a KV head's group: `[1, group * q, n]`."""
     return visible[None].expand(group, -1, -1).reshape(1, group * visible.shape[0], visible.shape[1])
@@ -43,30 +51,34 @@ def attend(
     mask: torch.Tensor | None,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of `query` `[b, heads, q, d]` over `key`/`value` `[b, kv_heads, n, d]` (grouped heads).
 
     `mask` is boolean `[b, 1, q, n]` (True = attend) or None, meaning causal with the queries aligned to
-    the last `q` keys. Query rows with nothing to attend to return 0, never NaN.
+    the last `q` keys; `sinks` `[heads]` are learned sink logits. Query rows with nothing to attend to
+    return 0, never NaN.
     """
     q_len, n = query.shape[2], key.shape[2]
     if mask is None and q_len > 1:
         mask = causal_mask(q_len, n, query.device)
-    return zero_unattended(attention(query, key, value, mask, scale, softcap), mask)
+    return zero_unattended(attention(query, key, value, mask, scale, softcap, sinks), mask)
 
 
-def attention(query, key, value, mask: torch.Tensor | None, scale: float, softcap: float | None) -> torch.Tensor:
+def attention(query, key, value, mask: torch.Tensor | None, scale: float, softcap: float | None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`attend` without its last step: query rows that see no key are left as SDPA makes them (NaN), so a
     caller attending in parts fixes them once (`zero_unattended`). `mask` None means no masking."""
     key, value = key.to(query.dtype), value.to(query.dtype)
-    if softcap is None:
+    if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
         )
-    else:  # SDPA cannot soft-cap: one row at a time through the shared grouped logits
+    else:  # SDPA can neither soft-cap nor take a sink logit (a virtual sink key would need a per-head float mask as
+        # large as the logits themselves): one row at a time through the shared grouped logits
         out = torch.stack([
-            _softcapped_row(query[b], key[b], value[b], None if mask is None else mask[b if mask.shape[0] > 1 else 0, 0],
-                            scale, softcap)
+            _manual_row(query[b], key[b], value[b], None if mask is None else mask[b if mask.shape[0] > 1 else 0, 0],
+                        scale, softcap, sinks)
             for b in range(query.shape[0])
         ])  # fmt: skip
     return out
@@ -77,14 +89,19 @@ def zero_unattended(out: torch.Tensor, mask: torch.Tensor | None) -> torch.Tenso
     return out if mask is None else out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
 
 
-def _softcapped_row(query, key, value, visible, scale: float, softcap: float) -> torch.Tensor:
+def _manual_row(query, key, value, visible, scale: float, softcap: float | None, sinks: torch.Tensor | None):
     heads, q_len, head_dim = query.shape
-    group = heads // key.shape[0]
-    logits = grouped_logits(query.reshape(key.shape[0], group * q_len, head_dim), key, scale, softcap)
+    kv_heads = key.shape[0]
+    group = heads // kv_heads
+    logits = grouped_logits(query.reshape(kv_heads, group * q_len, head_dim), key, scale, softcap)
     if visible is not None:
         logits = logits.masked_fill(~group_visibility(visible, group), float("-inf"))
-    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(weights, value).reshape(heads, q_len, value.shape[-1])
+    if sinks is None:
+        weights = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:  # the sink is one more softmax column, dropped after: it only adds to the denominator
+        with_sinks = torch.cat([logits.float(), grouped_sinks(sinks, kv_heads, q_len)], dim=-1)
+        weights = torch.softmax(with_sinks, dim=-1)[..., :-1]
+    return torch.matmul(weights.to(query.dtype), value).reshape(heads, q_len, value.shape[-1])
 
 
 def visible_columns(row_mask: torch.Tensor, first: int, count: int) -> torch.Tensor:
@@ -97,12 +114,12 @@ def visible_columns(row_mask: torch.Tensor, first: int, count: int) -> torch.Ten
 
 class OnlineSoftmax:
     """Attention of one row's queries `[heads, q, d]` over K/V chunks `[kv_heads, n, d]` (grouped heads),
-    merged with a running max, sum and accumulator (float32), so no chunk outlives its `update`.
-    Fully masked queries give 0."""
+    merged with a running max, sum and accumulator (float32), so no chunk outlives its `update`; the
+    sinks (if any) join the sum once, in `result`. Fully masked queries give 0."""
 
-    def __init__(self, query: torch.Tensor, scale: float, softcap: float | None):
+    def __init__(self, query: torch.Tensor, scale: float, softcap: float | None, sinks: torch.Tensor | None = None):
         self.heads, self.q_len, _ = query.shape
-        self.query, self.scale, self.softcap = query.float(), scale, softcap
+        self.query, self.scale, self.softcap, self.sinks = query.float(), scale, softcap, sinks
         self.max = self.total = self.acc = None
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> None:
@@ -125,7 +142,13 @@ class OnlineSoftmax:
         self.max = new_max
 
     def result(self) -> torch.Tensor:
-        out = torch.where(self.total > 0, self.acc / self.total.clamp(min=1e-30), torch.zeros_like(self.acc))
+        total, acc = self.total, self.acc
+        if self.sinks is not None:  # a logit with no value: merged like a chunk whose values are 0
+            sink = grouped_sinks(self.sinks.to(acc.device), acc.shape[0], self.q_len)
+            new_max = torch.maximum(self.max, sink)
+            decay = torch.exp(self.max - new_max)
+            total, acc = total * decay + torch.exp(sink - new_max), acc * decay
+        out = torch.where(total > 0, acc / total.clamp(min=1e-30), torch.zeros_like(acc))
         return out.reshape(self.heads, self.q_len, -1)
 
 
@@ -136,11 +159,13 @@ def attention_mass(
     group: int,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per key, the softmax probability summed over `queries` `[kv_heads, group * s, d]` (float32) over
     the key chunks `[kv_heads, n_i, d]` that `chunks()` yields in order (called twice: once for the
-    log-sum-exp, once for the probabilities; a single chunk takes one softmax); `visible` `[s, sum n_i]`.
-    Returns `[kv_heads, sum n_i]`."""
+    log-sum-exp, once for the probabilities; a single chunk without sinks takes one softmax); `visible`
+    `[s, sum n_i]`. Sinks `[heads]` join each log-sum-exp, as in the model's attention, so the keys' mass
+    is what the model gave them. Returns `[kv_heads, sum n_i]`."""
     visible = group_visibility(visible, group)
 
     def logits(chunk: torch.Tensor, start: int) -> torch.Tensor:
@@ -151,9 +176,11 @@ def attention_mass(
     head = list(itertools.islice(stream, 2))
     if not head:
         return queries.new_zeros(queries.shape[0], 0)
-    if len(head) == 1:  # the row is one chunk (full precision): one fused softmax, a query seeing no key adds 0
+    if len(head) == 1 and sinks is None:  # one chunk (full precision): one fused softmax, a query seeing no key adds 0
         return torch.softmax(logits(head[0], 0), dim=-1).nan_to_num_(0.0).sum(dim=1)
     lse, start = None, 0
+    if sinks is not None:  # each query row's log-sum-exp starts from its head's sink logit
+        lse = grouped_sinks(sinks.to(queries.device), queries.shape[0], queries.shape[1] // group)[..., 0]
     for chunk in itertools.chain(head, stream):
         part = torch.logsumexp(logits(chunk, start), dim=-1)
         lse = part if lse is None else torch.logaddexp(lse, part)

@@ -4,15 +4,19 @@ Kernels (CUDA tensors; CPU tensors only under ``TRITON_INTERPRET=1``):
 
 - ``write_kv(k_cache, v_cache, key, value, slot_mapping)`` -- store a step's K/V at their slots.
 - ``paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=0,
-  softcap=0.0, num_splits=None, quantized=None)`` -- one query per row; GQA-aware, split-K for small batches.
+  softcap=0.0, num_splits=None, quantized=None, sinks=None)`` -- one query per row; GQA-aware, split-K for small
+  batches.
 - ``paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_lens, scale,
-  sliding_window=0, softcap=0.0, quantized=None)`` -- several causal queries per row (prefill, chunked
+  sliding_window=0, softcap=0.0, quantized=None, sinks=None)`` -- several causal queries per row (prefill, chunked
   prefill, warm-cache extension, speculative verification).
 - ``quantize_blocks(k_cache, v_cache, src_blocks, key_fields, value_fields, dst_blocks, key_format,
   value_format)`` -- seal whole blocks: quantize them into the quantized pools in one pass.
 - ``paged_attention_mass(query, k_cache, block_tables, seq_lens, query_lens, scale, sliding_window=0,
-  softcap=0.0, last_queries=None)`` -- per-key attention probability summed over each KV head's query
-  group and the (last ``last_queries``) queries: the score of H2O / TOVA / SnapKV-style eviction.
+  softcap=0.0, last_queries=None, sinks=None)`` -- per-key attention probability summed over each KV head's
+  query group and the (last ``last_queries``) queries: the score of H2O / TOVA / SnapKV-style eviction.
+
+``sinks``: learned sink logits ``[num_q_heads]`` (gpt-oss's ``s_aux``), one more logit in each head's softmax
+with no value: the online softmax starts from it (max = sink, sum = 1); split-K adds it once, in the reduce.
 
 References (any device, plain torch): ``write_kv_ref``, ``paged_decode_attention_ref``,
 ``paged_prefill_attention_ref``, ``paged_attention_mass_ref``, ``quantize_blocks_ref``.

@@ -39,7 +39,9 @@ from .common import (
     paged_offsets,
     row_max,
     row_sum,
+    sink_logits,
     softcap_logits,
+    softmax_start,
     visible,
 )
 from .paged_prefill import prefill_meta
@@ -121,6 +123,7 @@ def _mass_lse_kernel(
     scale,
     softcap,
     window,
+    sinks,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -130,8 +133,10 @@ def _mass_lse_kernel(
     BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """Pass 1, grid (cdiv(num_sel, TILE_Q), batch * num_kv_heads): the log-sum-exp of each selected query row."""
+    """Pass 1, grid (cdiv(num_sel, TILE_Q), batch * num_kv_heads): the log-sum-exp of each selected query row,
+    its head's sink logit included (HAS_SINKS), so pass 2's probabilities are the model's."""
     j0 = tl.program_id(0) * TILE_Q
     pid = tl.program_id(1)
     row = pid // num_kv_heads
@@ -150,8 +155,7 @@ def _mass_lse_kernel(
     key_lo = first_visible_key(first_pos + pos_to_stored, window) // BLOCK_N * BLOCK_N
     key_hi = tl.where(first_pos <= last_pos, last_pos + pos_to_stored + 1, key_lo)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    m_i, l_i = softmax_start(sinks, kv_head * GROUP + tl.arange(0, BLOCK_M) % GROUP, selected, BLOCK_M, HAS_SINKS)
     for start in range(key_lo, key_hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         k = _load_keys(
@@ -243,7 +247,8 @@ def _mass_kernel(
 
 
 def plan_paged_attention_mass(
-    query, k_cache, block_tables, seq_lens, query_lens, scale, sliding_window=0, softcap=0.0, last_queries=None
+    query, k_cache, block_tables, seq_lens, query_lens, scale, sliding_window=0, softcap=0.0, last_queries=None,
+    sinks=None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """Validate inputs, allocate the output and the log-sum-exp buffer and describe the two launches."""
     check_paged_kv(k_cache, k_cache)
@@ -256,6 +261,7 @@ def plan_paged_attention_mass(
     if last_queries is not None and last_queries < 1:
         raise ValueError(f"last_queries must be None or >= 1, got {last_queries}")
     query = last_dim_contiguous(query)
+    sinks = sink_logits(sinks, num_q_heads, query.device)
     num_sel = q_len if last_queries is None else min(int(last_queries), q_len)
     num_keys = block_tables.shape[1] * block_size
     out = query.new_empty((batch, num_kv_heads, num_keys), dtype=torch.float32)
@@ -279,7 +285,7 @@ def plan_paged_attention_mass(
     mass_stages = 1 if constexprs["DOT_DTYPE"] == tl.float32 else num_stages
     lse_pass = Launch(
         _mass_lse_kernel, (triton.cdiv(num_sel, constexprs["TILE_Q"]), rows),
-        dict(args, **scalars), constexprs, num_warps, num_stages,
+        dict(args, **scalars, sinks=sinks), dict(constexprs, HAS_SINKS=sinks is not None), num_warps, num_stages,
     )  # fmt: skip
     mass_pass = Launch(
         _mass_kernel, (triton.cdiv(num_keys, constexprs["BLOCK_N"]), rows),
@@ -298,6 +304,7 @@ def paged_attention_mass(
     sliding_window: int = 0,
     softcap: float = 0.0,
     last_queries: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention probability each stored key receives, summed over query heads per KV head and over queries.
 
@@ -306,11 +313,13 @@ def paged_attention_mass(
     and are its stored tokens ``seq_lens[b] - query_lens[b] ..``; leading positions are padding and
     contribute nothing. ``last_queries`` W: only each row's last W real queries contribute (SnapKV's
     observation window); None: all of them. Masking, ``sliding_window``, ``softcap`` and GQA as in the
-    attention kernels. Returns fp32 ``[batch, num_kv_heads, block_tables.shape[1] * block_size]``;
-    ``out[b, h, s]`` is 0 for s >= seq_lens[b], and each selected query adds exactly ``group`` in total.
+    attention kernels. ``sinks``: learned sink logits ``[num_q_heads]`` that take their share of each
+    softmax, as in the attention kernels. Returns fp32 ``[batch, num_kv_heads, block_tables.shape[1] * block_size]``;
+    ``out[b, h, s]`` is 0 for s >= seq_lens[b], and each selected query adds exactly ``group`` in total (less
+    what the sinks take).
     """
     out, launches = plan_paged_attention_mass(
-        query, k_cache, block_tables, seq_lens, query_lens, scale, sliding_window, softcap, last_queries
+        query, k_cache, block_tables, seq_lens, query_lens, scale, sliding_window, softcap, last_queries, sinks
     )
     for launch in launches:
         launch.run()

@@ -88,6 +88,15 @@ def check_paged_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("k_cache and v_cache must have a contiguous head_dim (stride 1)")
 
 
+def sink_logits(sinks: torch.Tensor | None, num_q_heads: int, device: torch.device) -> torch.Tensor | None:
+    """Learned sink logits (gpt-oss's ``s_aux``) as the kernels read them: one float32 per query head, or None."""
+    if sinks is None:
+        return None
+    if tuple(sinks.shape) != (num_q_heads,):
+        raise ValueError(f"sinks must hold one logit per query head: shape ({num_q_heads},), got {tuple(sinks.shape)}")
+    return sinks.to(device=device, dtype=torch.float32).contiguous()
+
+
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     """Kernels take explicit strides for every dim but the last, which must have stride 1."""
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -439,6 +448,23 @@ def attend_stored_keys(
             scale, softcap, window, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_SOFTCAP, DOT_DTYPE,
         )  # fmt: skip
     return acc, m_i, l_i
+
+
+@triton.jit
+def softmax_start(sinks, heads, rows, M: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """The (running max, running sum) an online softmax of M query rows (query heads ``heads``) starts from.
+
+    Without sinks: nothing seen (-inf, 0). With them: the head's sink logit already folded in as a key whose
+    value is 0 (max = sink, sum = 1), so it adds to the denominator only. The sink is not a key: no causal or
+    sliding-window mask applies to it. Rows outside ``rows`` (padding) start empty.
+    """
+    if HAS_SINKS:
+        m_i = tl.load(sinks + heads, mask=rows, other=float("-inf"))
+        l_i = tl.where(rows, 1.0, 0.0)
+    else:
+        m_i = tl.full([M], float("-inf"), dtype=tl.float32)
+        l_i = tl.full([M], 0.0, dtype=tl.float32)
+    return m_i, l_i
 
 
 @triton.jit

@@ -8,7 +8,7 @@ and prints one line per variant with registers, spill bytes per thread and share
 the cubin with the wheel's ``cuobjdump --dump-resource-usage`` (the kernels make no calls and declare
 no local arrays, so any STACK or LOCAL bytes are register spills). Exits 1 if any variant fails.
 
-    python -m hf_paged_cache.kernels.compile_check                 # everything: 1336 compiles, ~11-16 CPU-minutes
+    python -m hf_paged_cache.kernels.compile_check                 # everything: 1600 compiles
     python -m hf_paged_cache.kernels.compile_check --dtypes bf16 --head-dims 80 --archs 90
     python -m hf_paged_cache.kernels.compile_check --formats int4 K4V2 --archs 90   # quantized variants only
     python -m hf_paged_cache.kernels.compile_check --formats none                    # unquantized variants only

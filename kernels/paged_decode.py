@@ -40,6 +40,8 @@ from .common import (
     is_interpreted,
     last_dim_contiguous,
     normalize,
+    sink_logits,
+    softmax_start,
 )
 from .quantized import QuantizedKV, attention_args
 
@@ -95,6 +97,7 @@ def _paged_decode_kernel(
     scale,
     softcap,
     window,
+    sinks,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -121,8 +124,12 @@ def _paged_decode_kernel(
     V_GROUP: tl.constexpr,
     V_SCALE_BITS: tl.constexpr,
     V_ROTATE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """Grid (batch * num_kv_heads, num_splits). SPLIT=False writes ``out``; SPLIT=True writes partials.
+
+    HAS_SINKS: each head's softmax starts from its sink logit (``softmax_start``); split partials are
+    launched without it, and the reduce kernel folds the sink in once.
 
     QUANTIZED: the first ``quant_lens[row]`` stored tokens are read from the quantized pools (``k_*`` /
     ``v_*``, formats given by the K_* / V_* constexprs of ``quantized.format_constexprs``, of which reading
@@ -154,8 +161,7 @@ def _paged_decode_kernel(
     q_pos = tl.where(g_mask, q_last, -1)
 
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, dtype=tl.float32)
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.full([BLOCK_G], 0.0, dtype=tl.float32)
+    m_i, l_i = softmax_start(sinks, heads, g_mask, BLOCK_G, HAS_SINKS)
     acc, m_i, l_i = attend_stored_keys(
         acc, m_i, l_i, q, q_pos, lo, hi, row, kv_head,
         k_cache, v_cache, block_tables, stride_kv_block, stride_kv_tok, stride_kv_head, stride_table,
@@ -192,16 +198,22 @@ def _reduce_splits_kernel(
     stride_oh,
     num_q_heads,
     num_splits,
+    sinks,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """Grid (batch * num_q_heads,): merge the split partials of one (row, query head)."""
+    """Grid (batch * num_q_heads,): merge the split partials of one (row, query head), and its sink logit
+    (HAS_SINKS: one more partial, of sum 1 and output 0, at max = the sink)."""
     pid = tl.program_id(0)
     row = pid // num_q_heads
     head = pid % num_q_heads
     first = pid * num_splits
 
     m_max = tl.full([], float("-inf"), dtype=tl.float32)
+    if HAS_SINKS:
+        sink = tl.load(sinks + head)
+        m_max = tl.maximum(m_max, sink)
     for s in range(num_splits):
         m_max = tl.maximum(m_max, tl.load(part_ml + (first + s) * 2))
     # All splits empty (seq_len 0): weights exp(-inf - 0) = 0 and the output stays 0.
@@ -211,6 +223,8 @@ def _reduce_splits_kernel(
     d_mask = offs_d < HEAD_DIM
     acc = tl.full([1, BLOCK_D], 0.0, dtype=tl.float32)
     l_sum = tl.full([1], 0.0, dtype=tl.float32)
+    if HAS_SINKS:
+        l_sum += tl.exp(sink - m_shift)
     for s in range(num_splits):
         w = tl.exp(tl.load(part_ml + (first + s) * 2) - m_shift)
         l_sum += w * tl.load(part_ml + (first + s) * 2 + 1)
@@ -245,7 +259,8 @@ def _num_sms(device_index: int | None) -> int:
 def decode_meta(
     head_dim: int, block_size: int, group: int, softcap: float, dot_dtype, quantized: bool = False
 ) -> tuple[dict, int, int]:
-    """Constexprs, num_warps and num_stages of the decode kernel (shared by the launcher and compile_check)."""
+    """Constexprs, num_warps and num_stages of the decode kernel (shared by the launcher and compile_check);
+    the launcher adds SPLIT and HAS_SINKS."""
     tensor_cores = dot_dtype != tl.float32 and head_dim <= 128
     constexprs = dict(
         BLOCK_SIZE=block_size,
@@ -268,7 +283,7 @@ def decode_meta(
 
 def plan_paged_decode(
     query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=0, softcap=0.0, num_splits=None,
-    quantized=None,
+    quantized=None, sinks=None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """Validate inputs, allocate the output (and split partials) and describe the launches."""
     check_paged_kv(k_cache, v_cache)
@@ -283,6 +298,7 @@ def plan_paged_decode(
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     quant_args, quant_constexprs = attention_args(quantized, batch, block_size, num_kv_heads, head_dim, query.device)
+    sinks = sink_logits(sinks, num_q_heads, query.device)
     if batch == 0:
         return out, []
     if num_splits is None:
@@ -307,9 +323,9 @@ def plan_paged_decode(
             stride_kv_block=k_cache.stride(0), stride_kv_tok=k_cache.stride(1), stride_kv_head=k_cache.stride(2),
             stride_table=block_tables.stride(0), stride_ob=out.stride(0), stride_oh=out.stride(1),
             num_kv_heads=num_kv_heads, scale=float(scale), softcap=float(softcap), window=int(sliding_window),
-            **quant_args,
+            **quant_args, sinks=None if split else sinks,
         ),
-        constexprs=dict(constexprs, SPLIT=split, **quant_constexprs),
+        constexprs=dict(constexprs, SPLIT=split, **quant_constexprs, HAS_SINKS=sinks is not None and not split),
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
@@ -320,9 +336,9 @@ def plan_paged_decode(
         grid=(batch * num_q_heads,),
         args=dict(
             part_acc=part_acc, part_ml=part_ml, out_ptr=out, stride_ob=out.stride(0), stride_oh=out.stride(1),
-            num_q_heads=num_q_heads, num_splits=num_splits,
+            num_q_heads=num_q_heads, num_splits=num_splits, sinks=sinks,
         ),
-        constexprs=dict(HEAD_DIM=head_dim, BLOCK_D=constexprs["BLOCK_D"]),
+        constexprs=dict(HEAD_DIM=head_dim, BLOCK_D=constexprs["BLOCK_D"], HAS_SINKS=sinks is not None),
         num_warps=1 if head_dim <= 128 else 2,
         num_stages=1,
     )  # fmt: skip
@@ -340,6 +356,7 @@ def paged_decode_attention(
     softcap: float = 0.0,
     num_splits: int | None = None,
     quantized: QuantizedKV | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each row's last token over its paged K/V.
 
@@ -352,9 +369,11 @@ def paged_decode_attention(
     ``quantized``: each row's first ``quantized.lens[row]`` stored tokens are read, dequantized in
     registers, from the quantized pools (see ``QuantizedKV``); ``block_tables`` then lists only the
     full-precision blocks that follow, and ``seq_lens`` counts both parts.
+    ``sinks``: learned sink logits ``[num_q_heads]`` (gpt-oss's ``s_aux``), one extra logit per head in every
+    softmax's denominator with no value (not a key: never masked by causality or the window).
     """
     out, launches = plan_paged_decode(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, num_splits, quantized
+        query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, num_splits, quantized, sinks
     )
     for launch in launches:
         launch.run()

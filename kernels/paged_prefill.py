@@ -30,6 +30,8 @@ from .common import (
     is_interpreted,
     last_dim_contiguous,
     normalize,
+    sink_logits,
+    softmax_start,
 )
 from .quantized import QuantizedKV, attention_args
 
@@ -79,6 +81,7 @@ def _paged_prefill_kernel(
     scale,
     softcap,
     window,
+    sinks,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -105,8 +108,9 @@ def _paged_prefill_kernel(
     V_GROUP: tl.constexpr,
     V_SCALE_BITS: tl.constexpr,
     V_ROTATE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """Grid (cdiv(q_len, TILE_Q), batch * num_kv_heads). QUANTIZED: as in the decode kernel."""
+    """Grid (cdiv(q_len, TILE_Q), batch * num_kv_heads). QUANTIZED, HAS_SINKS: as in the decode kernel."""
     q_tile = tl.program_id(0)
     pid = tl.program_id(1)
     row = pid // num_kv_heads
@@ -139,8 +143,7 @@ def _paged_prefill_kernel(
     key_hi = tl.where(first_pos <= last_pos, last_pos + pos_to_stored + 1, key_lo)
 
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    m_i, l_i = softmax_start(sinks, heads, real, BLOCK_M, HAS_SINKS)
     acc, m_i, l_i = attend_stored_keys(
         acc, m_i, l_i, q, q_pos, key_lo, key_hi, row, kv_head,
         k_cache, v_cache, block_tables, stride_kv_block, stride_kv_tok, stride_kv_head, stride_table,
@@ -189,7 +192,7 @@ def prefill_meta(
 
 def plan_paged_prefill(
     query, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, sliding_window=0, softcap=0.0,
-    quantized=None,
+    quantized=None, sinks=None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """Validate inputs, allocate the output and describe the launch."""
     check_paged_kv(k_cache, v_cache)
@@ -202,6 +205,7 @@ def plan_paged_prefill(
     query = last_dim_contiguous(query)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     quant_args, quant_constexprs = attention_args(quantized, batch, block_size, num_kv_heads, head_dim, query.device)
+    sinks = sink_logits(sinks, num_q_heads, query.device)
     if batch == 0 or q_len == 0:
         return out, []
     constexprs, num_warps, num_stages = prefill_meta(
@@ -220,9 +224,9 @@ def plan_paged_prefill(
             stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2),
             q_len=q_len, num_kv_heads=num_kv_heads,
             scale=float(scale), softcap=float(softcap), window=int(sliding_window),
-            **quant_args,
+            **quant_args, sinks=sinks,
         ),
-        constexprs=dict(constexprs, **quant_constexprs),
+        constexprs=dict(constexprs, **quant_constexprs, HAS_SINKS=sinks is not None),
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
@@ -240,16 +244,18 @@ def paged_prefill_attention(
     sliding_window: int = 0,
     softcap: float = 0.0,
     quantized: QuantizedKV | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query [batch, q_len, num_q_heads, head_dim]`` over paged K/V.
 
     ``query_lens`` int32 ``[batch]``: the last ``query_lens[b]`` positions of row b are real and are its
     last stored tokens; the others are padding and return 0. The real query with stored index p sees
     keys s <= p (and s > p - sliding_window when sliding_window > 0). Returns the query's shape and
-    dtype (fp32 accumulation). ``quantized``: a quantized prefix per row, as in ``paged_decode_attention``.
+    dtype (fp32 accumulation). ``quantized``: a quantized prefix per row, and ``sinks``: learned sink logits
+    ``[num_q_heads]``, as in ``paged_decode_attention``.
     """
     out, launches = plan_paged_prefill(
-        query, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, sliding_window, softcap, quantized
+        query, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, sliding_window, softcap, quantized, sinks
     )
     for launch in launches:
         launch.run()

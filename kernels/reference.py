@@ -42,13 +42,21 @@ def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, length: int) -
 
 
 def attention_probs_ref(
-    q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, scale: float, sliding_window: int = 0, softcap: float = 0.0
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax probabilities ``[Hq, Lq, Lk]`` (fp32) of queries ``q [Lq, Hq, D]`` at stored indices ``q_pos [Lq]``
     over keys ``k [Lk, Hkv, D]``.
 
     Key s is visible from query position p iff s <= p and (sliding_window == 0 or s > p - sliding_window).
     GQA: query head h uses KV head h // (Hq // Hkv). Queries that see no key get all-zero probabilities.
+    ``sinks [Hq]``: one more logit per head, always visible, appended to each row's softmax and then dropped
+    (gpt-oss's ``eager_attention_forward``), so the probabilities of a row sum to less than 1.
     """
     k = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     logits = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
@@ -58,7 +66,10 @@ def attention_probs_ref(
     mask = k_pos[None, :] <= q_pos[:, None]
     if sliding_window > 0:
         mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
-    probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+    logits = logits.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        logits = torch.cat([logits, sinks.float()[:, None, None].expand(-1, logits.shape[1], 1)], dim=-1)
+    probs = torch.softmax(logits, dim=-1)[..., : k.shape[0]]
     return torch.where(mask.any(dim=-1, keepdim=True), probs, 0.0)  # all-masked rows: NaN -> 0
 
 
@@ -91,10 +102,11 @@ def attention_ref(
     scale: float,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked attention (see ``attention_probs_ref``) of ``q [Lq, Hq, D]`` over ``k, v [Lk, Hkv, D]``; fp32."""
     v = v.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    return torch.einsum("hqk,khd->qhd", attention_probs_ref(q, q_pos, k, scale, sliding_window, softcap), v)
+    return torch.einsum("hqk,khd->qhd", attention_probs_ref(q, q_pos, k, scale, sliding_window, softcap, sinks), v)
 
 
 def paged_decode_attention_ref(
@@ -108,13 +120,14 @@ def paged_decode_attention_ref(
     softcap: float = 0.0,
     num_splits: int | None = None,
     quantized: QuantizedKV | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference for ``paged_decode_attention``; ``num_splits`` is accepted for signature parity and ignored."""
     out = torch.zeros_like(query)
     for b, n in enumerate(seq_lens.tolist()):
         k, v = row_kv(k_cache, v_cache, block_tables, b, n, quantized)
         q_pos = torch.tensor([n - 1], device=query.device)
-        out[b] = attention_ref(query[b, None], q_pos, k, v, scale, sliding_window, softcap)[0].to(query.dtype)
+        out[b] = attention_ref(query[b, None], q_pos, k, v, scale, sliding_window, softcap, sinks)[0].to(query.dtype)
     return out
 
 
@@ -129,6 +142,7 @@ def paged_prefill_attention_ref(
     sliding_window: int = 0,
     softcap: float = 0.0,
     quantized: QuantizedKV | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference for ``paged_prefill_attention``: the last ``query_lens[b]`` positions of row b are its
     last stored tokens (causal); the leading positions are padding and come out as 0."""
@@ -137,9 +151,9 @@ def paged_prefill_attention_ref(
     for b, (n, ql) in enumerate(zip(seq_lens.tolist(), query_lens.tolist())):
         k, v = row_kv(k_cache, v_cache, block_tables, b, n, quantized)
         q_pos = torch.arange(n - ql, n, device=query.device)
-        out[b, q_len - ql :] = attention_ref(query[b, q_len - ql :], q_pos, k, v, scale, sliding_window, softcap).to(
-            query.dtype
-        )
+        out[b, q_len - ql :] = attention_ref(
+            query[b, q_len - ql :], q_pos, k, v, scale, sliding_window, softcap, sinks
+        ).to(query.dtype)
     return out
 
 
@@ -153,6 +167,7 @@ def paged_attention_mass_ref(
     sliding_window: int = 0,
     softcap: float = 0.0,
     last_queries: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference for ``paged_attention_mass``: each row's dense probabilities of its selected queries (the
     last ``min(query_lens[b], last_queries)`` positions), summed over queries and over each KV head's group."""
@@ -163,7 +178,7 @@ def paged_attention_mass_ref(
         w = ql if last_queries is None else min(ql, last_queries)
         q_pos = torch.arange(n - w, n, device=query.device)
         probs = attention_probs_ref(query[b, q_len - w :], q_pos, gather_kv(k_cache, block_tables[b], n), scale,
-                                    sliding_window, softcap)  # fmt: skip
+                                    sliding_window, softcap, sinks)  # fmt: skip
         out[b, :, :n] = probs.sum(dim=1).view(num_kv_heads, num_q_heads // num_kv_heads, n).sum(dim=1)
     return out
 

@@ -34,7 +34,8 @@ GROUPS = (1, 4, 8)
 # Split counts for the decode variants: a single pass, and split-K (decode kernel + reduce kernel).
 DECODE_SPLITS = (1, 4)
 # Soft-capping (Gemma-2 style) is a constexpr too. It only adds elementwise work, independent of the
-# block size, so its variants are built at the first block size only (see ``grid``).
+# block size, so its variants are built at the first block size only (see ``grid``); so are those with learned
+# sink logits (gpt-oss, HAS_SINKS), which only change where each online softmax starts.
 SOFTCAP = 30.0
 
 # The quantized grid: KV formats (hf_paged_cache.quantization.parse_kv_format specs) on 16-bit caches.
@@ -51,37 +52,40 @@ _NUM_BLOCKS = 4
 
 
 def grid(dtypes=DTYPES, head_dims=HEAD_DIMS, block_sizes=BLOCK_SIZES, groups=GROUPS):
-    """(dtype, head_dim, block_size, group, softcap) points: the full product without soft-capping,
-    plus soft-capping at ``block_sizes[0]``."""
+    """(dtype, head_dim, block_size, group, softcap, sinks) points: the full product without soft-capping or
+    sinks, plus soft-capping and sinks (each alone) at ``block_sizes[0]``."""
     for dtype, head_dim, block_size, group in itertools.product(dtypes, head_dims, block_sizes, groups):
-        yield dtype, head_dim, block_size, group, 0.0
+        yield dtype, head_dim, block_size, group, 0.0, False
         if block_size == block_sizes[0]:
-            yield dtype, head_dim, block_size, group, SOFTCAP
+            yield dtype, head_dim, block_size, group, SOFTCAP, False
+            yield dtype, head_dim, block_size, group, 0.0, True
 
 
 def example_launches(
-    dtype: torch.dtype, head_dim: int, block_size: int, group: int, softcap: float = 0.0
+    dtype: torch.dtype, head_dim: int, block_size: int, group: int, softcap: float = 0.0, sinks: bool = False
 ) -> list[tuple[str, Launch]]:
-    """(label, launch) for every kernel launch a model with these parameters triggers."""
+    """(label, launch) for every kernel launch a model with these parameters triggers (``sinks``: learned sink
+    logits, one per query head)."""
     q_heads = _NUM_KV_HEADS * group
     k_cache = allocate_kv_blocks(_NUM_BLOCKS, block_size, _NUM_KV_HEADS, head_dim, dtype, fill=0.0)
     v_cache = allocate_kv_blocks(_NUM_BLOCKS, block_size, _NUM_KV_HEADS, head_dim, dtype, fill=0.0)
     block_tables = torch.zeros(_BATCH, _NUM_BLOCKS // _BATCH, dtype=torch.int32)
     seq_lens = torch.ones(_BATCH, dtype=torch.int32)
     token_kv = torch.zeros(_BATCH, _NUM_KV_HEADS, head_dim, dtype=dtype)
+    logits = dict(softcap=softcap, sinks=torch.zeros(q_heads) if sinks else None)
 
     labelled = [("write_kv", launch) for launch in plan_write_kv(k_cache, v_cache, token_kv, token_kv, seq_lens.long())]
     for num_splits in DECODE_SPLITS:
         query = torch.zeros(_BATCH, q_heads, head_dim, dtype=dtype)
         _, launches = plan_paged_decode(
-            query, k_cache, v_cache, block_tables, seq_lens, 1.0, softcap=softcap, num_splits=num_splits
+            query, k_cache, v_cache, block_tables, seq_lens, 1.0, num_splits=num_splits, **logits
         )
         names = ["decode_split", "reduce_splits"] if num_splits > 1 else ["decode"]
         labelled += zip(names, launches)
     query = torch.zeros(_BATCH, 3, q_heads, head_dim, dtype=dtype)
-    _, launches = plan_paged_prefill(query, k_cache, v_cache, block_tables, seq_lens, seq_lens, 1.0, softcap=softcap)
+    _, launches = plan_paged_prefill(query, k_cache, v_cache, block_tables, seq_lens, seq_lens, 1.0, **logits)
     labelled += [("prefill", launch) for launch in launches]
-    _, launches = plan_paged_attention_mass(query, k_cache, block_tables, seq_lens, seq_lens, 1.0, softcap=softcap)
+    _, launches = plan_paged_attention_mass(query, k_cache, block_tables, seq_lens, seq_lens, 1.0, **logits)
     labelled += zip(["mass_lse", "mass"], launches)
     return labelled
 

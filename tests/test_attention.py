@@ -1,4 +1,5 @@
-"""The `"paged"` attention's keyword contract: what it cannot honour is refused clearly, and the cache is unchanged."""
+"""The `"paged"` attention's keyword contract: what it honours is exact (learned sinks), what it cannot honour is
+refused clearly, and the cache is unchanged."""
 
 from __future__ import annotations
 
@@ -61,9 +62,6 @@ def _state(cache: PagedCache) -> tuple:
 @pytest.mark.parametrize(
     "name, match",
     [
-        ("gpt_oss", r"GptOssAttention uses `s_aux`.*attention-sink logits"),
-        ("granitemoe_swa", r"GraniteMoeSWAAttention uses `s_aux`.*attention-sink logits"),
-        ("gemma3n", r"KV-shared layers.*layers \[2, 3\] reuse an earlier layer's K/V"),
         ("deepseek_v3", r"values narrower than keys \(v_head_dim 8 < qk_head_dim 24\)"),
     ],
 )
@@ -83,17 +81,44 @@ def test_refused_models_fail_clearly_and_leave_the_cache_as_it_was(name, match):
     assert _generate(model, entry.gather_impl, cache, ids) == expected
 
 
+@pytest.mark.parametrize("name", ["gpt_oss", "granitemoe_swa"])
+def test_learned_sinks_are_honoured_exactly(name):
+    """`s_aux` joins every softmax (sliding and full layers, prefill, chunked prefill and decode): the paged
+    attention gives eager's logits with the model's sinks, and other logits once the sinks change."""
+    model, config = MODELS_BY_NAME[name].build()
+    ids = _prompt(10)
+
+    def logits(implementation: str, **options) -> torch.Tensor:
+        model.set_attn_implementation(implementation)
+        cache = PagedCache(config, block_size=4) if implementation == "paged" else DynamicCache(config=config)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=NEW,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True, **options)  # fmt: skip
+        return torch.stack(out.logits)
+
+    expected = logits("eager")
+    torch.testing.assert_close(logits("paged"), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits("paged", prefill_chunk_size=3), expected, atol=1e-4, rtol=0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.add_(1.0)
+    assert (logits("paged") - expected).abs().max() > 1e-2
+
+
 def test_a_refusal_after_a_prefill_takes_the_step_back():
-    """gpt-oss's sinks show only at the attention call, after the first layer wrote: that step is taken back."""
-    model, config = REFUSED_BY_NAME["gpt_oss"].build()
+    """A sink the paged attention cannot apply (not one per head) shows only at the attention call, after the
+    first layer wrote: that step is taken back."""
+    model, config = MODELS_BY_NAME["gpt_oss"].build()
     ids = _prompt()
     cache = PagedCache(config, block_size=4)
     model.set_attn_implementation("eager")
     model(ids, cache=cache)
     before = _state(cache)
     model.set_attn_implementation("paged")
-    with pytest.raises(UnsupportedAttentionError, match="s_aux"):
+    attention, sinks = model.model.layers[1].self_attn, model.model.layers[1].self_attn.sinks
+    attention.sinks = torch.nn.Parameter(sinks.detach()[:, None].expand(-1, 2).clone())
+    with pytest.raises(UnsupportedAttentionError, match=r"uses `s_aux` of shape \(4, 2\).*one per query head \(4\)"):
         model(torch.tensor([[7]]), cache=cache)
+    attention.sinks = sinks
     assert _state(cache) == before
     model.set_attn_implementation("eager")
     logits = model(torch.tensor([[7]]), cache=cache).logits
@@ -137,3 +162,42 @@ def test_latent_attention_in_a_heterogeneous_config_is_refused():
     assert layered.is_heterogeneous
     with pytest.raises(UnsupportedAttentionError, match=r"multi-head latent attention.*kv_lora_rank 8"):
         check_model_features(layered)
+
+
+def test_kv_shared_layers_read_their_producers_blocks_and_a_refusal_there_takes_the_step_back():
+    """Gemma-3n's last layers reuse an earlier layer's `update()` result: under "paged" they attend over that layer's
+    blocks (the tokens of DynamicCache + SDPA), and a keyword refused at such a layer's attention (after every
+    storing layer wrote) takes the step back: the cache continues with DynamicCache's logits."""
+    model, config = MODELS_BY_NAME["gemma3n"].build()
+    ids = _prompt(11)  # longer than the sliding window (8)
+    reference = DynamicCache(config=config)
+    expected = _generate(model, "sdpa", reference, ids)
+    cache = PagedCache(config, block_size=4)
+    assert _generate(model, "paged", cache, ids) == expected
+    consumer = model.model.layers[3].self_attn  # reuses layer 1's K/V and calls no `update()`
+    hook = consumer.register_forward_pre_hook(
+        lambda _module, args, kwargs: (args, {**kwargs, "position_bias": torch.zeros(1)}), with_kwargs=True)
+    with pytest.raises(UnsupportedAttentionError, match="`position_bias`"), torch.no_grad():
+        model(torch.tensor([[7]]), cache=cache)
+    hook.remove()
+    assert cache.get_seq_length() == reference.get_seq_length()
+    with torch.no_grad():
+        logits = model(torch.tensor([[7]]), cache=cache).logits
+        model.set_attn_implementation("sdpa")
+        torch.testing.assert_close(logits, model(torch.tensor([[7]]), cache=reference).logits)
+
+
+class _ProducerlessGemma3nConfig(transformers.Gemma3nTextConfig):
+    """A config whose KV-shared layers name no "store" layer to read from."""
+
+    @property
+    def kv_sharing_modes(self) -> list[str | None]:
+        return [None if mode == "store" else mode for mode in super().kv_sharing_modes]
+
+
+def test_kv_shared_layers_without_a_producer_are_refused():
+    _model, config = MODELS_BY_NAME["gemma3n"].build()
+    check_model_features(config)  # the real Gemma-3n layout is served
+    producerless = _ProducerlessGemma3nConfig(**config.to_dict())
+    with pytest.raises(UnsupportedAttentionError, match=r"layers \[2, 3\] reuse K/V without an earlier \"store\""):
+        check_model_features(producerless)

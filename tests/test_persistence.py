@@ -8,14 +8,19 @@ import dataclasses
 import functools
 import json
 import os
+import stat
+import tracemalloc
 
 import pytest
 import torch
 from cache_state import cache_state
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_smollm2 import PROMPTS, needs_wheel
 from tiny_models import MODELS_BY_NAME, VOCAB, padded_batch
+from transformers import DynamicCache
 
 from hf_paged_cache import H2O, CacheFileError, PagedCache, PagedCacheConfig, RandomEviction, SnapKV, block_layout
 from hf_paged_cache.persistence import DIGEST, FORMAT, _digest
@@ -139,6 +144,25 @@ def test_left_padded_batch_with_shared_and_scattered_blocks(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(expected, got))
 
 
+@pytest.mark.parametrize("options", [{}, {"quant": "int8", "residual_length": 4}], ids=["plain", "int8"])
+def test_a_crop_into_a_rows_left_padding_round_trips(options, tmp_path):
+    """Cropping a left-padded batch below a row's padding leaves that row's base past the length and no blocks: a
+    state the header checks must accept, and the loaded cache continues as the cropped one."""
+    model = _model("llama_gqa")
+    model.set_attn_implementation("sdpa")
+    ids, mask = padded_batch((0, 5), 9)
+    cache = PagedCache(model.config, block_size=4, **options)
+    _continue(model, cache, ids, mask)
+    cache.crop(4 - cache.get_seq_length())
+    assert cache.groups[next(iter(cache.groups))].base[1] > cache.get_seq_length()
+    cache.save(tmp_path / "cropped.safetensors")
+    loaded = PagedCache.load(tmp_path / "cropped.safetensors", model.config)
+    assert loaded.groups[next(iter(loaded.groups))].base == cache.groups[next(iter(cache.groups))].base
+    rest, rest_mask = ids[:, 4:], mask[:, :9]
+    expected, got = _continue(model, cache, rest, rest_mask), _continue(model, loaded, rest, rest_mask)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
 def test_a_scattered_row_reads_as_it_did(tmp_path):
     """A row left alone after its batch decoded in turns holds ids in several runs. The file renumbers them
     into one run, but the loaded row reads through the same path as the original (a gather, not a view of
@@ -229,13 +253,19 @@ def saved(tmp_path):
     return model, path, path.read_bytes()
 
 
-def _rewrite_header(source, target, edit) -> None:
-    """Copy a cache file with its header changed by `edit(header)` and a matching digest (a well-formed file)."""
+def _rewrite_header(source, target, edit, edit_tensors=None) -> None:
+    """Copy a cache file with its header changed by `edit(header)` (and its tensors by `edit_tensors(tensors)`)
+    and a matching digest, computed as `save` does: a file that passes the integrity check."""
     with safe_open(source, framework="pt") as handle:
         header = json.loads(handle.metadata()[FORMAT])
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}
     edit(header)
-    text = json.dumps(header, sort_keys=True)
+    if edit_tensors is not None:
+        edit_tensors(tensors)
+    _write(target, json.dumps(header, sort_keys=True), tensors)
+
+
+def _write(target, text: str, tensors: dict) -> None:
     save_file(tensors, target, metadata={FORMAT: text, DIGEST: _digest(text, tensors)})
 
 
@@ -414,6 +444,237 @@ def test_a_failed_save_keeps_the_earlier_file(tmp_path, monkeypatch):
     assert path.read_bytes() == data and os.listdir(tmp_path) == ["cache.safetensors"]
 
 
+# ---------------------------------------------------------------------------------------------- crafted files
+@pytest.fixture
+def plain(tmp_path):
+    """A saved full-precision cache of 10 tokens in blocks of 4 (3 blocks): (model, path, the file's bytes)."""
+    model, cache, _ids = _prefilled("plain")
+    path = tmp_path / "plain.safetensors"
+    cache.save(path)
+    return model, path, path.read_bytes()
+
+
+def _setting(edits: dict):
+    """A header edit that sets each field, named by its keys and list indices, to its value."""
+
+    def edit(header):
+        for path, value in edits.items():
+            node = header
+            for key in path[:-1]:
+                node = node[key]
+            node[path[-1]] = value
+
+    return edit
+
+
+def _one_block_four_times(tensors):
+    tensors["groups.0.blocks"] = torch.zeros(4, dtype=torch.long)
+
+
+CRAFTED_HEADERS = {  # name: (edits, tensor edit or None, what the refusal says)
+    "blocks_1e6": ({("groups", 0, "blocks"): 10**6}, None, "each of the 1000000 blocks of `groups\\[0\\].blocks`"),
+    "blocks_1e9": ({("groups", 0, "blocks"): 10**9}, None, "each of the 1000000000 blocks of `groups\\[0\\].blocks`"),
+    "value_dim_1e7": ({("layers", 0, "value_dim"): 10**7}, None,
+                      "'layers.0.values' is torch.float32 \\(2, 3, 4, 16\\), expected .* \\(2, 3, 4, 10000000"),
+    "negative_length": ({("groups", 0, "length"): -3}, None, "`groups\\[0\\].length` is -3, expected int >= 0"),
+    "base_4": ({("groups", 0, "rows", 0, "base"): 4}, None,
+               "`groups\\[0\\].rows\\[0\\]` is inconsistent: expected 3 blocks of 4 tokens to hold the 6 from base 4"),
+    "length_94": ({("groups", 0, "length"): 94}, None, "expected 3 blocks of 4 tokens to hold the 94 from base 0"),
+    "one_block_four_times": ({("groups", 0, "length"): 16, ("groups", 0, "blocks"): 1,
+                              ("groups", 0, "rows", 0, "blocks"): 4}, _one_block_four_times,
+                             "'groups.0.blocks' names one block twice in row 0"),
+    "pads_text": ({("groups", 0, "rows", 0, "pads"): "0"}, None, "`groups\\[0\\].rows\\[0\\].pads` is '0', expected"),
+    "record_past_int": ({("groups", 0, "record_past"): 1}, None, "`groups\\[0\\].record_past` is 1, expected bool"),
+    "run_from": ({("groups", 0, "rows", 0, "run_from"): 3}, None, "`groups\\[0\\].rows\\[0\\].run_from` is 3"),
+    "device": ({("layers", 1, "device"): "no-such-device"}, None, "`layers\\[1\\].device` is 'no-such-device'"),
+    "layer_group": ({("layers", 1, "group"): 1}, None, "`layers\\[1\\].group` is 1, expected int >= 0 <= 0"),
+    "model_layers": ({("model", "layers"): "2"}, None, "`model.layers` is '2', expected int >= 0"),
+    "layer_count": ({("model", "layers"): 3}, None, "`layers` has 2 entries, `model.layers` 3"),
+    "layer_missing": ({("layers", 1): None}, None, "the header's `layers\\[1\\]` is null, but its group holds rows"),
+    "groups_object": ({("groups",): {}}, None, "`header.groups` is \\{\\}, expected list"),
+    "policy": ({("options", "eviction"): {"class": 3}}, None, "`options.eviction.class` is 3, expected str"),
+    "block_size": ({("options", "block_size"): 0}, None, "`options.block_size` is 0, expected int >= 1"),
+    "unknown_option": ({("options", "blocksize"): 4}, None, "its options are not valid PagedCache options"),
+    "option_value": ({("options", "residual_length"): -1}, None, "options are not valid .*`residual_length`"),
+    "eviction_without_policy": ({("eviction",): {"counts": {}}}, None, "the header lacks `eviction.decode_steps`"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CRAFTED_HEADERS)
+def test_crafted_headers_are_refused_before_anything_is_allocated(plain, tmp_path, case):
+    """A header edited after saving, its digest recomputed (the digest has no key), is a `CacheFileError` naming the
+    field and its value, raised before anything is allocated from the header's sizes; no file changes."""
+    model, path, data = plain
+    edits, edit_tensors, message = CRAFTED_HEADERS[case]
+    crafted = tmp_path / "crafted.safetensors"
+    _rewrite_header(path, crafted, _setting(edits), edit_tensors)
+    content = crafted.read_bytes()
+    tracemalloc.start()
+    try:
+        with pytest.raises(CacheFileError, match=message):
+            PagedCache.load(crafted, model.config)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**23  # 8 MiB: the free list of a pool of 10**6 blocks alone takes more
+    assert crafted.read_bytes() == content and path.read_bytes() == data
+
+
+def test_crafted_header_text_is_refused(plain, tmp_path):
+    """Header text that is not JSON, JSON nested too deeply to parse, or not an object, with a matching digest."""
+    model, path, _data = plain
+    with safe_open(path, framework="pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    cases = {"{not json": "is not JSON a PagedCache wrote \\(JSONDecodeError\\)",
+             "[" * 100_000 + "]" * 100_000: "is not JSON a PagedCache wrote \\(RecursionError\\)",
+             "[2]": "format version None"}  # fmt: skip
+    for text, message in cases.items():
+        _write(tmp_path / "text.safetensors", text, tensors)
+        with pytest.raises(CacheFileError, match=message):
+            PagedCache.load(tmp_path / "text.safetensors", model.config)
+
+
+def test_a_failed_load_changes_nothing_it_was_given(saved, tmp_path):
+    """Loading builds a new cache, so what a failed load could change is what it was handed: the file, the options
+    and their eviction policy (whose random state the loaded cache must not share)."""
+    model, path, data = saved
+    options = PagedCache.load(path, model.config).options
+    before = (dataclasses.asdict(options), options.eviction)
+    _rewrite_header(path, tmp_path / "crafted.safetensors", _setting({("groups", 1, "rows", 0, "base"): 3}))
+    with pytest.raises(CacheFileError, match="`groups\\[1\\].rows\\[0\\]` is inconsistent"):
+        PagedCache.load(tmp_path / "crafted.safetensors", model.config, options)
+    assert (dataclasses.asdict(options), options.eviction) == before and path.read_bytes() == data
+
+
+def test_crafted_layers_options_and_eviction_state_are_refused(saved, tmp_path):
+    model, path, _data = saved
+
+    def scores(tensors):
+        tensors["eviction.scores.1"] = tensors["eviction.scores.1"][:, :1]
+
+    def kept_one_head(tensors):
+        tensors["groups.0.kept"] = tensors["groups.0.kept"][:8]
+
+    cases = [
+        ({("eviction", "counts", "full_attention@0/int8"): [1]}, None, "`eviction.counts.full_attention@0/int8` is"),
+        ({("eviction", "scored_layers"): [0, 0]}, None, "`eviction.scored_layers` names a layer twice"),
+        ({("eviction", "scored_layers"): [2]}, None, "`eviction.scored_layers.0` is 2, expected int >= 0 <= 1"),
+        ({}, scores, "'eviction.scores.1' is torch.float32 \\(1, 1, 64\\), expected floating scores of \\[rows, 2"),
+        ({("eviction", "generators"): ["generator"]}, None, "the policy's random state 'generator' does not fit H2O"),
+        ({("eviction",): None}, None, "the header's `eviction` is absent but the options do evict"),
+        ({("groups", 0, "rows", 0, "kept_heads"): 1}, kept_one_head, "keeps positions of other than 2 KV heads"),
+        ({("layers", 0, "error_stats"): {"key": [0.0]}}, None, "`layers\\[0\\].error_stats.key` is \\[0.0\\]"),
+        ({("layers", 0, "error_stats"): None}, None, "layer 0 is quantized but the header's `layers\\[0\\]` has no"),
+        ({("layers", 1): None}, None, "`eviction.scored_layers` names layer 1, which it does not hold"),
+        ({("options", "device"): "x"}, None, "its options are not valid PagedCache options \\(Expected one of cpu"),
+        ({("options", "full_precision_layers"): 3}, None, "options do not fit this config \\(`full_precision_layers`"),
+    ]
+    for edits, edit_tensors, message in cases:
+        _rewrite_header(path, tmp_path / "crafted.safetensors", _setting(edits), edit_tensors)
+        with pytest.raises(CacheFileError, match=message):
+            PagedCache.load(tmp_path / "crafted.safetensors", model.config)
+
+
+@pytest.mark.parametrize("option, value", [("num_blocks", 10**12), ("initial_blocks", 10**12), ("max_memory", 2**60)])
+def test_a_files_pool_size_is_bounded_by_this_machine(plain, tmp_path, option, value):
+    """A file's own pool size is honoured (the loaded cache gets the saved one's), but not one beyond this machine's
+    memory: that would allocate without bound before a block is read. Passing a size loads the same file."""
+    model, path, _data = plain
+    _rewrite_header(path, tmp_path / "huge.safetensors", _setting({("options", option): value}))
+    with pytest.raises(CacheFileError, match=f"sizes its pool by {option}={value} .* more than this machine's memory"):
+        PagedCache.load(tmp_path / "huge.safetensors", model.config)
+    loaded = PagedCache.load(tmp_path / "huge.safetensors", model.config, num_blocks=8, max_memory=None)
+    assert loaded.metrics().blocks_total == 8
+    assert _comparable(loaded) == _comparable(PagedCache.load(path, model.config))
+
+
+@functools.lru_cache(maxsize=None)
+def _fuzz_source(directory: str) -> tuple:
+    """A saved left-padded batch of two int8 rows with sealed blocks (sdpa, so continuing is quick), and the ids
+    and mask of its next token."""
+    model = _model("llama_gqa")
+    model.set_attn_implementation("sdpa")
+    ids, mask = padded_batch((0, 3), 14)
+    cache = PagedCache(model.config, block_size=4, quant="int8", residual_length=4)
+    token = _forward(model, cache, ids, mask)[:, -1:].argmax(-1)
+    mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+    token = _forward(model, cache, token, mask)[:, -1:].argmax(-1)  # seals the blocks before the residual window
+    assert cache.metrics().quantized_tokens > 0
+    path = os.path.join(directory, "source.safetensors")
+    cache.save(path)
+    return model, path, token, torch.cat([mask, torch.ones_like(token)], dim=1)
+
+
+def _fields(node, path=()):
+    """The path (keys and list indices) of every value in a header, placement options left out: a file's pool size
+    is what the saved cache had (see `test_a_files_pool_size_is_bounded_by_this_machine`)."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        if path != ("options",) or key not in ("num_blocks", "max_memory", "initial_blocks"):
+            yield (*path, key)
+            yield from _fields(value, (*path, key))
+
+
+FUZZ_VALUES = st.one_of(
+    st.sampled_from([10**6, 10**9, 10**18, -1, -3, 0, 1, 2, 3, 94, True, False, None, "", "x", [], [0, 0], {}, 1.5]),
+    st.integers(-5, 40),
+    st.lists(st.integers(-1, 4), max_size=5),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_headers_are_refused_or_load_and_continue(tmp_path_factory, data):
+    """Any header field set to a huge, negative, wrong-typed or list value (digest recomputed) is refused with a
+    `CacheFileError` alone, or, where the edit is harmless, loads a cache that continues."""
+    model, source, token, mask = _fuzz_source(str(tmp_path_factory.getbasetemp()))
+    with safe_open(source, framework="pt") as handle:
+        header = json.loads(handle.metadata()[FORMAT])
+    edits = data.draw(st.dictionaries(st.sampled_from(sorted(_fields(header), key=repr)), FUZZ_VALUES, min_size=1,
+                                      max_size=2))  # fmt: skip
+    crafted = tmp_path_factory.getbasetemp() / "fuzzed.safetensors"
+    try:
+        _rewrite_header(source, crafted, _setting(edits))
+    except (TypeError, KeyError, IndexError):  # an edit below a value the other edit replaced
+        return
+    try:
+        loaded = PagedCache.load(crafted, model.config)
+    except CacheFileError:
+        return
+    logits = _forward(model, loaded, token, mask)
+    assert logits.shape == (2, 1, VOCAB) and loaded.get_seq_length() == 16
+
+
+def test_a_directory_is_refused_clearly(plain, tmp_path):
+    model, path, _data = plain
+    with pytest.raises(IsADirectoryError, match="is a directory; give the path of a file that `PagedCache.save`"):
+        PagedCache.load(tmp_path, model.config)
+    cache = PagedCache.load(path, model.config)
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(IsADirectoryError, match="is a directory; give the path of a file to write"):
+        cache.save(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_a_write_protected_file_is_replaced_only_with_overwrite(plain, tmp_path):
+    """The atomic rename would replace a read-only file in a writable directory: `save` refuses unless
+    `overwrite=True`. A writable file is still replaced without it."""
+    model, path, data = plain
+    _model_, cache, _ids = _prefilled("int8")
+    path.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+    with pytest.raises(PermissionError, match="exists and is write-protected; pass `overwrite=True`"):
+        cache.save(path)
+    assert path.read_bytes() == data and os.listdir(tmp_path) == [path.name]
+    cache.save(path, overwrite=True)
+    assert PagedCache.load(path, model.config).options == cache.options
+    other = tmp_path / "writable.safetensors"
+    other.write_bytes(data)
+    cache.save(other)
+    assert other.read_bytes() != data and PagedCache.load(other, model.config).options == cache.options
+    with pytest.raises(TypeError, match="`overwrite` must be a bool"):
+        cache.save(other, overwrite="yes")
+
+
 # ---------------------------------------------------------------------------------------------- the real model
 @pytest.mark.slow
 @needs_wheel
@@ -455,3 +716,21 @@ def test_forks_share_with_and_identical_rows_round_trip(tmp_path):
         assert loaded.metrics().blocks_used <= cache.metrics().blocks_used
         expected, got = _continue(model, cache, rest), _continue(model, loaded, rest)
         assert [t[:, -1].argmax(-1).tolist() for t in expected] == [t[:, -1].argmax(-1).tolist() for t in got]
+
+
+def test_a_kv_shared_model_round_trips_and_forks(tmp_path):
+    """Gemma-3n's KV-shared layers store nothing to save: a loaded cache and a fork rebuild them on their producers'
+    blocks and continue with the logits of DynamicCache (past the sliding window)."""
+    model = _model("gemma3n")
+    ids = torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(4))
+    model.set_attn_implementation("sdpa")
+    reference = DynamicCache(config=model.config)
+    _forward(model, reference, ids[:, :PREFIX])
+    expected = _continue(model, reference, ids[:, PREFIX:])
+    model.set_attn_implementation("paged")
+    cache = PagedCache(model.config, block_size=4)
+    _forward(model, cache, ids[:, :PREFIX])
+    cache.save(tmp_path / "kv_shared.safetensors")
+    for continued in (PagedCache.load(tmp_path / "kv_shared.safetensors", model.config), cache.fork(), cache):
+        for got, want in zip(_continue(model, continued, ids[:, PREFIX:]), expected):
+            torch.testing.assert_close(got, want)

@@ -125,15 +125,22 @@ def test_int8_logits_stay_close(attn):
 
 
 def test_paged_read_matches_gather_read():
-    """The chunked online-softmax read gives the same attention as SDPA over the dequantized copy."""
+    """The chunked online-softmax read gives the same attention as SDPA over the dequantized copy (token by
+    token: a longer step's tokens read its transition blocks each their own way, which only the paged read can)."""
     model = _model("llama_gqa")
-    inputs = _batch(length=80)  # 20+ quantized blocks per row: more than one chunk of 16
-    outs = [
-        _generate(model, attn, PagedCache(model.config, block_size=BLOCK, quant="int4", residual_length=0), inputs, 6)
-        for attn in ("sdpa", "paged")
-    ]
-    for a, b in zip(outs[0].scores, outs[1].scores):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    input_ids, attention_mask = _batch(length=80)  # 20+ quantized blocks per row: more than one chunk of 16
+    logits = []
+    for attn in ("sdpa", "paged"):
+        model.set_attn_implementation(attn)
+        cache = PagedCache(model.config, block_size=BLOCK, quant="int4", residual_length=0)
+        with torch.no_grad():
+            logits.append(torch.cat([
+                model(input_ids=input_ids[:, i : i + 1], attention_mask=attention_mask[:, : i + 1],
+                      past_key_values=cache, use_cache=True).logits
+                for i in range(input_ids.shape[1])
+            ], dim=1))  # fmt: skip
+        assert cache.metrics().quantized_tokens >= 2 * 76
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "paged"])
@@ -228,10 +235,11 @@ def test_out_of_blocks_leaves_the_cache_unchanged():
         model(input_ids=token, past_key_values=cache, use_cache=True)  # seals 4 blocks: the quantized pool holds 4 of 6
         (group,) = cache.groups.values()
         assert group.qpool.num_used == 4 and group.pool.num_used == 1
-        long_chunk = torch.randint(3, VOCAB, (1, 12))  # seals nothing (block [16, 20) is not full before the step)
-        model(input_ids=long_chunk, past_key_values=cache, use_cache=True)
+        chunk = torch.randint(3, VOCAB, (1, 4))  # completes block [16, 20) and seals it as it arrives
+        model(input_ids=chunk, past_key_values=cache, use_cache=True)
+        assert group.qpool.num_used == 5 and group.pool.num_used == 1
         state = _state(group)
-        more = torch.randint(3, VOCAB, (1, 16))  # would seal 3 more quantized blocks: only 1 free
+        more = torch.randint(3, VOCAB, (1, 16))  # would seal 4 more quantized blocks: only 1 free
         with pytest.raises(OutOfBlocksError, match="quantized"):
             model(input_ids=more, past_key_values=cache, use_cache=True)
         assert _state(group) == state
@@ -376,3 +384,138 @@ def test_smollm2_int8_greedy_tokens_match_fp32():
     finally:
         model.set_attn_implementation("sdpa")
     assert (tokens[None] == tokens["int8"]).sum().item() >= 28
+
+
+# ---------------------------------------------------------------------------------------------- sealing by position
+def _feed(model, cache, tokens, chunks):
+    """Feed `tokens` [1, n] in chunks of the given sizes; the logits of every position."""
+    logits, start = [], 0
+    with torch.no_grad():
+        for size in chunks:
+            chunk = tokens[:, start : start + size]
+            logits.append(model(input_ids=chunk, past_key_values=cache, use_cache=True).logits)
+            start += size
+    return torch.cat(logits, dim=1)
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4"])
+def test_contents_and_logits_follow_positions_not_step_sizes(spec):
+    """Token by token, in one chunk, or in chunks shorter and longer than the residual window: every position
+    is read as one token at a time reads it, so the same blocks are sealed with the same codes, and every
+    logit (the prompt's and the next tokens') is the same. Only float rounding differs between a chunk's
+    matmuls and single tokens', and it can tip a code over a rounding boundary: one code step (3e-4 in the
+    logits here) is allowed; sealing by step size differed by 1e-2 to 2e-1."""
+    model = _model("llama_gqa")
+    model.set_attn_implementation("paged")
+    tokens = torch.randint(3, VOCAB, (1, 33), generator=torch.Generator().manual_seed(1))
+    results = []
+    for chunks in ([1] * 30, [30], [3, 9, 2, 16], [5, 25], [13, 17]):
+        cache = PagedCache(model.config, block_size=BLOCK, quant=spec, residual_length=RESIDUAL + 1)
+        logits = _feed(model, cache, tokens, chunks + [1, 1, 1])  # then three tokens one at a time
+        (group,) = cache.groups.values()
+        keys = [layer.stored_keys(0) for layer in cache.layers]
+        results.append((logits, list(group.qtables[0]), group.base[0], keys))  # a cache let go frees its rows
+    reference_logits, sealed, base, reference_keys = results[0]
+    assert len(sealed) == (33 - RESIDUAL - 1) // BLOCK and base == len(sealed) * BLOCK
+    for logits, other_sealed, other_base, keys in results[1:]:
+        assert (len(other_sealed), other_base) == (len(sealed), base)
+        torch.testing.assert_close(logits, reference_logits, atol=1e-3, rtol=0)
+        for got, want in zip(keys, reference_keys):
+            assert (got - want).abs().mean() < 1e-4
+
+
+def test_a_long_chunk_seals_its_own_blocks_as_they_arrive():
+    """A chunk longer than the residual window takes full-precision blocks only for its last R tokens (and
+    what is left of a partial block), and the sealed blocks read back what one token at a time reads."""
+    model = _model("llama_gqa")
+    model.set_attn_implementation("paged")
+    tokens = torch.randint(3, VOCAB, (1, 42), generator=torch.Generator().manual_seed(2))
+    cache = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=RESIDUAL)
+    _feed(model, cache, tokens, [2, 40])
+    (group,) = cache.groups.values()
+    assert len(group.qtables[0]) == (42 - RESIDUAL) // BLOCK and group.pool.num_used == 2  # [36, 42): 6 tokens
+    assert group.pool.num_blocks <= 3  # the pool never staged the chunk's sealed blocks in full precision
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4"])
+def test_pool_holds_at_most_125_percent_of_what_a_long_chunked_prefill_uses(spec):
+    """Seal as chunks arrive: after each chunk of a long prefill (and a few decode steps) every group's storage
+    is at most 1.25x the bytes of its blocks in use."""
+    model = _model("llama_gqa")
+    model.set_attn_implementation("paged")
+    tokens = torch.randint(3, VOCAB, (1, 400), generator=torch.Generator().manual_seed(3))
+    cache = PagedCache(model.config, block_size=BLOCK, quant=spec, residual_length=32)  # 8+ blocks: a null block
+    start = 0
+    for size in [100, 150, 147, 1, 1, 1]:
+        _feed(model, cache, tokens[:, start : start + size], [size])
+        start += size
+        for name, stats in cache.metrics().groups.items():
+            assert stats["pool_bytes"] <= 1.25 * stats["used_bytes"], (name, start, stats)
+
+
+def test_crop_keeps_the_blocks_it_sealed():
+    """What remains after a crop into the sealed prefix (docs/GUIDE.md): the blocks before the crop point stay
+    quantized with their codes, where a cache grown to that length keeps its last R tokens in full precision;
+    growing again seals from there by position, so once past the old length both hold the same blocks."""
+    model = _model("llama_gqa")
+    model.set_attn_implementation("paged")
+    tokens = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(4))
+    cache = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=RESIDUAL)
+    _feed(model, cache, tokens, [30])
+    (group,) = cache.groups.values()
+    before = [layer.stored_keys(0)[:, : 4 * BLOCK] for layer in cache.layers]
+    cache.crop(4 * BLOCK - 30)
+    assert len(group.qtables[0]) == 4 and group.tables[0] == []
+    for layer, keys in zip(cache.layers, before):
+        assert torch.equal(layer.stored_keys(0), keys)
+    grown = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=RESIDUAL)
+    _feed(model, grown, tokens[:, : 4 * BLOCK], [4 * BLOCK])
+    assert len(grown.groups[group.name].qtables[0]) == (4 * BLOCK - RESIDUAL) // BLOCK
+    _feed(model, cache, tokens[:, 4 * BLOCK :], [1] * 14)
+    _feed(model, grown, tokens[:, 4 * BLOCK :], [1] * 14)
+    assert len(group.qtables[0]) == len(grown.groups[group.name].qtables[0]) == (30 - RESIDUAL) // BLOCK
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4"])
+def test_assisted_decoding_equals_greedy(spec):
+    """Prompt-lookup decoding verifies several tokens per step and crops the rejected ones: each token reads
+    what it would read one at a time, and a step seals only what its first token reads, so the crop finds
+    what a cache grown token by token holds and the output is greedy decoding's."""
+    model = _model("llama_gqa")
+    pattern = torch.randint(3, VOCAB, (1, 7), generator=torch.Generator().manual_seed(5))
+    inputs = (pattern.repeat(1, 4), torch.ones(1, 28, dtype=torch.long))
+    outs = [
+        _generate(model, "paged", PagedCache(model.config, block_size=BLOCK, quant=spec, residual_length=RESIDUAL),
+                  inputs, 24, **extra)
+        for extra in ({}, {"prompt_lookup_num_tokens": 3})
+    ]  # fmt: skip
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    for a, b in zip(outs[0].scores, outs[1].scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_a_share_with_reader_reads_a_long_chunk_as_its_source_does():
+    """A `share_with` layer attends over its source's step after the source: the full-precision copy of the
+    blocks the step sealed as they arrived is still there for it, so a chunk reads as token by token."""
+    model = _model("llama_gqa")
+    model.set_attn_implementation("paged")
+    tokens = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(6))
+    logits = [
+        _feed(model, PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=RESIDUAL,
+                                share_with={1: 0}), tokens, chunks)
+        for chunks in ([1] * 30, [30])
+    ]  # fmt: skip
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("residual", [0, 1, 4])
+def test_estimate_matches_what_positional_sealing_holds(residual):
+    """`estimate_kv_bytes` counts the blocks sealing by position leaves (a zero residual keeps the newest token's
+    block in full precision, as one token at a time does)."""
+    model = _model("llama_gqa")
+    model.set_attn_implementation("paged")
+    tokens = torch.randint(3, VOCAB, (1, 24), generator=torch.Generator().manual_seed(7))
+    cache = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=residual)
+    _feed(model, cache, tokens, [24])
+    estimate = estimate_kv_bytes(model.config, 1, 24, BLOCK, torch.float32, quant="int8", residual_length=residual)
+    assert cache.metrics().used_bytes == estimate

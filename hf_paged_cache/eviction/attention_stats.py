@@ -1,7 +1,8 @@
 """Per-layer attention scores for eviction (`AttentionStats`), and the attention mass they are made of.
 
 The `"paged"` attention hands each layer's queries here after its attention; the mass a key receives is
-the softmax probability summed over its KV head's query group and the observed queries -- from the Triton
+the softmax probability (learned sink logits in its denominator, as in the model's attention) summed over its
+KV head's query group and the observed queries -- from the Triton
 kernel `paged_attention_mass` on the kernel path, else from `torch_attention.attention_mass` over the
 layer's stored key chunks (never a `[queries, keys]` matrix of a whole row).
 """
@@ -31,7 +32,8 @@ class AttentionStats:
 
     @torch.no_grad()
     def record(self, statistic: Statistic, layer: PagedLayer, plan: StepPlan, query: torch.Tensor,
-               mask: torch.Tensor | None, scale: float, softcap: float | None) -> None:  # fmt: skip
+               mask: torch.Tensor | None, scale: float, softcap: float | None,
+               sinks: torch.Tensor | None = None) -> None:  # fmt: skip
         """Fold this step's attention of `query` `[batch, heads, q, d]` into the scores."""
         batch, _heads, q_len, _ = query.shape
         observed = statistic.observed_queries(q_len)
@@ -40,10 +42,10 @@ class AttentionStats:
         counts = [layer.tables.stored_count(row) for row in range(batch)]
         self._fit(batch, max(counts), layer.kv_shape[0], layer.device)
         kernel = layer.uses_kernels() and not layer.is_quantized  # the mass kernel reads full precision only
-        mass = _kernel_mass(layer, plan, query, scale, softcap, observed) if kernel else None
+        mass = _kernel_mass(layer, plan, query, scale, softcap, sinks, observed) if kernel else None
         for row, n in enumerate(counts):
-            row_mass = mass[row, :, :n] if mass is not None else _torch_mass(layer, query, mask, scale, softcap, row, n,
-                                                                              observed)  # fmt: skip
+            row_mass = mass[row, :, :n] if mass is not None else _torch_mass(layer, query, mask, scale, softcap, sinks,
+                                                                              row, n, observed)  # fmt: skip
             statistic.fold(self.scores[row, :, :n], row_mass)
 
     def row(self, row: int, count: int, kv_heads: int) -> torch.Tensor:
@@ -85,17 +87,17 @@ class AttentionStats:
 
 
 def _kernel_mass(layer: PagedLayer, plan: StepPlan, query: torch.Tensor, scale: float, softcap: float | None,
-                 observed: int) -> torch.Tensor:  # fmt: skip
+                 sinks: torch.Tensor | None, observed: int) -> torch.Tensor:  # fmt: skip
     from ..kernels import paged_attention_mass
 
     device = query.device
     return paged_attention_mass(
         query.transpose(1, 2), layer.key_blocks, plan.tensor("block_tables", device), plan.tensor("seq_lens", device),
-        plan.tensor("query_lens", device), scale, 0, softcap or 0.0, observed,
+        plan.tensor("query_lens", device), scale, 0, softcap or 0.0, observed, sinks=sinks,
     )  # fmt: skip
 
 
-def _torch_mass(layer: PagedLayer, query: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap,
+def _torch_mass(layer: PagedLayer, query: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap, sinks,
                 row: int, n: int, observed: int) -> torch.Tensor:  # fmt: skip
     """The mass of row `row`'s `n` stored keys, `QUERY_CHUNK` observed queries at a time."""
     kv_heads, (_, heads, q_len, head_dim) = layer.kv_shape[0], query.shape
@@ -110,5 +112,5 @@ def _torch_mass(layer: PagedLayer, query: torch.Tensor, mask: torch.Tensor | Non
             visible = mask[row if mask.shape[0] > 1 else 0, 0, lo:hi].to(query.device)[:, columns]
         else:  # plain causality: query i sits at position length - q_len + i
             visible = columns[None, :] <= (length - q_len + torch.arange(lo, hi, device=query.device))[:, None]
-        total += attention_mass(queries, chunks, visible, heads // kv_heads, scale, softcap)
+        total += attention_mass(queries, chunks, visible, heads // kv_heads, scale, softcap, sinks)
     return total

@@ -62,12 +62,12 @@ class Evictor:
         self.evict(stepping, slack=0)
 
     def after_attention(self, layer_idx: int, plan: StepPlan, query: torch.Tensor, mask: torch.Tensor | None,
-                        scale: float, softcap: float | None) -> None:  # fmt: skip
+                        scale: float, softcap: float | None, sinks: torch.Tensor | None = None) -> None:  # fmt: skip
         """Record the statistic the policy needs from this layer's attention, then evict if it is time."""
         layer, q_len = self.layers[layer_idx], query.shape[2]
         statistic = self.policy.statistic
         if statistic is not None:
-            self.stats[layer_idx].record(statistic, layer, plan, query, mask, scale, softcap)
+            self.stats[layer_idx].record(statistic, layer, plan, query, mask, scale, softcap, sinks)
         if q_len > 1:
             if self.between_chunks:
                 self.evict([layer.tables], slack=0)

@@ -108,3 +108,21 @@ def test_reference_matches_dense_loop(make_paged, randn, window, softcap, last_q
                     logits = softcap * torch.tanh(logits / softcap)
                 expected[b, h // group, lo : p + 1] += torch.softmax(logits, dim=0)
     assert_close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("window", [0, 5], ids=["full", "window"])
+def test_mass_with_sinks(make_paged, randn, window):
+    """Sink logits take their share of each softmax: the keys' mass is the model's probabilities (reference),
+    so each selected query gives the keys less than `group` in total."""
+    rows = [(0, 0), (1, 1), (23, 5), (6, 6)]
+    seq_lens, query_lens = [n for n, _ in rows], [ql for _, ql in rows]
+    paged = make_paged(seq_lens, 1, 64, 16, torch.float32)
+    query = randn(len(rows), 6, 4, 64)
+    sinks = randn(4) * 2
+    args = (query, paged.k_cache, paged.block_tables, paged.seq_lens, query_lens, 0.3)
+    out, expected = run_both(*args, sliding_window=window, sinks=sinks)
+    assert_close(out, expected, torch.float32)
+    without, _ = run_both(*args, sliding_window=window)
+    for b, (n, ql) in enumerate(rows):
+        if ql:
+            assert (out[b, :, :n].sum() < without[b, :, :n].sum() - 1e-3).item(), "the sinks take a share"

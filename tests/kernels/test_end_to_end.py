@@ -1,13 +1,17 @@
-"""generate() with the "paged" attention routed through the Triton kernels (the interpreter on CPU)
-gives DynamicCache's tokens: cache writes, prefill, chunked prefill on a warm cache, decode, sliding
-windows and soft-capping all run in the kernels."""
+"""generate() with the "paged" attention routed through the Triton kernels (the interpreter on CPU,
+compiled on CUDA) gives DynamicCache's tokens: cache writes, prefill, chunked prefill on a warm cache,
+decode, sliding windows, soft-capping and learned sinks all run in the kernels."""
 
 import pytest
 import torch
+from kernel_testing import DEVICE
+from tiny_models import gemma3n
 from transformers import (
     DynamicCache,
     Gemma2Config,
     Gemma2ForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -19,24 +23,42 @@ from hf_paged_cache import PagedCache, attention
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, pad_token_id=0)  # fmt: skip
 
+
+
+def _gpt_oss():
+    """Sliding and full layers with learned sinks (`s_aux`), drawn wide enough to matter."""
+    model = GptOssForCausalLM(GptOssConfig(**COMMON, sliding_window=6, num_local_experts=2, num_experts_per_tok=1,
+                                           layer_types=["sliding_attention", "full_attention"]))  # fmt: skip
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+    return model
+
+
 MODELS = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON)),
     "mistral-window6": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=6)),
     "gemma2-softcap": lambda: Gemma2ForCausalLM(
         Gemma2Config(**COMMON, sliding_window=6, attn_logit_softcapping=20.0, final_logit_softcapping=None)
     ),
+    "gpt-oss-sinks": _gpt_oss,
 }
+# Its last layers read the blocks of earlier ones; chunked only (it covers both kernels) to keep the interpreter short.
+KV_SHARED = {"gemma3n-kv-shared": lambda: gemma3n()[0]}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("chunked", [False, True], ids=["prefill", "chunked"])
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize(("name", "chunked"), [
+    *(pytest.param(name, chunked, id=f"{name}-{'chunked' if chunked else 'prefill'}")
+      for name in MODELS for chunked in (False, True)),
+    *(pytest.param(name, True, id=f"{name}-chunked") for name in KV_SHARED),
+])  # fmt: skip
 def test_generate_through_kernels_matches_dynamic_cache(name, chunked, monkeypatch):
     torch.manual_seed(0)
-    model = MODELS[name]().eval()
-    ids = torch.randint(1, 96, (2, 9))
+    model = (MODELS | KV_SHARED)[name]().to(DEVICE).eval()
+    ids = torch.randint(1, 96, (2, 9)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[0, :2] = 0  # fewer pads than a chunk, so padding is known exactly and the kernels may read
     settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
@@ -59,13 +81,16 @@ def test_generate_through_kernels_matches_dynamic_cache(name, chunked, monkeypat
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("quant", ["int4", "K4V2", "fp8_e4m3", "int2"])  # int2: rotated values
-def test_quantized_generate_through_kernels_matches_the_torch_path(quant, monkeypatch):
+@pytest.mark.parametrize(
+    "name, quant",
+    [("llama", "int4"), ("llama", "K4V2"), ("llama", "fp8_e4m3"), ("llama", "int2"), ("gpt-oss-sinks", "int8")],
+)  # int2: rotated values
+def test_quantized_generate_through_kernels_matches_the_torch_path(name, quant, monkeypatch):
     """Sealing (`quantize_blocks`) and the quantized decode / prefill variants, interpreted, give the
-    torch path's tokens and scores, with a quantized prefix that grows while generating."""
+    torch path's tokens and scores, with a quantized prefix that grows while generating (sinks included)."""
     torch.manual_seed(0)
-    model = MODELS["llama"]().eval()
-    ids = torch.randint(1, 96, (2, 13))
+    model = MODELS[name]().to(DEVICE).eval()
+    ids = torch.randint(1, 96, (2, 13)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
     settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,

@@ -92,3 +92,24 @@ def test_decode_empty_batch():
     table = torch.zeros(0, 1, dtype=torch.int32, device=DEVICE)
     out = paged_decode_attention(torch.zeros(0, 2, 64, device=DEVICE), cache, cache, table, table[:, 0], 1.0)
     assert out.shape == (0, 2, 64)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("sliding_window", [0, 7], ids=["full", "window"])
+def test_decode_with_sinks(make_paged, randn, sliding_window, num_splits):
+    """Learned sink logits (gpt-oss) join each head's softmax once, split-K included; the window never hides them."""
+    paged = make_paged([0, 3, 37], 2, 32, 16, torch.float32)
+    query = randn(3, 4, 32)
+    sinks = randn(4) * 2
+    kwargs = dict(sliding_window=sliding_window, num_splits=num_splits)
+    out, expected = run_both(query, paged, 0.5, sinks=sinks, **kwargs)
+    assert_close(out, expected, torch.float32)
+    assert (out[0] == 0).all(), "a row without tokens must give 0"
+    without = paged_decode_attention(query, *paged.cache_args(), 0.5, **kwargs)
+    assert (out[1:] - without[1:]).abs().max() > 1e-2, "the sinks must change the output"
+
+
+def test_decode_refuses_sinks_of_another_shape(make_paged, randn):
+    paged = make_paged([3], 2, 32, 16, torch.float32)
+    with pytest.raises(ValueError, match=r"sinks must hold one logit per query head: shape \(4,\), got \(2,\)"):
+        paged_decode_attention(randn(1, 4, 32), *paged.cache_args(), 0.5, sinks=randn(2))

@@ -65,3 +65,18 @@ def test_single_query_prefill_equals_decode(make_paged, randn):
     prefill = paged_prefill_attention(query, *paged.cache_args(), paged.seq_lens.clamp(max=1), 0.2, softcap=3.0)
     decode = paged_decode_attention(query[:, 0], *paged.cache_args(), 0.2, softcap=3.0)
     assert_close(prefill[:, 0], decode, torch.float32)
+
+
+@pytest.mark.parametrize("sliding_window", [0, 5], ids=["full", "window"])
+def test_prefill_with_sinks(make_paged, randn, sliding_window):
+    """Learned sink logits join every query's softmax, whatever its window; padding queries still give 0."""
+    rows = [(6, 6), (21, 5), (4, 0)]
+    paged = make_paged([n for n, _ in rows], 2, 32, 16, torch.float16)
+    query = randn(len(rows), 6, 4, 32, dtype=torch.float16)
+    sinks = randn(4) * 2
+    query_lens = [ql for _, ql in rows]
+    out, expected = run_both(query, paged, query_lens, 0.3, sliding_window=sliding_window, sinks=sinks)
+    assert_close(out, expected, torch.float16)
+    assert (out[1, :1] == 0).all() and (out[2] == 0).all(), "padding queries must give 0"
+    without, _ = run_both(query, paged, query_lens, 0.3, sliding_window=sliding_window)
+    assert (out.float() - without.float()).abs().max() > 1e-2, "the sinks must change the output"

@@ -135,3 +135,15 @@ def test_mismatched_fields_are_rejected(generator, randn):
     )  # fmt: skip
     with pytest.raises(ValueError, match="key field 'scale'"):
         paged_decode_attention(randn(1, 2, 64), *paged.cache_args(), 1.0, quantized=wrong)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_quantized_decode_with_sinks(generator, randn, num_splits):
+    """Sinks over an int8 prefix and its full-precision rest: one share of each softmax, once, split or not."""
+    paged = QuantizedPagedKV([(2, 3), (1, 30), (0, 0)], 2, 64, 16, torch.float16, "int8", generator)
+    query = randn(3, 4, 64, dtype=torch.float16)
+    sinks = randn(4) * 2
+    out, expected = run_both(query, paged, 0.3, num_splits=num_splits, sliding_window=20, sinks=sinks)
+    assert_close(out, expected, torch.float16)
+    without, _ = run_both(query, paged, 0.3, num_splits=num_splits, sliding_window=20)
+    assert (out[:2].float() - without[:2].float()).abs().max() > 1e-2, "the sinks must change the output"

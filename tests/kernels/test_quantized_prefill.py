@@ -81,3 +81,14 @@ def test_format_cases_cover_every_format_and_pair_of_axis_values():
     axes = (DTYPES, QUANT_HEAD_DIMS, BLOCK_SIZES, QUANT_GROUPS)
     for (i, axis_i), (j, axis_j) in itertools.combinations(enumerate(axes, start=1), 2):
         assert {(case[i], case[j]) for case in FORMAT_CASES} == set(itertools.product(axis_i, axis_j))
+
+
+def test_quantized_prefill_with_sinks(generator, randn):
+    """Sinks over an int8 prefix: prefill queries spanning both parts give the reference's output."""
+    paged = QuantizedPagedKV([(2, 6), (1, 3)], 2, 64, 16, torch.float16, "int8", generator)
+    query = randn(2, 5, 4, 64, dtype=torch.float16)
+    sinks = randn(4) * 2
+    out, expected = run_both(query, paged, [5, 3], 0.3, sliding_window=9, sinks=sinks)
+    assert_close(out, expected, torch.float16)
+    without, _ = run_both(query, paged, [5, 3], 0.3, sliding_window=9)
+    assert (out.float() - without.float()).abs().max() > 1e-2, "the sinks must change the output"

@@ -73,3 +73,27 @@ def test_write_kv_reference_places_tokens_at_slots():
     write_kv_ref(k_cache, v_cache, key, value, torch.tensor([9, -1, 0]))  # block 2 offset 1; skipped; block 0
     assert torch.equal(k_cache[2, 1], key[0]) and torch.equal(v_cache[0, 0], value[2])
     assert torch.count_nonzero(k_cache) == 4
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_prefill_reference_with_sinks_matches_gpt_oss_eager_attention(make_paged, randn, window):
+    """The sinks' semantics are transformers' gpt-oss `eager_attention_forward`: one logit per head appended to
+    each query row's logits before the softmax, dropped after."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    paged = make_paged([6, 21], 2, 32, 16, torch.float32)
+    query = randn(2, 6, 8, 32)
+    sinks = randn(8) * 2
+    query_lens = torch.tensor([6, 6], dtype=torch.int32, device=query.device)
+    out = paged_prefill_attention_ref(query, *paged.cache_args(), query_lens, 0.3, sliding_window=window, sinks=sinks)
+    module = torch.nn.Module()
+    module.sinks, module.num_key_value_groups, module.training = sinks.cpu(), 4, False
+    for b, n in enumerate(paged.seq_lens.tolist()):
+        q_pos, k_pos = torch.arange(n - 6, n), torch.arange(n)
+        visible = (k_pos[None, :] <= q_pos[:, None]) & ((window == 0) | (k_pos[None, :] > q_pos[:, None] - window))
+        additive = torch.zeros(1, 1, 6, n).masked_fill(~visible, float("-inf"))
+        expected, _ = eager_attention_forward(
+            module, query[b, None].cpu().transpose(1, 2), paged.dense_k[b].cpu().float().transpose(0, 1)[None],
+            paged.dense_v[b].cpu().float().transpose(0, 1)[None], additive, 0.3,
+        )  # fmt: skip
+        assert_close(out[b], expected[0], torch.float32)
