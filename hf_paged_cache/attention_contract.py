@@ -47,6 +47,9 @@ REFUSED: dict[str, str] = {
     "seq_idx": "packed-sequence indices: the paged attention would attend across the packed sequences",
 }
 
+# Layer types whose attention also reads K/V entries made after `update()` (DeepSeek-V4's compressors).
+COMPRESSED_LAYER_TYPES = {"compressed_sparse_attention", "heavily_compressed_attention"}
+
 # Values of a refused keyword that ask for nothing the paged attention lacks.
 _HARMLESS = {"is_causal": (True,)}
 
@@ -74,6 +77,11 @@ def check_model_features(config: PretrainedConfig) -> None:
     # A heterogeneous config holds per-layer attributes only on its layers' configs (reading them globally raises).
     for layer in config.per_layer_config if getattr(config, "is_heterogeneous", False) else [config]:
         _check_latent_attention(model, layer)
+    compressed = sorted(set(getattr(config, "layer_types", None) or []) & COMPRESSED_LAYER_TYPES)
+    if compressed:
+        refuse(model, f"compressed attention layers ({', '.join(compressed)})",
+               "the model appends its compressor's K/V entries (and their mask) to what `update()` returns, but the "
+               "paged attention reads the history from the blocks and would never see them")  # fmt: skip
     sources = kv_sharing_sources(config)
     unread = [index for index, mode in enumerate(getattr(config, "kv_sharing_modes", None) or [])
               if mode not in (None, "store") and index not in sources]  # fmt: skip

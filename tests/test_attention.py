@@ -164,6 +164,15 @@ def test_latent_attention_in_a_heterogeneous_config_is_refused():
         check_model_features(layered)
 
 
+def test_compressed_attention_layers_are_refused():
+    """DeepSeek-V4 concatenates its compressor's K/V onto what `update()` returns: the paged attention, reading the
+    blocks, would drop them (the zoo saw its tokens differ silently), so the config is refused."""
+    config = transformers.DeepseekV4Config()  # a config only: no weights are built
+    with pytest.raises(UnsupportedAttentionError, match=r"compressed attention layers \(compressed_sparse_attention"):
+        check_model_features(config)
+    check_model_features(MODELS_BY_NAME["llama_gqa"].build()[1])  # plain layers: nothing to refuse
+
+
 def test_kv_shared_layers_read_their_producers_blocks_and_a_refusal_there_takes_the_step_back():
     """Gemma-3n's last layers reuse an earlier layer's `update()` result: under "paged" they attend over that layer's
     blocks (the tokens of DynamicCache + SDPA), and a keyword refused at such a layer's attention (after every
