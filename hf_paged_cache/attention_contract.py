@@ -47,6 +47,9 @@ REFUSED: dict[str, str] = {
     "seq_idx": "packed-sequence indices: the paged attention would attend across the packed sequences",
 }
 
+# Layer types whose attention also reads K/V entries made after `update()` (DeepSeek-V4's compressors).
+COMPRESSED_LAYER_TYPES = {"compressed_sparse_attention", "heavily_compressed_attention"}
+
 # Values of a refused keyword that ask for nothing the paged attention lacks.
 _HARMLESS = {"is_causal": (True,)}
 
@@ -71,6 +74,24 @@ def check_attention_kwargs(model: str, kwargs: dict, dropout: float = 0.0) -> No
 def check_model_features(config: PretrainedConfig) -> None:
     """Refuse, from the config alone, models whose attention the paged attention cannot read from blocks."""
     model = model_name(config)
+    # A heterogeneous config holds per-layer attributes only on its layers' configs (reading them globally raises).
+    for layer in config.per_layer_config if getattr(config, "is_heterogeneous", False) else [config]:
+        _check_latent_attention(model, layer)
+    compressed = sorted(set(getattr(config, "layer_types", None) or []) & COMPRESSED_LAYER_TYPES)
+    if compressed:
+        refuse(model, f"compressed attention layers ({', '.join(compressed)})",
+               "the model appends its compressor's K/V entries (and their mask) to what `update()` returns, but the "
+               "paged attention reads the history from the blocks and would never see them")  # fmt: skip
+    sources = kv_sharing_sources(config)
+    unread = [index for index, mode in enumerate(getattr(config, "kv_sharing_modes", None) or [])
+              if mode not in (None, "store") and index not in sources]  # fmt: skip
+    if unread:
+        refuse(model, "KV-shared layers",
+               f"layers {unread} reuse K/V without an earlier \"store\" layer of their own layer type to read them "
+               "from, so the paged attention cannot tell which layer's blocks hold their history")  # fmt: skip
+
+
+def _check_latent_attention(model: str, config: PretrainedConfig) -> None:
     qk_dim = getattr(config, "qk_head_dim", None)
     if qk_dim is None and getattr(config, "qk_nope_head_dim", None) is not None:
         qk_dim = config.qk_nope_head_dim + getattr(config, "qk_rope_head_dim", 0)
@@ -83,13 +104,6 @@ def check_model_features(config: PretrainedConfig) -> None:
         refuse(model, "multi-head latent attention",
                f"the model caches compressed latents (kv_lora_rank {config.kv_lora_rank}) and expands them into keys "
                "and values after `update()`, but the paged attention keeps the history in blocks")  # fmt: skip
-    sources = kv_sharing_sources(config)
-    unread = [index for index, mode in enumerate(getattr(config, "kv_sharing_modes", None) or [])
-              if mode not in (None, "store") and index not in sources]  # fmt: skip
-    if unread:
-        refuse(model, "KV-shared layers",
-               f"layers {unread} reuse K/V without an earlier \"store\" layer of their own layer type to read them "
-               "from, so the paged attention cannot tell which layer's blocks hold their history")  # fmt: skip
 
 
 def kv_sharing_sources(config: PretrainedConfig) -> dict[int, int]:

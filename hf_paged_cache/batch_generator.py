@@ -40,6 +40,7 @@ from .block_pool import BlockPool
 from .cache import PagedCache
 from .config import PagedCacheConfig
 from .copy_stream import COPY_MODES
+from .errors import UnsupportedAttentionError
 from .layers import PagedLayer, SharedKVLayer
 from .memory import kv_bytes_per_token
 from .pool_compaction import Fragmentation, compact, device_pools, fragmentation
@@ -254,6 +255,12 @@ class BatchGenerator:
         self.swap = SwapSpace(self.template, self.config.swap_blocks, self.config.swap_compression,
                               self.config.swap_copies)  # fmt: skip
         model.set_attn_implementation(ATTENTION_NAME)
+        if model.config._attn_implementation != ATTENTION_NAME:  # set_attn_implementation ignored: nothing changed
+            raise UnsupportedAttentionError(
+                f"{type(model).__name__} ignores `attn_implementation` (its attention is its own code, "
+                f"{model.config._attn_implementation!r}), so the packed forward cannot run the \"paged\" attention it "
+                "needs: use `model.generate` with a `PagedCache` for this model (the gather path, exact)"
+            )
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.swapped: deque[_Request] = deque()  # preempted to host memory, oldest first

@@ -151,6 +151,28 @@ def test_an_unknown_keyword_and_training_dropout_are_refused_before_anything_is_
     assert _state(cache) == before
 
 
+def test_latent_attention_in_a_heterogeneous_config_is_refused():
+    """Per-layer attributes of a heterogeneous config can only be read from its layers' configs: the latent-attention
+    check reads them there, so the refusal is clean (it used to raise transformers'
+    AmbiguousGlobalPerLayerAttributeError from inside the check, e.g. for dots3_note_text)."""
+    _model, config = REFUSED_BY_NAME["deepseek_v3"].build()
+    plain = {**config.to_dict(), "kv_lora_rank": 0, "v_head_dim": 24}  # no latents, values as wide as keys
+    check_model_features(transformers.DeepseekV3Config(**plain))  # nothing to refuse
+    layered = transformers.DeepseekV3Config(**plain, per_layer_config={1: {"kv_lora_rank": 8}})  # latents in layer 1
+    assert layered.is_heterogeneous
+    with pytest.raises(UnsupportedAttentionError, match=r"multi-head latent attention.*kv_lora_rank 8"):
+        check_model_features(layered)
+
+
+def test_compressed_attention_layers_are_refused():
+    """DeepSeek-V4 concatenates its compressor's K/V onto what `update()` returns: the paged attention, reading the
+    blocks, would drop them (the zoo saw its tokens differ silently), so the config is refused."""
+    config = transformers.DeepseekV4Config()  # a config only: no weights are built
+    with pytest.raises(UnsupportedAttentionError, match=r"compressed attention layers \(compressed_sparse_attention"):
+        check_model_features(config)
+    check_model_features(MODELS_BY_NAME["llama_gqa"].build()[1])  # plain layers: nothing to refuse
+
+
 def test_kv_shared_layers_read_their_producers_blocks_and_a_refusal_there_takes_the_step_back():
     """Gemma-3n's last layers reuse an earlier layer's `update()` result: under "paged" they attend over that layer's
     blocks (the tokens of DynamicCache + SDPA), and a keyword refused at such a layer's attention (after every

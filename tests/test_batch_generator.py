@@ -6,6 +6,7 @@ import functools
 
 import pytest
 import torch
+import transformers
 from test_smollm2 import PROMPTS, needs_wheel
 from tiny_models import MODELS_BY_NAME, REFUSED_MODELS, VOCAB
 from transformers import DynamicCache
@@ -186,6 +187,21 @@ def test_bad_knobs_and_unsupported_models_fail_clearly():
     model = _model("gpt_neox")  # calls update() without attention kwargs
     with pytest.raises(RuntimeError, match="without attention kwargs"):
         generate_batch(model, _prompts((4,)), max_new_tokens=2)
+
+
+
+def test_a_model_that_ignores_attn_implementation_is_refused_at_construction():
+    """XGLM's attention is its own code: the "paged" attention can never be selected, and the packed forward needs it
+    (it used to fail at the first step with a raw KeyError); the model is left as it was."""
+    config = transformers.XGLMConfig(vocab_size=VOCAB, d_model=64, num_layers=2, attention_heads=4, ffn_dim=128)
+    torch.manual_seed(0)
+    model = transformers.XGLMForCausalLM(config).eval()
+    ids = torch.tensor([_prompts((6,))[0]])
+    before = model.config._attn_implementation, model(ids).logits
+    with pytest.raises(UnsupportedAttentionError, match="XGLMForCausalLM ignores `attn_implementation`"):
+        BatchGenerator(model, max_new_tokens=2)
+    assert model.config._attn_implementation == before[0]
+    torch.testing.assert_close(model(ids).logits, before[1], rtol=0, atol=0)
 
 
 PRESSURE = (20, 33, 12, 41, 27, 18)  # with 12 new tokens in blocks of 4: 58 blocks in all, the largest 14
