@@ -321,22 +321,22 @@ class PagedLayer(CacheLayerMixin):
     def gather(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V for logical positions [kv_offset, new_len) of every row, `[batch, kv_heads, n, head_dim]`;
         padding reads as zeros. A single unpadded row whose blocks form one run comes back as a strided view
-        of the storage (no copy); otherwise one `torch.cat` per tensor of every row's padding and runs
-        (head-major underneath, like the storage)."""
+        of the storage (no copy); otherwise every row's runs are copied once into a contiguous batch-major
+        tensor, as `DynamicCache` returns (some models `view()` the K/V they get back)."""
         runs = plan.runs()
         if len(runs) == 1 and len(runs[0]) == 1 and runs[0][0][0] == 0:
             keys, values = self.row_kv(plan, 0)
             return keys.unsqueeze(0), values.unsqueeze(0)
         total, out = plan.new_len - plan.kv_offset, []
         for blocks in (self.key_blocks, self.value_blocks):
-            heads, dim = blocks.shape[2], blocks.shape[3]
-            zeros = plan.cached(("zeros", heads, dim, blocks.dtype, self.device),
-                                lambda: blocks.new_zeros(heads, total, dim))  # fmt: skip
-            pieces = []
+            gathered = blocks.new_empty(len(runs), blocks.shape[2], total, blocks.shape[3])
             for row, row_runs in enumerate(runs):
-                pieces.append(zeros[:, : row_runs[0][0] if row_runs else total])
-                pieces += self._row_pieces(blocks, plan, row) if row_runs else []
-            out.append(torch.cat(pieces, dim=1).view(heads, len(runs), total, dim).transpose(0, 1))
+                at = row_runs[0][0] if row_runs else total  # the row's left padding reads as zeros
+                gathered[row, :, :at] = 0
+                for piece in self._row_pieces(blocks, plan, row) if row_runs else []:
+                    gathered[row, :, at : at + piece.shape[1]] = piece
+                    at += piece.shape[1]
+            out.append(gathered)
         return out[0], out[1]
 
     def attend(

@@ -39,3 +39,21 @@ def test_rows_cut_into_runs_read_like_dynamic_cache(attn, max_runs, monkeypatch)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     tables = cache.layers[0].tables
     assert max(len(runs) for runs in tables.read_runs(tables.plan)) > 1
+
+
+def test_a_gathered_batch_is_contiguous_like_dynamic_cache():
+    """Some models `view()` the K/V `update()` returns (GPT-NeoX-Japanese): a padded batch gathered from blocks
+    must be contiguous, as `DynamicCache`'s concatenation is, and hold the same values past each row's padding."""
+    model, _config = MODELS_BY_NAME["llama_gqa"].build()
+    input_ids, attention_mask = padded_batch(PADS, 12)
+    paged, dynamic = PagedCache(model.config, block_size=BLOCK_SIZE), DynamicCache(config=model.config)
+    with torch.no_grad():
+        for cache in (paged, dynamic):
+            model(input_ids=input_ids, attention_mask=attention_mask, cache=cache)
+    batch, heads, _n, dim = dynamic.layers[0].keys.shape
+    step = torch.randn(batch, heads, 1, dim)
+    for got, want in zip(paged.update(step, step, 0), dynamic.update(step, step, 0)):
+        assert got.is_contiguous() and got.shape == want.shape
+        got.view(batch * heads, -1, dim)  # what GPT-NeoX-Japanese does: raised on the transposed gather
+        for row, pad in enumerate(PADS):
+            torch.testing.assert_close(got[row, :, pad:], want[row, :, pad:], rtol=0, atol=0)
