@@ -715,10 +715,11 @@ def _check_model(template: PagedCache) -> None:
     for index, layer in enumerate(template.layers):
         paged = isinstance(layer, (PagedLayer, SharedKVLayer))
         if not paged or getattr(layer, "chunked", False):
+            kind = "chunked attention" if paged else f"not stored in blocks ({type(layer).__name__}: linear attention, "
+            kind += "" if paged else "a recurrent or convolutional state)"
             raise ValueError(
-                f"Layer {index} ({type(layer).__name__}) is not a plain paged attention layer: the batch generator "
-                "serves models whose layers are full or sliding-window attention; use `model.generate` with a "
-                "`PagedCache` for this model"
+                f"Layer {index} is {kind}: the batch generator serves models whose layers are full or sliding-window "
+                "attention; use `model.generate` with a `PagedCache` for this model"
             )
 
 

@@ -22,12 +22,12 @@ _METADATA = {
 
 MISREAD = (
     'PagedCache handed this layer\'s K/V to the "paged" attention (the config the cache was built from selects '
-    "it), but the model calling it runs another attention implementation: is it a different model object than the "
-    "one whose config built the cache, or does the model transform the cached states before its attention (latent "
-    'attention, which the "paged" attention does not support: use attn_implementation="sdpa")? Build the cache '
-    'from this model\'s config (`PagedCache(model.config)`) or select "paged" on this model '
-    '(`model.set_attn_implementation("paged")`). This forward step was interrupted: call `cache.reset()` before using '
-    "the cache again."
+    "it), but the model calling it reads them with other code: a different model object than the one whose config "
+    "built the cache, a model whose attention is its own code rather than transformers' attention interface, or one "
+    "that transforms the cached states before its attention. Build the cache from this model's config "
+    '(`PagedCache(model.config)`) and select "paged" on this model (`model.set_attn_implementation("paged")`); a '
+    'model that cannot run it is served exactly by the gather path (attn_implementation="sdpa" or "eager"). This '
+    "forward step was interrupted: call `cache.reset()` before using the cache again."
 )
 
 

@@ -410,8 +410,8 @@ def test_a_model_running_another_attention_than_the_cache_expects_gets_the_libra
     ids = torch.randint(1, 128, (1, 9))
     cache = PagedCache(paged_model.config, block_size=4)
     forward(paged_model, cache, ids[:, :8])
-    with pytest.raises(RuntimeError, match=r"handed this layer's K/V to the \"paged\" attention .* runs another attention "
-                       r"implementation: is it a different model object .* call `cache.reset\(\)`"):  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"handed this layer's K/V to the \"paged\" attention .* reads them with other code: a "
+                       r"different model object .* call `cache.reset\(\)`"):  # fmt: skip
         forward(sdpa_model, cache, ids[:, 8:])
     cache.reset()
     torch.testing.assert_close(forward(paged_model, cache, ids), forward(sdpa_model, None, ids))
