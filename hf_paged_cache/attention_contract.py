@@ -3,9 +3,11 @@
 transformers hands an attention function every keyword its model passes, and the paged attention reads only the
 ones it knows: any other that changes the attention (a T5-style `position_bias`) would be dropped and the tokens
 would differ from `DynamicCache` without an error. So each keyword is either honoured (listed here with why, learned
-sink logits `s_aux` among them) or refused, and model features that show in the config (multi-head latent attention)
-are refused before the cache changes. KV-shared layers (Gemma-3n) read their producer layer's blocks
-(`kv_sharing_sources`); only those whose producer the config does not name are refused.
+sink logits `s_aux` among them) or refused, and model features that show in the config are refused before the cache
+changes. KV-shared layers (Gemma-3n) read their producer layer's blocks (`kv_sharing_sources`); only those whose
+producer the config does not name are refused. Models that cache compressed latents (multi-head latent attention,
+`caches_latents`) are handed their gathered history instead of blocks, since their attention reads K/V expanded
+from it.
 """
 
 from __future__ import annotations
@@ -71,18 +73,6 @@ def check_attention_kwargs(model: str, kwargs: dict, dropout: float = 0.0) -> No
 def check_model_features(config: PretrainedConfig) -> None:
     """Refuse, from the config alone, models whose attention the paged attention cannot read from blocks."""
     model = model_name(config)
-    qk_dim = getattr(config, "qk_head_dim", None)
-    if qk_dim is None and getattr(config, "qk_nope_head_dim", None) is not None:
-        qk_dim = config.qk_nope_head_dim + getattr(config, "qk_rope_head_dim", 0)
-    v_dim = getattr(config, "v_head_dim", None)
-    if v_dim is not None and qk_dim is not None and v_dim < qk_dim:
-        refuse(model, "multi-head latent attention",
-               f"values narrower than keys (v_head_dim {v_dim} < qk_head_dim {qk_dim}) are not supported by the "
-               "paged attention (the model caches compressed latents and expands them after `update()`)")  # fmt: skip
-    if getattr(config, "kv_lora_rank", None):
-        refuse(model, "multi-head latent attention",
-               f"the model caches compressed latents (kv_lora_rank {config.kv_lora_rank}) and expands them into keys "
-               "and values after `update()`, but the paged attention keeps the history in blocks")  # fmt: skip
     sources = kv_sharing_sources(config)
     unread = [index for index, mode in enumerate(getattr(config, "kv_sharing_modes", None) or [])
               if mode not in (None, "store") and index not in sources]  # fmt: skip
@@ -90,6 +80,15 @@ def check_model_features(config: PretrainedConfig) -> None:
         refuse(model, "KV-shared layers",
                f"layers {unread} reuse K/V without an earlier \"store\" layer of their own layer type to read them "
                "from, so the paged attention cannot tell which layer's blocks hold their history")  # fmt: skip
+
+
+def caches_latents(config: PretrainedConfig) -> bool:
+    """Whether the model caches compressed latents rather than the K/V its attention reads (multi-head latent
+    attention: DeepSeek-V2/V3, Kimi, GLM-4-MoE-Lite, Mistral-4, ...). Such a model passes `update()` a single-head
+    latent (`kv_lora_rank` wide) and its positional key, and expands both into per-head keys and values after
+    `update()`: blocks of latents are no K/V the paged attention could read, so the cache gathers the history and
+    the attention uses the K/V it is given. `kv_lora_rank` is what every such config names the latent's width."""
+    return bool(getattr(config, "kv_lora_rank", None))
 
 
 def kv_sharing_sources(config: PretrainedConfig) -> dict[int, int]:

@@ -15,7 +15,13 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from .attention import ATTENTION_NAME
-from .attention_contract import check_attention_kwargs, check_model_features, kv_sharing_sources, model_name
+from .attention_contract import (
+    caches_latents,
+    check_attention_kwargs,
+    check_model_features,
+    kv_sharing_sources,
+    model_name,
+)
 from .block_pool import BlockPool
 from .block_tables import BlockTables, QuantizedBlockTables, StepPlan
 from .config import PagedCacheConfig
@@ -82,6 +88,12 @@ class PagedCache(Cache):
                 "of earlier layers within the same forward, after those layers' eviction may already have moved "
                 "their tokens. Build the cache without `eviction` for this model."
             )
+        if caches_latents(self.model_config) and options.eviction is not None:
+            raise ValueError(
+                f"`eviction` cannot serve {model_name(self.model_config)}: it caches compressed latents and expands "
+                "them into K/V after `update()`, so its attention reads the gathered history, not the blocks eviction "
+                "scores and leaves gaps in. Build the cache without `eviction` for this model."
+            )
         layers = []
         for index, (layer_type, kwargs_of_layer) in enumerate(zip(layer_types, layer_kwargs)):
             quant = options.layer_quant(index)
@@ -147,9 +159,11 @@ class PagedCache(Cache):
             )
         layer = self.layers[layer_idx]
         attention_kwargs = kwargs.get("kwargs")
-        # Whether this forward runs the "paged" attention, which reads K/V from the blocks itself.
-        in_place = attention_kwargs is not None and self._attention_is_paged()
-        if in_place:  # what the config and this layer's kwargs show is refused before this layer writes
+        # Whether this forward runs the "paged" attention, which reads K/V from the blocks itself unless the model
+        # caches latents (its attention reads K/V expanded from the gathered history).
+        paged = attention_kwargs is not None and self._attention_is_paged()
+        in_place = paged and not caches_latents(self.model_config)
+        if paged:  # what the config and this layer's kwargs show is refused before this layer writes
             try:
                 check_model_features(self.model_config)
                 check_attention_kwargs(model_name(self.model_config), attention_kwargs)

@@ -23,8 +23,8 @@ _METADATA = {
 MISREAD = (
     'PagedCache handed this layer\'s K/V to the "paged" attention (the config the cache was built from selects '
     "it), but the model calling it runs another attention implementation: is it a different model object than the "
-    "one whose config built the cache, or does the model transform the cached states before its attention (latent "
-    'attention, which the "paged" attention does not support: use attn_implementation="sdpa")? Build the cache '
+    "one whose config built the cache, or does the model transform the cached states before its attention in a way "
+    'its config does not show (then use attn_implementation="sdpa")? Build the cache '
     'from this model\'s config (`PagedCache(model.config)`) or select "paged" on this model '
     '(`model.set_attn_implementation("paged")`). This forward step was interrupted: call `cache.reset()` before using '
     "the cache again."

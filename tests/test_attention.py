@@ -9,14 +9,13 @@ import re
 import pytest
 import torch
 import transformers
-from tiny_models import MODELS_BY_NAME, REFUSED_MODELS, VOCAB
+from tiny_models import MODELS_BY_NAME, VOCAB
 from transformers import DynamicCache
 
 from hf_paged_cache import PagedCache, UnsupportedAttentionError
 from hf_paged_cache.attention_contract import HONOURED, REFUSED, check_model_features
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-REFUSED_BY_NAME = {entry.name: entry for entry in REFUSED_MODELS}
 # The attention function's own parameters: a call may name them, they never reach its `**kwargs`.
 PARAMETERS = {"module", "query", "key", "value", "attention_mask", "scaling", "dropout"}
 NEW = 5
@@ -59,26 +58,28 @@ def _state(cache: PagedCache) -> tuple:
     return cache.get_seq_length(), metrics.blocks_used, metrics.tokens_stored
 
 
-@pytest.mark.parametrize(
-    "name, match",
-    [
-        ("deepseek_v3", r"values narrower than keys \(v_head_dim 8 < qk_head_dim 24\)"),
-    ],
-)
-def test_refused_models_fail_clearly_and_leave_the_cache_as_it_was(name, match):
-    """The refusal names the model and the cause and the remedy; the same cache then serves the gather path exactly."""
-    entry = REFUSED_BY_NAME[name]
-    model, config = entry.build()
-    ids = _prompt()
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
+def test_latent_attention_reads_its_gathered_history_and_a_refusal_leaves_the_cache_as_it_was(name):
+    """Multi-head latent attention expands the cached latents into K/V after `update()`: under "paged" the cache
+    hands back the gathered latents and the logits are DynamicCache's (prefill, then decode); a keyword the paged
+    attention cannot honour, shown by the second layer after the first one wrote, is refused and taken back."""
+    model, config = MODELS_BY_NAME[name].build()
+    ids, step = _prompt(), torch.tensor([[7]])
+    model.set_attn_implementation("sdpa")
+    reference = DynamicCache(config=config)
+    expected = [model(ids, cache=reference).logits, model(step, cache=reference).logits]
+    model.set_attn_implementation("paged")
     cache = PagedCache(config, block_size=4)
     before = _state(cache)
-    model.set_attn_implementation("paged")
-    with pytest.raises(UnsupportedAttentionError, match=match) as error:
+    hook = model.model.layers[1].self_attn.register_forward_pre_hook(
+        lambda _module, args, kwargs: (args, {**kwargs, "position_bias": torch.zeros(1)}), with_kwargs=True)
+    with pytest.raises(UnsupportedAttentionError, match=r"uses `position_bias`.*additive attention"):
         model(ids, cache=cache)
-    assert 'attn_implementation="sdpa"' in str(error.value)
+    hook.remove()
     assert _state(cache) == before
-    expected = _generate(model, entry.gather_impl, DynamicCache(config=config), ids)
-    assert _generate(model, entry.gather_impl, cache, ids) == expected
+    actual = [model(ids, cache=cache).logits, model(step, cache=cache).logits]
+    for got, want in zip(actual, expected):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["gpt_oss", "granitemoe_swa"])

@@ -177,7 +177,8 @@ def read_path_spy(monkeypatch):
 
 
 def _check_read_path(counts, name: str, read_path: str) -> None:
-    if read_path == "gather" or not MODELS_BY_NAME[name].passes_attention_kwargs:
+    entry = MODELS_BY_NAME[name]
+    if read_path == "gather" or not entry.passes_attention_kwargs or entry.caches_latents:
         assert counts["gathered"] > 0 and counts["handle"] == 0, counts
     else:
         assert counts["handle"] > 0 and counts["gathered"] == 0, counts
