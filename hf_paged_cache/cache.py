@@ -28,7 +28,7 @@ from .config import PagedCacheConfig
 from .distributed import tensor_parallel_size
 from .errors import OutOfBlocksError, UnsupportedAttentionError
 from .eviction import Evictor
-from .layers import PagedLayer, PagedSlidingLayer, SharedKVLayer
+from .layers import PAGED_KV_KWARG, PagedKV, PagedLayer, PagedSlidingLayer, SharedKVLayer
 from .memory import SLIDING_TYPES, CacheMetrics, collect_metrics
 from .persistence import load_cache, save_cache
 from .quantization import parse_kv_format
@@ -172,7 +172,10 @@ class PagedCache(Cache):
                     self._undo_step()
                 raise
         if isinstance(layer, SharedKVLayer):
-            return layer.update(key_states, value_states, attention_kwargs if in_place else None, self._undo_step)
+            states = layer.update(key_states, value_states, attention_kwargs if in_place else None, self._undo_step)
+            if paged and not in_place:
+                self._leave_gathered_handle(attention_kwargs, layer.source, layer.source.tables.plan)
+            return states
         if not isinstance(layer, PagedLayer):
             return layer.update(key_states, value_states, *args, **kwargs)
         self._check_thread()
@@ -185,11 +188,19 @@ class PagedCache(Cache):
         if plan.mirrors:
             plan = self._check_mirrors(layer, key_states, value_states, plan)
         if not in_place:
-            return layer.update(key_states, value_states, plan)
+            states = layer.update(key_states, value_states, plan)
+            if paged:
+                self._leave_gathered_handle(attention_kwargs, layer, plan)
+            return states
         after = None
         if self.evictor is not None and layer_idx in self.evictor.layers:
             after = functools.partial(self.evictor.after_attention, layer_idx)
         return layer.update(key_states, value_states, plan, attention_kwargs, after, self._undo_step)
+
+    def _leave_gathered_handle(self, attention_kwargs: dict, layer: PagedLayer, plan: StepPlan) -> None:
+        """For the "paged" attention of a model that caches latents (handed the gathered history, not blocks): a
+        handle that lets it take the step back on a refusal, and a packed forward mask each sequence's rows."""
+        attention_kwargs[PAGED_KV_KWARG] = PagedKV(layer, plan, None, self._undo_step, gathered=True)
 
     def _undo_step(self) -> None:
         """Take back the forward step under way, whose attention refused the model (a keyword only the attention

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 import transformers
-from tiny_models import MODELS_BY_NAME, VOCAB
+from tiny_models import MODELS_BY_NAME, VOCAB, ProducerlessGemma3nConfig
 from transformers import DynamicCache
 
 from hf_paged_cache import PagedCache, UnsupportedAttentionError
@@ -175,17 +175,9 @@ def test_kv_shared_layers_read_their_producers_blocks_and_a_refusal_there_takes_
         torch.testing.assert_close(logits, model(torch.tensor([[7]]), cache=reference).logits)
 
 
-class _ProducerlessGemma3nConfig(transformers.Gemma3nTextConfig):
-    """A config whose KV-shared layers name no "store" layer to read from."""
-
-    @property
-    def kv_sharing_modes(self) -> list[str | None]:
-        return [None if mode == "store" else mode for mode in super().kv_sharing_modes]
-
-
 def test_kv_shared_layers_without_a_producer_are_refused():
     _model, config = MODELS_BY_NAME["gemma3n"].build()
     check_model_features(config)  # the real Gemma-3n layout is served
-    producerless = _ProducerlessGemma3nConfig(**config.to_dict())
+    producerless = ProducerlessGemma3nConfig(**config.to_dict())
     with pytest.raises(UnsupportedAttentionError, match=r"layers \[2, 3\] reuse K/V without an earlier \"store\""):
         check_model_features(producerless)

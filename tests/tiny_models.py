@@ -185,6 +185,14 @@ def gemma3n():
     return _make(transformers.Gemma3nForCausalLM, config)
 
 
+class ProducerlessGemma3nConfig(transformers.Gemma3nTextConfig):
+    """A Gemma-3n config whose KV-shared layers name no "store" layer to read from (refused by the paged attention)."""
+
+    @property
+    def kv_sharing_modes(self) -> list[str | None]:
+        return [None if mode == "store" else mode for mode in super().kv_sharing_modes]
+
+
 def deepseek_v3():
     """Multi-head latent attention: compressed latents are cached; values (8) narrower than keys (16 + 8)."""
     config = transformers.DeepseekV3Config(**_common(num_key_value_heads=4), **_latent_attention(),
