@@ -61,8 +61,8 @@ def _state(cache: PagedCache) -> tuple:
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
 def test_latent_attention_reads_its_gathered_history_and_a_refusal_leaves_the_cache_as_it_was(name):
     """Multi-head latent attention expands the cached latents into K/V after `update()`: under "paged" the cache
-    hands back the gathered latents and the logits are DynamicCache's (prefill, then decode); a keyword the paged
-    attention cannot honour, shown by the second layer after the first one wrote, is refused and taken back."""
+    hands back the gathered latents and the logits are DynamicCache's (prefill, then decode); a keyword or a dropout
+    the paged attention cannot honour, shown after the first layer wrote, is refused and the step taken back."""
     model, config = MODELS_BY_NAME[name].build()
     ids, step = _prompt(), torch.tensor([[7]])
     model.set_attn_implementation("sdpa")
@@ -76,6 +76,14 @@ def test_latent_attention_reads_its_gathered_history_and_a_refusal_leaves_the_ca
     with pytest.raises(UnsupportedAttentionError, match=r"uses `position_bias`.*additive attention"):
         model(ids, cache=cache)
     hook.remove()
+    assert _state(cache) == before
+    # Training dropout shows only at the attention call, after the first layer wrote: the handle takes it back.
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    model.train()
+    with pytest.raises(UnsupportedAttentionError, match=r"Attention uses dropout=0.1"):
+        model(ids, cache=cache)
+    model.eval()
     assert _state(cache) == before
     actual = [model(ids, cache=cache).logits, model(step, cache=cache).logits]
     for got, want in zip(actual, expected):
