@@ -148,8 +148,10 @@ class PagedLayer(CacheLayerMixin):
         return f"{type(self).__name__}(group={self.tables.name!r}, tokens={self.seq_len})"
 
     def uses_kernels(self) -> bool:
-        """Whether the Triton kernels write and read this layer's blocks."""
-        return not self.chunked and self.options.uses_kernels(self.device)
+        """Whether the Triton kernels write and read this layer's blocks. They take one head dim for keys and
+        values, so values of another width (a model caching latents stores its positional key as the values) are
+        written and read by the torch paths."""
+        return not self.chunked and self.value_dim == self.kv_shape[1] and self.options.uses_kernels(self.device)
 
     # ------------------------------------------------------------------ storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

@@ -4,7 +4,7 @@ windows, soft-capping and learned sinks all run in the kernels."""
 
 import pytest
 import torch
-from tiny_models import gemma3n
+from tiny_models import deepseek_v3, gemma3n
 from transformers import (
     DynamicCache,
     Gemma2Config,
@@ -111,3 +111,26 @@ def test_quantized_generate_through_kernels_matches_the_torch_path(name, quant, 
     assert torch.equal(actual.sequences, expected.sequences)
     for got, want in zip(actual.scores, expected.scores):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_latent_attention_on_the_kernel_backend_matches_dynamic_cache(quant):
+    """A model that caches latents stores values (its positional key) narrower than keys (its latent), which the
+    kernels cannot write or read: its layers take the torch paths, so `backend="triton"` serves it exactly under
+    either attention (int8: like the torch backend)."""
+    model, config = deepseek_v3()
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                    output_scores=True, return_dict_in_generate=True, eos_token_id=None)  # fmt: skip
+    options = dict(block_size=4, quant=quant, residual_length=4)
+    model.set_attn_implementation("sdpa")
+    expected = model.generate(**settings, cache=DynamicCache(config=config) if quant is None else
+                              PagedCache(config, backend="torch", **options))  # fmt: skip
+    for implementation in ("sdpa", "paged"):
+        model.set_attn_implementation(implementation)
+        actual = model.generate(**settings, cache=PagedCache(config, backend="triton", **options))
+        assert torch.equal(actual.sequences, expected.sequences), implementation
+        for got, want in zip(actual.scores, expected.scores):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
