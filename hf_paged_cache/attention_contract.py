@@ -91,6 +91,12 @@ def caches_latents(config: PretrainedConfig) -> bool:
     return bool(getattr(config, "kv_lora_rank", None))
 
 
+def latent_state_shapes(config: PretrainedConfig) -> tuple[int, int, int] | None:
+    """(heads, key dim, value dim) of what a model that caches latents passes `update()` — one head: the latent as
+    keys, the positional key as values — or None for a model that passes its attention's K/V."""
+    return (1, config.kv_lora_rank, config.qk_rope_head_dim) if caches_latents(config) else None
+
+
 def kv_sharing_sources(config: PretrainedConfig) -> dict[int, int]:
     """`{consumer: producer}` of a model whose layers reuse an earlier layer's K/V (`kv_sharing_modes` "reuse", as
     in Gemma-3n): the producer is the last earlier "store" layer of the consumer's layer type, whose `update()`
