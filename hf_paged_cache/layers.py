@@ -151,7 +151,8 @@ class PagedLayer(CacheLayerMixin):
         """Whether the Triton kernels write and read this layer's blocks. They take one head dim for keys and
         values, so values of another width (a model caching latents stores its positional key as the values) are
         written and read by the torch paths."""
-        return not self.chunked and self.value_dim == self.kv_shape[1] and self.options.uses_kernels(self.device)
+        one_head_dim = not self.is_initialized or self.value_dim == self.kv_shape[1]
+        return not self.chunked and one_head_dim and self.options.uses_kernels(self.device)
 
     # ------------------------------------------------------------------ storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
