@@ -41,7 +41,7 @@ def _alone(model, prompt: list[int], cache, attention: str) -> list[int]:
 
 @pytest.mark.parametrize("name", [
     "llama_gqa", "llama_mqa", "qwen3", "mistral_sliding", "qwen2_sliding", "gemma2", "gemma3n", "gpt_oss",
-    "granitemoe_swa", "deepseek_v3", "deepseek_v2",
+    "granitemoe_swa", "deepseek_v3", "deepseek_v2", "mimo_v2_flash",
 ])  # fmt: skip
 def test_greedy_outputs_equal_each_prompt_alone_with_dynamic_cache(name):
     model = _model(name)

@@ -207,6 +207,17 @@ def deepseek_v2():
     return _make(transformers.DeepseekV2ForCausalLM, config)
 
 
+def mimo_v2_flash():
+    """Per-head keys (24) wider than values (8), cached as they are (no latents); a sliding and a full layer."""
+    common = _common()
+    common.pop("intermediate_size")
+    config = transformers.MiMoV2FlashConfig(
+        **common, intermediate_size=2 * HIDDEN, head_dim=24, v_head_dim=8, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["dense", "dense"],
+    )  # fmt: skip
+    return _make(transformers.MiMoV2FlashForCausalLM, config)
+
+
 def _latent_attention(q_lora_rank: int | None = None) -> dict:
     return dict(
         kv_lora_rank=16,
@@ -238,6 +249,7 @@ MODELS: list[TinyModel] = [
     TinyModel("granitemoe_swa", granitemoe_swa, gather_impl="eager", sliding_window=8),
     TinyModel("deepseek_v3", deepseek_v3, caches_latents=True),
     TinyModel("deepseek_v2", deepseek_v2, caches_latents=True),
+    TinyModel("mimo_v2_flash", mimo_v2_flash, gather_impl="eager", sliding_window=8),
 ]
 MODELS_BY_NAME = {entry.name: entry for entry in MODELS}
 

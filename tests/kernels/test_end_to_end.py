@@ -4,7 +4,7 @@ windows, soft-capping and learned sinks all run in the kernels."""
 
 import pytest
 import torch
-from tiny_models import deepseek_v3, gemma3n
+from tiny_models import deepseek_v3, gemma3n, mimo_v2_flash
 from transformers import (
     DynamicCache,
     Gemma2Config,
@@ -114,21 +114,23 @@ def test_quantized_generate_through_kernels_matches_the_torch_path(name, quant, 
 
 
 @pytest.mark.parametrize("quant", [None, "int8"])
-def test_latent_attention_on_the_kernel_backend_matches_dynamic_cache(quant):
-    """A model that caches latents stores values (its positional key) narrower than keys (its latent), which the
-    kernels cannot write or read: its layers take the torch paths, so `backend="triton"` serves it exactly under
-    either attention (int8: like the torch backend)."""
-    model, config = deepseek_v3()
+@pytest.mark.parametrize(("build", "gather"), [(deepseek_v3, "sdpa"), (mimo_v2_flash, "eager")], ids=["latents", "mimo"])
+def test_values_narrower_than_keys_on_the_kernel_backend_match_dynamic_cache(build, gather, quant):
+    """Values narrower than keys (DeepSeek's cached latents: the latent as keys, the positional key as values;
+    MiMo-V2-Flash's heads) do not fit the kernels, which take one head dim: those layers take the torch paths, so
+    `backend="triton"` serves the model exactly under either attention (int8: as the torch backend does with it).
+    """
+    model, config = build()
     ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
     settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
                     output_scores=True, return_dict_in_generate=True, eos_token_id=None)  # fmt: skip
     options = dict(block_size=4, quant=quant, residual_length=4)
-    model.set_attn_implementation("sdpa")
-    expected = model.generate(**settings, cache=DynamicCache(config=config) if quant is None else
-                              PagedCache(config, backend="torch", **options))  # fmt: skip
-    for implementation in ("sdpa", "paged"):
+    for implementation in (gather, "paged"):
+        model.set_attn_implementation(gather if quant is None else implementation)
+        expected = model.generate(**settings, cache=DynamicCache(config=config) if quant is None else
+                                  PagedCache(config, backend="torch", **options))  # fmt: skip
         model.set_attn_implementation(implementation)
         actual = model.generate(**settings, cache=PagedCache(config, backend="triton", **options))
         assert torch.equal(actual.sequences, expected.sequences), implementation
