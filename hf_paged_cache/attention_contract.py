@@ -91,10 +91,10 @@ def caches_latents(config: PretrainedConfig) -> bool:
     return bool(getattr(config, "kv_lora_rank", None))
 
 
-def latent_state_shapes(config: PretrainedConfig) -> tuple[int, int, int] | None:
-    """(heads, key dim, value dim) of what a model that caches latents passes `update()` — one head: the latent as
-    keys, the positional key as values — or None for a model that passes its attention's K/V."""
-    return (1, config.kv_lora_rank, config.qk_rope_head_dim) if caches_latents(config) else None
+def latent_key_shape(config: PretrainedConfig) -> tuple[int, int] | None:
+    """(heads, head dim) of the keys a model that caches latents passes `update()` — one head, its latent (the
+    values are its positional key) — or None for a model that passes its attention's K/V."""
+    return (1, config.kv_lora_rank) if caches_latents(config) else None
 
 
 def kv_sharing_sources(config: PretrainedConfig) -> dict[int, int]:
