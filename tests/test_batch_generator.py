@@ -205,8 +205,9 @@ def _unconstrained(name: str, prefix: int = 0, **options) -> tuple[tuple[int, ..
     # Recompute with prefix caching: requests that come back re-attach their own cached blocks.
     ("gemma2", {"preemption": "recompute", "prefix_caching": True}),
     ("llama_gqa", {"preemption": "swap", "quant": "int8", "residual_length": 4}),
+    ("deepseek_v3", {"preemption": "swap"}),  # swapped blocks of latents, keys wider than values
 ], ids=["swap-lru", "swap-weighted", "recompute", "auto-threshold", "recompute-prefix-gemma2",
-        "swap-int8"])  # fmt: skip
+        "swap-int8", "swap-latents"])  # fmt: skip
 def test_a_pool_for_a_quarter_of_the_demand_gives_the_unconstrained_outputs(name, options):
     cache_options = {key: options[key] for key in ("quant", "residual_length") if key in options}
     options = {"prefix_caching": False, **options}
