@@ -209,11 +209,9 @@ def deepseek_v2():
 
 def mimo_v2_flash():
     """Per-head keys (24) wider than values (8), cached as they are (no latents); a sliding and a full layer."""
-    common = _common()
-    common.pop("intermediate_size")
     config = transformers.MiMoV2FlashConfig(
-        **common, intermediate_size=2 * HIDDEN, head_dim=24, v_head_dim=8, sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["dense", "dense"],
+        **_common(), head_dim=24, v_head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        mlp_layer_types=["dense", "dense"],
     )  # fmt: skip
     return _make(transformers.MiMoV2FlashForCausalLM, config)
 
