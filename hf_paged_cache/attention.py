@@ -48,7 +48,8 @@ def paged_attention_forward(
 
     When `update()` left a `PagedKV` in the kwargs, `key`/`value` are only this step's new states and
     the history is read from the blocks; otherwise (a model that calls `update()` without kwargs, or no
-    `PagedCache`) `key`/`value` are complete and are used as given. A keyword (or dropout) it cannot honour
+    `PagedCache`), or when the handle says `gathered` (a model that caches latents and expands them into
+    K/V after `update()`), `key`/`value` are complete and are used as given. A keyword (or dropout) it cannot honour
     is refused (`attention_contract`) and the cache takes back the step under way, so it is as it was.
     """
     # A KV-shared layer (Gemma-3n) calls no `update()`: it reuses an earlier layer's states, which name its blocks.
@@ -62,7 +63,9 @@ def paged_attention_forward(
         raise
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.get("softcap")
-    if paged_kv is None:
+    if isinstance(paged_kv, PackedPagedKV) and paged_kv.gathered:  # a packed forward of a model caching latents
+        return _attend_gathered(query, key, value, paged_kv, scale, softcap, sinks), None
+    if paged_kv is None or paged_kv.gathered:
         return attend(query, key, value, attention_mask, scale, softcap, sinks).transpose(1, 2).contiguous(), None
     if isinstance(paged_kv, PackedPagedKV):  # each sequence of a packed batch attends over its own blocks
         outs = [
@@ -72,6 +75,20 @@ def paged_attention_forward(
         ]
         return torch.cat(outs, dim=1).contiguous(), None
     return _attend_blocks(query, paged_kv, attention_mask, scale, softcap, sinks).contiguous(), None
+
+
+def _attend_gathered(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: PackedPagedKV, scale: float,
+                     softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """A packed forward whose `key`/`value` are the sequences' gathered histories, concatenated in the parts' order:
+    each sequence's queries attend over its own span with its own mask. Returns `[1, q, heads, d]`."""
+    outs, kv_start = [], 0
+    for start, stop, part in packed.parts:
+        kv_stop = kv_start + part.read_len
+        mask = part.own_mask(stop - start, query.device)
+        outs.append(attend(query[:, :, start:stop], key[:, :, kv_start:kv_stop], value[:, :, kv_start:kv_stop], mask,
+                           scale, softcap, sinks))  # fmt: skip
+        kv_start = kv_stop
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 
 def _attend_blocks(query: torch.Tensor, paged_kv: PagedKV, mask: torch.Tensor | None, scale: float,

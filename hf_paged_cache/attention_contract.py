@@ -3,9 +3,11 @@
 transformers hands an attention function every keyword its model passes, and the paged attention reads only the
 ones it knows: any other that changes the attention (a T5-style `position_bias`) would be dropped and the tokens
 would differ from `DynamicCache` without an error. So each keyword is either honoured (listed here with why, learned
-sink logits `s_aux` among them) or refused, and model features that show in the config (multi-head latent attention)
-are refused before the cache changes. KV-shared layers (Gemma-3n) read their producer layer's blocks
-(`kv_sharing_sources`); only those whose producer the config does not name are refused.
+sink logits `s_aux` among them) or refused, and model features that show in the config are refused before the cache
+changes. KV-shared layers (Gemma-3n) read their producer layer's blocks (`kv_sharing_sources`); only those whose
+producer the config does not name are refused. Models that cache compressed latents (multi-head latent attention,
+`caches_latents`) are handed their gathered history instead of blocks, since their attention reads K/V expanded
+from it.
 """
 
 from __future__ import annotations
@@ -74,9 +76,6 @@ def check_attention_kwargs(model: str, kwargs: dict, dropout: float = 0.0) -> No
 def check_model_features(config: PretrainedConfig) -> None:
     """Refuse, from the config alone, models whose attention the paged attention cannot read from blocks."""
     model = model_name(config)
-    # A heterogeneous config holds per-layer attributes only on its layers' configs (reading them globally raises).
-    for layer in config.per_layer_config if getattr(config, "is_heterogeneous", False) else [config]:
-        _check_latent_attention(model, layer)
     compressed = sorted(set(getattr(config, "layer_types", None) or []) & COMPRESSED_LAYER_TYPES)
     if compressed:
         refuse(model, f"compressed attention layers ({', '.join(compressed)})",
@@ -91,19 +90,29 @@ def check_model_features(config: PretrainedConfig) -> None:
                "from, so the paged attention cannot tell which layer's blocks hold their history")  # fmt: skip
 
 
-def _check_latent_attention(model: str, config: PretrainedConfig) -> None:
-    qk_dim = getattr(config, "qk_head_dim", None)
-    if qk_dim is None and getattr(config, "qk_nope_head_dim", None) is not None:
-        qk_dim = config.qk_nope_head_dim + getattr(config, "qk_rope_head_dim", 0)
-    v_dim = getattr(config, "v_head_dim", None)
-    if v_dim is not None and qk_dim is not None and v_dim < qk_dim:
-        refuse(model, "multi-head latent attention",
-               f"values narrower than keys (v_head_dim {v_dim} < qk_head_dim {qk_dim}) are not supported by the "
-               "paged attention (the model caches compressed latents and expands them after `update()`)")  # fmt: skip
-    if getattr(config, "kv_lora_rank", None):
-        refuse(model, "multi-head latent attention",
-               f"the model caches compressed latents (kv_lora_rank {config.kv_lora_rank}) and expands them into keys "
-               "and values after `update()`, but the paged attention keeps the history in blocks")  # fmt: skip
+def caches_latents(config: PretrainedConfig) -> bool:
+    """Whether the model caches compressed latents rather than the K/V its attention reads (multi-head latent
+    attention: DeepSeek-V2/V3, Kimi, GLM-4-MoE-Lite, Mistral-4, ...). Such a model passes `update()` a single-head
+    latent (`kv_lora_rank` wide) and its positional key, and expands both into per-head keys and values after
+    `update()`: blocks of latents are no K/V the paged attention could read, so the cache gathers the history and
+    the attention uses the K/V it is given. `kv_lora_rank` is what every such config names the latent's width; a
+    heterogeneous config names it per layer (and gathering is exact for its other layers too)."""
+    return _latent_rank(config) is not None
+
+
+def latent_key_shape(config: PretrainedConfig) -> tuple[int, int] | None:
+    """(heads, head dim) of the keys a model that caches latents passes `update()` — one head, its latent (the
+    values are its positional key) — or None for a model that passes its attention's K/V."""
+    rank = _latent_rank(config)
+    return None if rank is None else (1, rank)
+
+
+def _latent_rank(config: PretrainedConfig) -> int | None:
+    """The latent width `kv_lora_rank`, read from each layer's config of a heterogeneous config (reading a per-layer
+    attribute globally raises there), or None."""
+    layers = config.per_layer_config if getattr(config, "is_heterogeneous", False) else [config]
+    ranks = {rank for layer in layers if (rank := getattr(layer, "kv_lora_rank", None))}
+    return max(ranks) if ranks else None
 
 
 def kv_sharing_sources(config: PretrainedConfig) -> dict[int, int]:

@@ -4,7 +4,9 @@ The batch generator runs an unmodified HF model on `input_ids` of shape `[1, tok
 prompt chunks and decode tokens of many requests (no padding stored or computed), with each token's own
 position in `position_ids`. The model calls `update()` once per layer with the packed K/V; this cache
 hands each request's slice to that request's `PagedCache` (forks of one template, so they share pools)
-and leaves a `PackedPagedKV` for the `"paged"` attention, which attends each request over its own blocks.
+and leaves a `PackedPagedKV` for the `"paged"` attention, which attends each request over its own blocks. For a
+model that caches latents (multi-head latent attention) it returns the requests' gathered histories concatenated,
+which the model expands into K/V, and the attention attends each request over its own span of them.
 """
 
 from __future__ import annotations
@@ -59,11 +61,14 @@ class PackedCache(Cache):
                 "be told apart: the batch generator needs a model that passes them (Llama, Mistral, Qwen, Gemma, ...)"
             )
         positions = attention_kwargs.get("position_ids")
-        parts = []
+        parts, histories = [], []
         for cache, (start, stop) in zip(self.caches, self.spans):
             own = {} if positions is None else {"position_ids": positions[..., start:stop]}
-            cache.update(key_states[:, :, start:stop], value_states[:, :, start:stop], layer_idx, kwargs=own)
+            histories.append(cache.update(key_states[:, :, start:stop], value_states[:, :, start:stop], layer_idx,
+                                          kwargs=own))  # fmt: skip
             parts.append((start, stop, own[PAGED_KV_KWARG]))
         packed = attention_kwargs[PAGED_KV_KWARG] = PackedPagedKV(parts)
+        if packed.gathered:  # a model that caches latents expands every sequence's gathered history into K/V
+            return tuple(torch.cat(states, dim=2) for states in zip(*histories))
         reader = packed.reader()  # for a later layer that reuses these states (a KV-shared layer)
         return paged_only(key_states, reader), paged_only(value_states, reader)

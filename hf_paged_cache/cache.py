@@ -16,14 +16,20 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from .attention import ATTENTION_NAME
-from .attention_contract import check_attention_kwargs, check_model_features, kv_sharing_sources, model_name
+from .attention_contract import (
+    caches_latents,
+    check_attention_kwargs,
+    check_model_features,
+    kv_sharing_sources,
+    model_name,
+)
 from .block_pool import BlockPool
 from .block_tables import BlockTables, QuantizedBlockTables, StepPlan
 from .config import PagedCacheConfig
 from .distributed import tensor_parallel_size
 from .errors import OutOfBlocksError, UnsupportedAttentionError
 from .eviction import Evictor
-from .layers import PagedLayer, PagedSlidingLayer, SharedKVLayer
+from .layers import PAGED_KV_KWARG, PagedKV, PagedLayer, PagedSlidingLayer, SharedKVLayer
 from .memory import SLIDING_TYPES, CacheMetrics, collect_metrics
 from .persistence import load_cache, save_cache
 from .quantization import parse_kv_format
@@ -82,6 +88,12 @@ class PagedCache(Cache):
                 f"`eviction` cannot serve {model_name(self.model_config)}: its layers {sorted(reused)} reuse the K/V "
                 "of earlier layers within the same forward, after those layers' eviction may already have moved "
                 "their tokens. Build the cache without `eviction` for this model."
+            )
+        if caches_latents(self.model_config) and options.eviction is not None:
+            raise ValueError(
+                f"`eviction` cannot serve {model_name(self.model_config)}: it caches compressed latents and expands "
+                "them into K/V after `update()`, so its attention reads the gathered history, not the blocks eviction "
+                "scores and leaves gaps in. Build the cache without `eviction` for this model."
             )
         layers = []
         for index, (layer_type, kwargs_of_layer) in enumerate(zip(layer_types, layer_kwargs)):
@@ -148,9 +160,11 @@ class PagedCache(Cache):
             )
         layer = self.layers[layer_idx]
         attention_kwargs = kwargs.get("kwargs")
-        # Whether this forward runs the "paged" attention, which reads K/V from the blocks itself.
-        in_place = attention_kwargs is not None and self._attention_is_paged()
-        if in_place:  # what the config and this layer's kwargs show is refused before this layer writes
+        # Whether this forward runs the "paged" attention, which reads K/V from the blocks itself unless the model
+        # caches latents (its attention reads K/V expanded from the gathered history).
+        paged = attention_kwargs is not None and self._attention_is_paged()
+        in_place = paged and not caches_latents(self.model_config)
+        if paged:  # what the config and this layer's kwargs show is refused before this layer writes
             try:
                 check_model_features(self.model_config)
                 check_attention_kwargs(model_name(self.model_config), attention_kwargs)
@@ -159,7 +173,10 @@ class PagedCache(Cache):
                     self._undo_step()
                 raise
         if isinstance(layer, SharedKVLayer):
-            return layer.update(key_states, value_states, attention_kwargs if in_place else None, self._undo_step)
+            states = layer.update(key_states, value_states, attention_kwargs if in_place else None, self._undo_step)
+            if paged and not in_place:
+                self._leave_gathered_handle(attention_kwargs, layer.source, layer.source.tables.plan)
+            return states
         if not isinstance(layer, PagedLayer):
             return layer.update(key_states, value_states, *args, **kwargs)
         self._check_thread()
@@ -172,11 +189,19 @@ class PagedCache(Cache):
         if plan.mirrors:
             plan = self._check_mirrors(layer, key_states, value_states, plan)
         if not in_place:
-            return layer.update(key_states, value_states, plan)
+            states = layer.update(key_states, value_states, plan)
+            if paged:
+                self._leave_gathered_handle(attention_kwargs, layer, plan)
+            return states
         after = None
         if self.evictor is not None and layer_idx in self.evictor.layers:
             after = functools.partial(self._after_attention, layer_idx)
         return layer.update(key_states, value_states, plan, attention_kwargs, after, self._undo_step)
+
+    def _leave_gathered_handle(self, attention_kwargs: dict, layer: PagedLayer, plan: StepPlan) -> None:
+        """For the "paged" attention of a model that caches latents (handed the gathered history, not blocks): a
+        handle that lets it take the step back on a refusal, and a packed forward mask each sequence's rows."""
+        attention_kwargs[PAGED_KV_KWARG] = PagedKV(layer, plan, None, self._undo_step, gathered=True)
 
     def _undo_step(self) -> None:
         """Take back the forward step under way, whose attention refused the model (a keyword only the attention

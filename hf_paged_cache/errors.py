@@ -23,6 +23,6 @@ class CacheFileError(ValueError):
 
 
 class UnsupportedAttentionError(ValueError):
-    """The model uses an attention feature the `"paged"` attention does not implement (learned sinks, latent
-    attention, KV-shared layers, ...). Raised before the cache changes (or after taking the step back), so the
-    cache is as it was and works with another attention implementation."""
+    """The model uses an attention feature the `"paged"` attention does not implement (a T5-style position
+    bias, sparse attention, KV-shared layers without a named producer, ...). Raised before the cache changes (or
+    after taking the step back), so the cache is as it was and works with another attention implementation."""

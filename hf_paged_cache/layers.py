@@ -33,14 +33,18 @@ AfterAttention = Callable[[StepPlan, torch.Tensor, "torch.Tensor | None", float,
 class PagedKV:
     """The handle `update()` leaves in the attention kwargs in place of gathered K/V: where the step's
     history lives, and the work due once attention ran (`finish`: eviction statistics and triggers), so
-    neither the attention function nor the layer needs a reference to the cache."""
+    neither the attention function nor the layer needs a reference to the cache.
+
+    `gathered`: `update()` returned the gathered history instead (a model that caches latents expands it into the
+    K/V its attention receives); the handle then only takes the step back on a refusal and masks a packed row."""
 
     def __init__(self, layer: PagedLayer, plan: StepPlan, after_attention: AfterAttention | None = None,
-                 undo: Callable[[], None] | None = None):  # fmt: skip
+                 undo: Callable[[], None] | None = None, gathered: bool = False):  # fmt: skip
         self.layer = layer
         self.plan = plan
         self.after_attention = after_attention
         self.undo_step = undo  # takes the cache's step back when the attention refuses the model
+        self.gathered = gathered
 
     @property
     def sliding_window(self) -> int | None:
@@ -68,14 +72,19 @@ class PagedKV:
     def reader(self) -> PagedKV:
         """The handle for another layer that attends over this layer's K/V (a KV-shared layer): the same blocks and
         plan without the work due after attention, so eviction statistics are recorded once per stored layer."""
-        return PagedKV(self.layer, self.plan, None, self.undo_step)
+        return PagedKV(self.layer, self.plan, None, self.undo_step, self.gathered)
+
+    @property
+    def read_len(self) -> int:
+        """Positions the step reads (the gathered history's length)."""
+        return self.plan.new_len - self.plan.kv_offset
 
     def own_mask(self, q_len: int, device: torch.device) -> torch.Tensor | None:
         """The mask of a sequence that has no model-made mask (a packed batch): causal over the read range,
         within the sliding window if any; None for one query, which sees the whole read range."""
         if q_len == 1:
             return None
-        return causal_mask(q_len, self.plan.new_len - self.plan.kv_offset, device, self.sliding_window)
+        return causal_mask(q_len, self.read_len, device, self.sliding_window)
 
 
 class PackedPagedKV:
@@ -84,6 +93,11 @@ class PackedPagedKV:
 
     def __init__(self, parts: list[tuple[int, int, PagedKV]]):
         self.parts = parts
+
+    @property
+    def gathered(self) -> bool:
+        """Whether the forward's K/V are the sequences' gathered histories, concatenated in the parts' order."""
+        return all(part.gathered for _start, _stop, part in self.parts)
 
     def undo(self) -> None:
         """Every sequence's cache takes back the step under way (the attention refused the model)."""
@@ -134,8 +148,11 @@ class PagedLayer(CacheLayerMixin):
         return f"{type(self).__name__}(group={self.tables.name!r}, tokens={self.seq_len})"
 
     def uses_kernels(self) -> bool:
-        """Whether the Triton kernels write and read this layer's blocks."""
-        return not self.chunked and self.options.uses_kernels(self.device)
+        """Whether the Triton kernels write and read this layer's blocks. They take one head dim for keys and
+        values, so values of another width (a model caching latents stores its positional key as the values) are
+        written and read by the torch paths."""
+        one_head_dim = not self.is_initialized or self.value_dim == self.kv_shape[1]
+        return not self.chunked and one_head_dim and self.options.uses_kernels(self.device)
 
     # ------------------------------------------------------------------ storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

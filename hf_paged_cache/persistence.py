@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
+from .attention_contract import latent_key_shape
 from .block_tables import BlockTables, QuantizedBlockTables
 from .config import PagedCacheConfig, _check_device_exists
 from .errors import CacheFileError
@@ -463,7 +464,8 @@ def _check_model(header: dict, tensors: dict[str, torch.Tensor], cache: Cache) -
             raise CacheFileError(f"the file's groups[{index}] is {saved['name']!r}, a group this config and these "
                                  f"options do not make ({', '.join(cache.groups)}): {remedy}")  # fmt: skip
     names = [group["name"] for group in header["groups"]]
-    shapes = {index: (heads // cache.tp_size, head_dim)
+    latent = latent_key_shape(config)  # a model that caches latents stores them, not its attention's K/V
+    shapes = {index: latent or (heads // cache.tp_size, head_dim)
               for index, _window, heads, head_dim in _attention_layer_shapes(config)}  # fmt: skip
     filled = {group["name"] for group in header["groups"] if group["rows"]}
     for index, (layer, saved) in enumerate(zip(cache.layers, header["layers"])):

@@ -9,14 +9,13 @@ import re
 import pytest
 import torch
 import transformers
-from tiny_models import MODELS_BY_NAME, REFUSED_MODELS, VOCAB
+from tiny_models import MODELS_BY_NAME, VOCAB, ProducerlessGemma3nConfig
 from transformers import DynamicCache
 
 from hf_paged_cache import PagedCache, UnsupportedAttentionError
-from hf_paged_cache.attention_contract import HONOURED, REFUSED, check_model_features
+from hf_paged_cache.attention_contract import HONOURED, REFUSED, caches_latents, check_model_features, latent_key_shape
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-REFUSED_BY_NAME = {entry.name: entry for entry in REFUSED_MODELS}
 # The attention function's own parameters: a call may name them, they never reach its `**kwargs`.
 PARAMETERS = {"module", "query", "key", "value", "attention_mask", "scaling", "dropout"}
 NEW = 5
@@ -59,26 +58,36 @@ def _state(cache: PagedCache) -> tuple:
     return cache.get_seq_length(), metrics.blocks_used, metrics.tokens_stored
 
 
-@pytest.mark.parametrize(
-    "name, match",
-    [
-        ("deepseek_v3", r"values narrower than keys \(v_head_dim 8 < qk_head_dim 24\)"),
-    ],
-)
-def test_refused_models_fail_clearly_and_leave_the_cache_as_it_was(name, match):
-    """The refusal names the model and the cause and the remedy; the same cache then serves the gather path exactly."""
-    entry = REFUSED_BY_NAME[name]
-    model, config = entry.build()
-    ids = _prompt()
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
+def test_latent_attention_reads_its_gathered_history_and_a_refusal_leaves_the_cache_as_it_was(name):
+    """Multi-head latent attention expands the cached latents into K/V after `update()`: under "paged" the cache
+    hands back the gathered latents and the logits are DynamicCache's (prefill, then decode); a keyword or a dropout
+    the paged attention cannot honour, shown after the first layer wrote, is refused and the step taken back."""
+    model, config = MODELS_BY_NAME[name].build()
+    ids, step = _prompt(), torch.tensor([[7]])
+    model.set_attn_implementation("sdpa")
+    reference = DynamicCache(config=config)
+    expected = [model(ids, cache=reference).logits, model(step, cache=reference).logits]
+    model.set_attn_implementation("paged")
     cache = PagedCache(config, block_size=4)
     before = _state(cache)
-    model.set_attn_implementation("paged")
-    with pytest.raises(UnsupportedAttentionError, match=match) as error:
+    hook = model.model.layers[1].self_attn.register_forward_pre_hook(
+        lambda _module, args, kwargs: (args, {**kwargs, "position_bias": torch.zeros(1)}), with_kwargs=True)
+    with pytest.raises(UnsupportedAttentionError, match=r"uses `position_bias`.*additive attention"):
         model(ids, cache=cache)
-    assert 'attn_implementation="sdpa"' in str(error.value)
+    hook.remove()
     assert _state(cache) == before
-    expected = _generate(model, entry.gather_impl, DynamicCache(config=config), ids)
-    assert _generate(model, entry.gather_impl, cache, ids) == expected
+    # Training dropout shows only at the attention call, after the first layer wrote: the handle takes it back.
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    model.train()
+    with pytest.raises(UnsupportedAttentionError, match=r"Attention uses dropout=0.1"):
+        model(ids, cache=cache)
+    model.eval()
+    assert _state(cache) == before
+    actual = [model(ids, cache=cache).logits, model(step, cache=cache).logits]
+    for got, want in zip(actual, expected):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["gpt_oss", "granitemoe_swa"])
@@ -151,17 +160,17 @@ def test_an_unknown_keyword_and_training_dropout_are_refused_before_anything_is_
     assert _state(cache) == before
 
 
-def test_latent_attention_in_a_heterogeneous_config_is_refused():
-    """Per-layer attributes of a heterogeneous config can only be read from its layers' configs: the latent-attention
-    check reads them there, so the refusal is clean (it used to raise transformers'
-    AmbiguousGlobalPerLayerAttributeError from inside the check, e.g. for dots3_note_text)."""
-    _model, config = REFUSED_BY_NAME["deepseek_v3"].build()
+def test_latent_attention_in_a_heterogeneous_config_is_found_per_layer():
+    """Per-layer attributes of a heterogeneous config can only be read from its layers' configs: the latent check
+    reads them there (reading them globally raised transformers' AmbiguousGlobalPerLayerAttributeError from inside
+    the check, e.g. for dots3_note_text), so a model with latents in some layers is served by the gathered history."""
+    _model, config = MODELS_BY_NAME["deepseek_v3"].build()
     plain = {**config.to_dict(), "kv_lora_rank": 0, "v_head_dim": 24}  # no latents, values as wide as keys
-    check_model_features(transformers.DeepseekV3Config(**plain))  # nothing to refuse
+    assert not caches_latents(transformers.DeepseekV3Config(**plain))
     layered = transformers.DeepseekV3Config(**plain, per_layer_config={1: {"kv_lora_rank": 8}})  # latents in layer 1
     assert layered.is_heterogeneous
-    with pytest.raises(UnsupportedAttentionError, match=r"multi-head latent attention.*kv_lora_rank 8"):
-        check_model_features(layered)
+    check_model_features(layered)  # nothing to refuse
+    assert caches_latents(layered) and latent_key_shape(layered) == (1, 8)
 
 
 def test_compressed_attention_layers_are_refused():
@@ -196,17 +205,9 @@ def test_kv_shared_layers_read_their_producers_blocks_and_a_refusal_there_takes_
         torch.testing.assert_close(logits, model(torch.tensor([[7]]), cache=reference).logits)
 
 
-class _ProducerlessGemma3nConfig(transformers.Gemma3nTextConfig):
-    """A config whose KV-shared layers name no "store" layer to read from."""
-
-    @property
-    def kv_sharing_modes(self) -> list[str | None]:
-        return [None if mode == "store" else mode for mode in super().kv_sharing_modes]
-
-
 def test_kv_shared_layers_without_a_producer_are_refused():
     _model, config = MODELS_BY_NAME["gemma3n"].build()
     check_model_features(config)  # the real Gemma-3n layout is served
-    producerless = _ProducerlessGemma3nConfig(**config.to_dict())
+    producerless = ProducerlessGemma3nConfig(**config.to_dict())
     with pytest.raises(UnsupportedAttentionError, match=r"layers \[2, 3\] reuse K/V without an earlier \"store\""):
         check_model_features(producerless)

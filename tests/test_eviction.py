@@ -630,6 +630,8 @@ def test_eviction_with_quantization_and_beam_search_on_every_architecture(entry)
         pytest.skip(f"{entry.name} calls update() without attention kwargs: it cannot read an evicted cache")
     if entry.reuses_kv:
         pytest.skip(f"{entry.name} reuses K/V across layers: eviction is refused for it (see the test below)")
+    if entry.caches_latents:
+        pytest.skip(f"{entry.name} caches latents: eviction is refused for it (see the test below)")
     input_ids, attention_mask = padded_batch((0, 3), 24, seed=6)
     policy = POLICIES["tova"](per_head=entry.name.endswith("gqa"))  # per-head eviction composes too
     cache = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=4, eviction=policy)
@@ -644,6 +646,22 @@ def test_eviction_with_quantization_and_beam_search_on_every_architecture(entry)
     for group in full:
         for row in range(len(group.tables)):
             assert group.stored_count(row) <= BUDGET + BLOCK
+
+
+def test_eviction_is_refused_for_models_that_cache_latents():
+    """Multi-head latent attention reads K/V expanded from the gathered history, never the blocks eviction scores
+    and leaves gaps in: refused when the cache is built; without eviction the same model is served exactly."""
+    model, config = MODELS_BY_NAME["deepseek_v3"].build()
+    with pytest.raises(ValueError, match=r"`eviction` cannot serve DeepseekV3 model: it caches compressed latents"):
+        PagedCache(config, block_size=BLOCK, eviction=POLICIES["tova"]())
+    input_ids, attention_mask = padded_batch((0, 3), 12, seed=6)
+    outputs = []
+    for implementation, cache in (("sdpa", DynamicCache(config=config)), ("paged", PagedCache(config, block_size=4))):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            outputs.append(model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache,
+                                          max_new_tokens=6, do_sample=False, pad_token_id=PAD_ID))  # fmt: skip
+    assert torch.equal(outputs[0], outputs[1])
 
 
 def test_eviction_is_refused_for_layers_that_reuse_another_layers_kv():

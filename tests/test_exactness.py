@@ -157,14 +157,15 @@ def assert_same_outputs(expected: list, actual: list, label: str = "") -> None:
 @contextmanager
 def read_path_spy(monkeypatch):
     """Records, per `PagedCache.update()` call, whether it left a paged handle for the attention to read
-    the blocks (the "paged" read path) or returned gathered K/V (the "gather" read path); and crops."""
+    the blocks (the "paged" read path) or returned gathered K/V (the "gather" read path, with or without a
+    `gathered` handle); and crops."""
     counts = {"handle": 0, "gathered": 0, "crops": []}
     update, crop = PagedCache.update, PagedCache.crop
 
     def recording_update(self, key_states, value_states, layer_idx, *args, **kwargs):
         result = update(self, key_states, value_states, layer_idx, *args, **kwargs)
-        attention_kwargs = kwargs.get("kwargs")
-        counts["handle" if attention_kwargs and PAGED_KV_KWARG in attention_kwargs else "gathered"] += 1
+        handle = (kwargs.get("kwargs") or {}).get(PAGED_KV_KWARG)
+        counts["handle" if handle is not None and not handle.gathered else "gathered"] += 1
         return result
 
     def recording_crop(self, tokens_to_remove):
@@ -177,7 +178,8 @@ def read_path_spy(monkeypatch):
 
 
 def _check_read_path(counts, name: str, read_path: str) -> None:
-    if read_path == "gather" or not MODELS_BY_NAME[name].passes_attention_kwargs:
+    entry = MODELS_BY_NAME[name]
+    if read_path == "gather" or not entry.passes_attention_kwargs or entry.caches_latents:
         assert counts["gathered"] > 0 and counts["handle"] == 0, counts
     else:
         assert counts["handle"] > 0 and counts["gathered"] == 0, counts

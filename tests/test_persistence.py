@@ -41,6 +41,8 @@ CASES = {  # name: (model, attention, PagedCache options)
     "random_eviction": ("llama_gqa", "paged", {"eviction": RandomEviction(budget=8, sinks=2, window=4)}),
     "mistral_sliding": ("mistral_sliding", "sdpa", {}),
     "qwen2_sliding_int8": ("qwen2_sliding", "paged", {"quant": "int8", "residual_length": 4}),
+    "deepseek_v3_latents": ("deepseek_v3", "paged", {}),  # keys (the latent) wider than values (the positional key)
+    "deepseek_v2_latents_int8": ("deepseek_v2", "paged", {"quant": "int8", "residual_length": 4}),
 }
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -124,6 +124,23 @@ def test_int8_logits_stay_close(attn):
     assert out.sequences.tolist() == reference.sequences.tolist()
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
+def test_latent_attention_stores_quantized_latents_and_reads_them_as_its_gather_path(name):
+    """A model that caches latents has them quantized like any K/V; under "paged" it is handed them gathered and
+    dequantized, so its int8 scores are SDPA's over the same cache, and close to full precision's."""
+    model = _model(name)
+    full = _generate(model, "sdpa", PagedCache(model.config, block_size=BLOCK))
+    outs = {}
+    for attn in ("sdpa", "paged"):
+        cache = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=RESIDUAL)
+        outs[attn] = _generate(model, attn, cache)
+        assert cache.metrics().quantized_tokens > 0
+    assert outs["paged"].sequences.tolist() == outs["sdpa"].sequences.tolist()
+    assert all(torch.equal(a, b) for a, b in zip(outs["paged"].scores, outs["sdpa"].scores))
+    errors = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(outs["paged"].scores, full.scores)]
+    assert 0 < max(errors) < 0.03, errors
+
+
 def test_paged_read_matches_gather_read():
     """The chunked online-softmax read gives the same attention as SDPA over the dequantized copy (token by
     token: a longer step's tokens read its transition blocks each their own way, which only the paged read can)."""

@@ -262,8 +262,9 @@ class _SharedDynamicCache(DynamicCache):
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "paged"])
-def test_share_with_reads_the_source_layer_and_stores_nothing(attention):
-    model = _model("llama_gqa")
+@pytest.mark.parametrize("name", ["llama_gqa", "deepseek_v3"])  # deepseek_v3: the reader is handed the latents
+def test_share_with_reads_the_source_layer_and_stores_nothing(name, attention):
+    model = _model(name)
     model.set_attn_implementation(attention)
     ids = _ids(11, seed=7)
     cache = PagedCache(model.config, block_size=4, share_with={1: 0})

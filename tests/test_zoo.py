@@ -1,7 +1,7 @@
 """A fast slice of the model-zoo sweep (eval/zoo.py): representative model types, greedy on both read paths.
 
 Every cell must end exact or as a clean refusal, never as a silent difference or a raw error; the models the paged
-attention refuses (latent attention) must still be exact through the gather path.
+attention refuses (compressed attention layers) must still be exact through the gather path.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from hf_paged_cache import UnsupportedAttentionError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# plain, no-kwargs update, softcap, sliding, hybrid with linear attention, learned sinks
-EXACT = ["llama", "gpt_neox", "gemma2", "mistral", "qwen3_next", "gpt_oss"]
-REFUSED_BY_PAGED = ["deepseek_v3", "minicpm3"]  # multi-head latent attention
+# plain, no-kwargs update, softcap, sliding, hybrid with linear attention, learned sinks, cached latents
+EXACT = ["llama", "gpt_neox", "gemma2", "mistral", "qwen3_next", "gpt_oss", "deepseek_v3", "minicpm3"]
+REFUSED_BY_PAGED = ["deepseek_v4"]  # compressed attention layers
 
 
 @pytest.mark.parametrize("model_type", EXACT)

@@ -31,6 +31,7 @@ class TinyModel:
     passes_position_ids: bool = True  # attention layers receive `position_ids` (left padding is not stored)
     passes_attention_kwargs: bool = True  # calls `cache.update(..., kwargs=...)`; if not, "paged" falls back to gather
     reuses_kv: bool = False  # some layers reuse an earlier layer's K/V (KV sharing): no eviction for it
+    caches_latents: bool = False  # multi-head latent attention: "paged" is handed the gathered history; no eviction
 
 
 def _make(model_class, config: PretrainedConfig, seed: int = 0) -> tuple[PreTrainedModel, PretrainedConfig]:
@@ -184,24 +185,50 @@ def gemma3n():
     return _make(transformers.Gemma3nForCausalLM, config)
 
 
+class ProducerlessGemma3nConfig(transformers.Gemma3nTextConfig):
+    """A Gemma-3n config whose KV-shared layers name no "store" layer to read from (refused by the paged attention)."""
+
+    @property
+    def kv_sharing_modes(self) -> list[str | None]:
+        return [None if mode == "store" else mode for mode in super().kv_sharing_modes]
+
+
 def deepseek_v3():
     """Multi-head latent attention: compressed latents are cached; values (8) narrower than keys (16 + 8)."""
-    config = transformers.DeepseekV3Config(
-        **_common(num_key_value_heads=4),
+    config = transformers.DeepseekV3Config(**_common(num_key_value_heads=4), **_latent_attention(),
+                                           n_group=1, topk_group=1)  # fmt: skip
+    return _make(transformers.DeepseekV3ForCausalLM, config)
+
+
+def deepseek_v2():
+    """DeepSeek-V2's latent attention (complex-number RoPE, its own MoE), with a low-rank query projection."""
+    config = transformers.DeepseekV2Config(**_common(num_key_value_heads=4), **_latent_attention(q_lora_rank=12),
+                                           n_shared_experts=1)  # fmt: skip
+    return _make(transformers.DeepseekV2ForCausalLM, config)
+
+
+def mimo_v2_flash():
+    """Per-head keys (24) wider than values (8), cached as they are (no latents); a sliding and a full layer."""
+    config = transformers.MiMoV2FlashConfig(
+        **_common(), head_dim=24, v_head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        mlp_layer_types=["dense", "dense"],
+    )  # fmt: skip
+    return _make(transformers.MiMoV2FlashForCausalLM, config)
+
+
+def _latent_attention(q_lora_rank: int | None = None) -> dict:
+    return dict(
         kv_lora_rank=16,
-        q_lora_rank=None,
+        q_lora_rank=q_lora_rank,
         qk_nope_head_dim=16,
         qk_rope_head_dim=8,
         v_head_dim=8,
         n_routed_experts=2,
         num_experts_per_tok=1,
-        n_group=1,
-        topk_group=1,
         first_k_dense_replace=1,
         moe_intermediate_size=32,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
-    return _make(transformers.DeepseekV3ForCausalLM, config)
 
 
 MODELS: list[TinyModel] = [
@@ -218,12 +245,11 @@ MODELS: list[TinyModel] = [
     TinyModel("gemma3n", gemma3n, sliding_window=8, reuses_kv=True),
     TinyModel("gpt_oss", gpt_oss, gather_impl="eager", sliding_window=8),
     TinyModel("granitemoe_swa", granitemoe_swa, gather_impl="eager", sliding_window=8),
+    TinyModel("deepseek_v3", deepseek_v3, caches_latents=True),
+    TinyModel("deepseek_v2", deepseek_v2, caches_latents=True),
+    TinyModel("mimo_v2_flash", mimo_v2_flash, gather_impl="eager", sliding_window=8),
 ]
 MODELS_BY_NAME = {entry.name: entry for entry in MODELS}
-# Models whose attention the "paged" attention refuses (exact only through the gather path).
-REFUSED_MODELS: list[TinyModel] = [
-    TinyModel("deepseek_v3", deepseek_v3),
-]
 
 
 def padded_batch(pads: tuple[int, ...], length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,7 @@ decode, sliding windows, soft-capping and learned sinks all run in the kernels."
 import pytest
 import torch
 from kernel_testing import DEVICE
-from tiny_models import gemma3n
+from tiny_models import deepseek_v3, gemma3n, mimo_v2_flash
 from transformers import (
     DynamicCache,
     Gemma2Config,
@@ -112,3 +112,28 @@ def test_quantized_generate_through_kernels_matches_the_torch_path(name, quant, 
     assert torch.equal(actual.sequences, expected.sequences)
     for got, want in zip(actual.scores, expected.scores):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.parametrize(("build", "gather"), [(deepseek_v3, "sdpa"), (mimo_v2_flash, "eager")], ids=["latents", "mimo"])
+def test_values_narrower_than_keys_on_the_kernel_backend_match_dynamic_cache(build, gather, quant):
+    """Values narrower than keys (DeepSeek's cached latents: the latent as keys, the positional key as values;
+    MiMo-V2-Flash's heads) do not fit the kernels, which take one head dim: those layers take the torch paths, so
+    `backend="triton"` serves the model exactly under either attention (int8: as the torch backend does with it).
+    """
+    model, config = build()
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                    output_scores=True, return_dict_in_generate=True, eos_token_id=None)  # fmt: skip
+    options = dict(block_size=4, quant=quant, residual_length=4)
+    for implementation in (gather, "paged"):
+        model.set_attn_implementation(gather if quant is None else implementation)
+        expected = model.generate(**settings, cache=DynamicCache(config=config) if quant is None else
+                                  PagedCache(config, backend="torch", **options))  # fmt: skip
+        model.set_attn_implementation(implementation)
+        actual = model.generate(**settings, cache=PagedCache(config, backend="triton", **options))
+        assert torch.equal(actual.sequences, expected.sequences), implementation
+        for got, want in zip(actual.scores, expected.scores):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
