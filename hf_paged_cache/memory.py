@@ -194,32 +194,34 @@ _SLIDING_KV_HEADS_FACTOR = {"mimo_v2_flash": 2}
 
 def stored_kv_shapes(config: PretrainedConfig, tp_size: int = 1) -> list[StoredKVShape]:
     """The per-token shape of every layer of `config` that stores K/V, as one of `tp_size` tensor-parallel ranks
-    stores it. A model that caches latents stores one head of its latent (`kv_lora_rank`) as keys and of its
-    positional key (`qk_rope_head_dim`) as values, whole on every rank (its attention is not split); the others
+    stores it, read from each layer's config (a heterogeneous config, e.g. Gemma-4's wider full-attention heads,
+    differs per layer). A model that caches latents stores one head of its latent (`kv_lora_rank`) as keys and of
+    its positional key (`qk_rope_head_dim`) as values, whole on every rank (its attention is not split); the others
     store their KV heads, `tp_size` dividing them, with values `v_head_dim` wide where the config narrows them."""
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"`tp_size`={tp_size!r} must be a positive int (the tensor-parallel ranks)")
     text = config.get_text_config(decoder=True)
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
-    latent = latent_key_shape(text)
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    key_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    value_dim = getattr(text, "v_head_dim", None) or key_dim
     shapes = []
     for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
         if layer_type not in ("full_attention", *SLIDING_TYPES):
             continue
         window = kwargs["sliding_window"] if layer_type in SLIDING_TYPES else None
+        layer = text.per_layer_config[index]
+        latent = latent_key_shape(layer)
         if latent is not None:
-            shapes.append(StoredKVShape(index, window, *latent, text.qk_rope_head_dim))
+            shapes.append(StoredKVShape(index, window, *latent, layer.qk_rope_head_dim))
             continue
-        layer_heads = heads * (_SLIDING_KV_HEADS_FACTOR.get(text.model_type, 1) if window is not None else 1)
-        if layer_heads % tp_size:
+        heads = getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads
+        heads *= _SLIDING_KV_HEADS_FACTOR.get(text.model_type, 1) if window is not None else 1
+        key_dim = getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
+        value_dim = getattr(layer, "v_head_dim", None) or key_dim
+        if heads % tp_size:
             raise ValueError(
-                f"`tp_size`={tp_size} must divide the {layer_heads} KV heads of layer {index} (tensor parallelism "
-                "gives each rank whole heads)"
+                f"`tp_size`={tp_size} must divide the {heads} KV heads of layer {index} (tensor parallelism gives "
+                "each rank whole heads)"
             )
-        shapes.append(StoredKVShape(index, window, layer_heads // tp_size, key_dim, value_dim))
+        shapes.append(StoredKVShape(index, window, heads // tp_size, key_dim, value_dim))
     return shapes
 
 
