@@ -42,7 +42,8 @@ from .config import PagedCacheConfig
 from .copy_stream import COPY_MODES
 from .errors import UnsupportedAttentionError
 from .layers import PagedLayer, SharedKVLayer
-from .memory import kv_bytes_per_token
+from .distributed import tensor_parallel_size
+from .memory import blocks_in_budget
 from .pool_compaction import Fragmentation, compact, device_pools, fragmentation
 from .prefix_cache import PrefixCache
 from .request_settings import FIELDS, RequestSettings, check_generation_config, request_settings, token_ids
@@ -701,13 +702,9 @@ def _pools_up_front(options: PagedCacheConfig, model: PreTrainedModel) -> PagedC
     every request pools of its own; the requests must share the template's from the start."""
     if options.max_memory is None:
         return options
-    per_block = kv_bytes_per_token(model.config, options.dtype or model.dtype) * options.block_size
-    if options.max_memory // per_block < 2:
-        raise ValueError(
-            f"`max_memory`={options.max_memory} bytes cannot hold two blocks of every layer ({2 * per_block} bytes): "
-            "raise `max_memory` or lower `block_size`"
-        )
-    return dataclasses.replace(options, max_memory=None, num_blocks=options.max_memory // per_block - 1)
+    num_blocks = blocks_in_budget(model.config, options.max_memory, options.block_size, options.dtype or model.dtype,
+                                  tensor_parallel_size(model.config))  # fmt: skip
+    return dataclasses.replace(options, max_memory=None, num_blocks=num_blocks)
 
 
 def _check_model(template: PagedCache) -> None:

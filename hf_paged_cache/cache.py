@@ -30,7 +30,7 @@ from .distributed import tensor_parallel_size
 from .errors import OutOfBlocksError, UnsupportedAttentionError
 from .eviction import Evictor
 from .layers import PAGED_KV_KWARG, PagedKV, PagedLayer, PagedSlidingLayer, SharedKVLayer
-from .memory import SLIDING_TYPES, CacheMetrics, collect_metrics
+from .memory import SLIDING_TYPES, CacheMetrics, blocks_in_budget, collect_metrics
 from .persistence import load_cache, save_cache
 from .quantization import parse_kv_format
 from .quantized_layers import QuantizedLayer, QuantizedSlidingLayer
@@ -287,7 +287,7 @@ class PagedCache(Cache):
         if tables.plan is not None and layer.seq_len + q_len == tables.length and tables.plan.q_len == q_len:
             return tables.plan
         self._check_step(layer, batch, q_len)
-        self._ensure_pools(key_states, value_states)
+        self._ensure_pools(key_states.dtype)
         self._forks.step = (threading.get_ident(), weakref.ref(self))
         stepping = [group for group in self.groups.values() if group.length == tables.length]
         pads = [0] * batch
@@ -378,21 +378,12 @@ class PagedCache(Cache):
                     growth.append((pool, _grown_size(pool.num_used - freed + needed) - pool.num_blocks))
         return growth, None
 
-    def _ensure_pools(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Create the pools of a `max_memory` cache once the first K/V reveal bytes per block (heads per
-        rank under tensor parallelism), assuming every paged layer stores K/V of that shape. Each
-        layer's storage also holds the null block, so the budget must fit `num_blocks + 1` blocks."""
+    def _ensure_pools(self, dtype: torch.dtype) -> None:
+        """Create the pools of a `max_memory` cache at its first write, which tells the storage dtype."""
         if self.options.max_memory is None or all(group.pool is not None for group in self.groups.values()):
             return
-        element = torch.empty((), dtype=self.options.dtype or key_states.dtype).element_size()
-        per_token = key_states.shape[1] * (key_states.shape[-1] + value_states.shape[-1]) * element
-        per_block = self.options.block_size * per_token * len(self.paged_layers)
-        num_blocks = self.options.max_memory // per_block - 1
-        if num_blocks < 1:
-            raise ValueError(
-                f"`max_memory`={self.options.max_memory} bytes cannot hold two blocks of every layer (one of them "
-                f"the all-zero null block), {2 * per_block} bytes: raise `max_memory` or lower `block_size`."
-            )
+        num_blocks = blocks_in_budget(self.model_config, self.options.max_memory, self.options.block_size,
+                                      self.options.dtype or dtype, self.tp_size)  # fmt: skip
         for group in self.groups.values():
             group.pool = BlockPool(num_blocks)
 

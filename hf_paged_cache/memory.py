@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from .attention_contract import latent_key_shape
 from .block_tables import BlockTables, QuantizedBlockTables
 from .config import PagedCacheConfig, parse_bytes
 
@@ -106,11 +107,24 @@ class CacheMetrics:
     __str__ = summary
 
 
-def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype = torch.float16) -> int:
-    """Keys + values of one token over all attention layers of `config`, in bytes."""
-    shapes = _attention_layer_shapes(config)
+def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype = torch.float16, tp_size: int = 1) -> int:
+    """Keys + values of one token over all attention layers of `config`, in bytes (one rank's with `tp_size` > 1)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * heads * head_dim * element for _, _, heads, head_dim in shapes)
+    shapes = stored_kv_shapes(config, tp_size)
+    return sum(shape.heads * (shape.key_dim + shape.value_dim) * element for shape in shapes)
+
+
+def blocks_in_budget(config: PretrainedConfig, max_memory: int, block_size: int, dtype: torch.dtype,
+                     tp_size: int = 1) -> int:  # fmt: skip
+    """The `num_blocks` of pools that fit `max_memory` bytes: every layer's storage holds `num_blocks + 1` blocks
+    (one is the all-zero null block), each of the layer's own shape."""
+    per_block = block_size * kv_bytes_per_token(config, dtype, tp_size)
+    if max_memory // per_block < 2:
+        raise ValueError(
+            f"`max_memory`={max_memory} bytes cannot hold two blocks of every layer (one of them the all-zero null "
+            f"block), {2 * per_block} bytes: raise `max_memory` or lower `block_size`"
+        )
+    return max_memory // per_block - 1
 
 
 def estimate_kv_bytes(
@@ -132,33 +146,27 @@ def estimate_kv_bytes(
     plus the block being filled and the one leaving the window. With the quantization options of
     `PagedCacheConfig`, a quantized layer holds its full blocks older than the last `residual_length`
     tokens quantized (the format's exact bytes per block) and the rest in `dtype`. With `tp_size` > 1
-    (tensor parallelism) the bytes are one rank's: it stores `kv_heads / tp_size` heads.
+    (tensor parallelism) the bytes are one rank's (see `stored_kv_shapes`).
     """
     options = PagedCacheConfig(
         block_size=block_size, quant=quant, quant_layers=quant_layers,
         full_precision_layers=full_precision_layers, residual_length=residual_length,
     )  # fmt: skip
     element = torch.empty((), dtype=dtype).element_size()
-    shapes = _attention_layer_shapes(config)
-    kv_heads = shapes[0][2] if shapes else 1  # every attention layer of a config has the same KV heads
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1 or kv_heads % tp_size:
-        raise ValueError(
-            f"`tp_size`={tp_size!r} must be a positive int dividing the model's {kv_heads} KV heads "
-            "(tensor parallelism gives each rank whole heads)"
-        )
     total = 0
-    for index, window, heads, head_dim in shapes:
-        heads //= tp_size
+    for shape in stored_kv_shapes(config, tp_size):
         blocks = -(-seq_len // block_size)
+        window = shape.window
         held = blocks if window is None else min(blocks, -(-(window + block_size - 1) // block_size) + 1)
-        kv_format = options.layer_format(index)
+        kv_format = options.layer_format(shape.index)
         sealed = 0
         if kv_format is not None:  # the held blocks are the last `held`; the oldest of all may be sealed
             # Sealed: the blocks ending R = max(residual_length, 1) or more tokens before the end.
             full_precision = blocks - max((seq_len - max(residual_length, 1)) // block_size, 0)
             sealed = held - min(held, full_precision)
-            total += batch_size * sealed * kv_format.bytes_per_block(block_size, heads, head_dim)
-        total += batch_size * (held - sealed) * block_size * 2 * heads * head_dim * element
+            total += batch_size * sealed * kv_format.bytes_per_block(block_size, shape.heads, shape.key_dim,
+                                                                     shape.value_dim)  # fmt: skip
+        total += batch_size * (held - sealed) * block_size * shape.heads * (shape.key_dim + shape.value_dim) * element
     return total
 
 
@@ -170,18 +178,50 @@ def max_sequences(config: PretrainedConfig, seq_len: int, memory: int | str, blo
     return parse_bytes(memory, "memory") // estimate_kv_bytes(config, 1, seq_len, block_size, dtype, **quant_options)
 
 
-def _attention_layer_shapes(config: PretrainedConfig) -> list[tuple[int, int | None, int, int]]:
-    """(layer index, sliding window or None, KV heads, head dim) of every layer that stores K/V."""
+class StoredKVShape(NamedTuple):
+    """What one layer stores per token: `heads` heads of `key_dim` key and `value_dim` value elements."""
+
+    index: int
+    window: int | None  # the sliding window, or None for a full-attention layer
+    heads: int
+    key_dim: int
+    value_dim: int
+
+
+# Models whose code gives sliding layers more KV heads than `num_key_value_heads` says (no config field states it).
+_SLIDING_KV_HEADS_FACTOR = {"mimo_v2_flash": 2}
+
+
+def stored_kv_shapes(config: PretrainedConfig, tp_size: int = 1) -> list[StoredKVShape]:
+    """The per-token shape of every layer of `config` that stores K/V, as one of `tp_size` tensor-parallel ranks
+    stores it, read from each layer's config (a heterogeneous config, e.g. Gemma-4's wider full-attention heads,
+    differs per layer). A model that caches latents stores one head of its latent (`kv_lora_rank`) as keys and of
+    its positional key (`qk_rope_head_dim`) as values, whole on every rank (its attention is not split); the others
+    store their KV heads, `tp_size` dividing them, with values `v_head_dim` wide where the config narrows them."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"`tp_size`={tp_size!r} must be a positive int (the tensor-parallel ranks)")
     text = config.get_text_config(decoder=True)
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     shapes = []
     for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
-        if layer_type == "full_attention":
-            shapes.append((index, None, heads, head_dim))
-        elif layer_type in SLIDING_TYPES:
-            shapes.append((index, kwargs["sliding_window"], heads, head_dim))
+        if layer_type not in ("full_attention", *SLIDING_TYPES):
+            continue
+        window = kwargs["sliding_window"] if layer_type in SLIDING_TYPES else None
+        layer = text.per_layer_config[index]
+        latent = latent_key_shape(layer)
+        if latent is not None:
+            shapes.append(StoredKVShape(index, window, *latent, layer.qk_rope_head_dim))
+            continue
+        heads = getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads
+        heads *= _SLIDING_KV_HEADS_FACTOR.get(text.model_type, 1) if window is not None else 1
+        key_dim = getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
+        value_dim = getattr(layer, "v_head_dim", None) or key_dim
+        if heads % tp_size:
+            raise ValueError(
+                f"`tp_size`={tp_size} must divide the {heads} KV heads of layer {index} (tensor parallelism gives "
+                "each rank whole heads)"
+            )
+        shapes.append(StoredKVShape(index, window, heads // tp_size, key_dim, value_dim))
     return shapes
 
 

@@ -35,14 +35,13 @@ from safetensors.torch import save_file
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from .attention_contract import latent_key_shape
 from .block_tables import BlockTables, QuantizedBlockTables
 from .config import PagedCacheConfig, _check_device_exists
 from .errors import CacheFileError
 from .eviction import EvictionPolicy
 from .file_header import CRAFTED, check_header, checked_tensor, dtype_name, dtype_of, malformed_header, show_value
 from .layers import PagedLayer
-from .memory import _attention_layer_shapes
+from .memory import stored_kv_shapes
 from .quantized_layers import QuantizedLayer
 from .rows import BlockList, Row
 
@@ -464,9 +463,7 @@ def _check_model(header: dict, tensors: dict[str, torch.Tensor], cache: Cache) -
             raise CacheFileError(f"the file's groups[{index}] is {saved['name']!r}, a group this config and these "
                                  f"options do not make ({', '.join(cache.groups)}): {remedy}")  # fmt: skip
     names = [group["name"] for group in header["groups"]]
-    latent = latent_key_shape(config)  # a model that caches latents stores them, not its attention's K/V
-    shapes = {index: latent or (heads // cache.tp_size, head_dim)
-              for index, _window, heads, head_dim in _attention_layer_shapes(config)}  # fmt: skip
+    shapes = {shape.index: shape[2:] for shape in stored_kv_shapes(config, cache.tp_size)}
     filled = {group["name"] for group in header["groups"] if group["rows"]}
     for index, (layer, saved) in enumerate(zip(cache.layers, header["layers"])):
         group = getattr(layer, "tables", None)
@@ -478,10 +475,11 @@ def _check_model(header: dict, tensors: dict[str, torch.Tensor], cache: Cache) -
             kind = group.name if group is not None else f"a {type(layer).__name__}"
             raise CacheFileError(f"layer {index} is stored as {names[saved['group']]!r} in the file, but this config "
                                  f"makes it {kind!r}: {remedy}")  # fmt: skip
-        if shapes.get(index) != (saved["kv_heads"], saved["head_dim"]):
+        if shapes.get(index) != (saved["kv_heads"], saved["head_dim"], saved["value_dim"]):
             raise CacheFileError(
-                f"layer {index} stores {saved['kv_heads']} KV heads of size {saved['head_dim']} in the file, but this "
-                f"config has {shapes.get(index)} (heads, head size) per rank: {remedy}"
+                f"layer {index} stores {saved['kv_heads']} KV heads of key size {saved['head_dim']} and value size "
+                f"{saved['value_dim']} in the file, but this config has {shapes.get(index)} (heads, key size, value "
+                f"size) per rank: {remedy}"
             )
         if isinstance(layer, QuantizedLayer) and saved.get("error_stats") is None:
             raise CacheFileError(f"layer {index} is quantized but the header's `layers[{index}]` has no `error_stats`: "
@@ -535,8 +533,8 @@ def _restore(cache: Cache, header: dict, tensors: dict[str, torch.Tensor]) -> No
     """Fill the fresh `cache` with the file's groups, blocks and eviction state."""
     layers = [(index, saved) for index, saved in enumerate(header["layers"]) if saved is not None]
     if layers and any(group.pool is None for group in cache.groups.values()):
-        # A `max_memory` cache sizes its pools by the bytes per block of the first K/V, as at a first step.
-        cache._ensure_pools(*_empty_states(layers[0][1], torch.device("cpu")))
+        # A `max_memory` cache sizes its pools at its first step, by the dtype of its K/V: the file's.
+        cache._ensure_pools(dtype_of(layers[0][1]["dtype"]))
     slots = {}  # group name -> (full-precision pool ids, quantized pool ids) of the file's blocks, by file index
     for index, saved in enumerate(header["groups"]):
         group = cache.groups[saved["name"]]

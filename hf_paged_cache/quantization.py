@@ -625,9 +625,11 @@ class KVFormat:
     key: QuantFormat
     value: QuantFormat
 
-    def bytes_per_block(self, block_size: int, kv_heads: int, head_dim: int) -> int:
-        """Bytes of one key block plus one value block."""
-        return sum(f.bytes_per_block(block_size, kv_heads, head_dim) for f in (self.key, self.value))
+    def bytes_per_block(self, block_size: int, kv_heads: int, head_dim: int, value_dim: int | None = None) -> int:
+        """Bytes of one key block plus one value block; `value_dim` is the values' head dim where it differs from
+        the keys' (`head_dim`)."""
+        return (self.key.bytes_per_block(block_size, kv_heads, head_dim)
+                + self.value.bytes_per_block(block_size, kv_heads, value_dim or head_dim))  # fmt: skip
 
     def bytes_per_token(self, kv_heads: int, head_dim: int, block_size: int) -> float:
         """Bytes of one token's key and value, metadata amortized over the block."""

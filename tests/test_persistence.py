@@ -362,7 +362,7 @@ def test_an_unknown_policy_class_is_not_imported(saved, tmp_path):
     "other, message",
     [
         ("mistral_sliding", "a 'llama' model with 2 layers, but the config is of a 'mistral' model"),
-        ("llama_mqa", "layer 0 stores 2 KV heads of size 16 in the file, but this config has \\(1, 16\\)"),
+        ("llama_mqa", "layer 0 stores 2 KV heads of key size 16 and value size 16 in the file, but this config has \\(1, 16, 16\\)"),
         ("qwen2_sliding", "'llama' model with 2 layers, but the config is of a 'qwen2' model with 3 layers"),
     ],
 )
