@@ -26,6 +26,7 @@ from .quantization import KVFormat, rotate_heads
 from .torch_attention import OnlineSoftmax, causal_mask, visible_columns
 
 CHUNK_TOKENS = 2048  # quantized tokens dequantized at a time by the paged read (a bounded transient)
+QUERY_TILE = 512  # queries of a long step attended at a time by that read (its logits: a tile x a chunk)
 
 
 class QuantizedLayer(PagedLayer):
@@ -249,9 +250,9 @@ class QuantizedLayer(PagedLayer):
     ) -> torch.Tensor:
         """The `"paged"` attention over this layer: `[batch, heads, q, head_dim]`, like `attention.attend`.
 
-        Row by row, the quantized prefix is decoded at most `CHUNK_TOKENS` tokens at a time and the
-        full-precision suffix is read as a view (or gathered); the chunks are merged with an online
-        softmax in float32. Steps that read nothing quantized take the unquantized path unchanged.
+        Row by row, and `QUERY_TILE` queries at a time (so a long prompt chunk's transients stay bounded), the
+        quantized prefix is decoded at most `CHUNK_TOKENS` tokens at a time and the full-precision suffix is read
+        as a view (or gathered); the chunks are merged with an online softmax in float32. Steps that read nothing quantized take the unquantized path unchanged.
         A rotated side (`IntN.rotate`) is read as stored: the queries (rotated keys) and the short
         full-precision suffix are rotated into its space instead, and the output (rotated values) back
         once at the end, as the Triton kernels do -- not every decoded token of a long history.
@@ -265,31 +266,34 @@ class QuantizedLayer(PagedLayer):
         rotate_keys, rotate_values = self.kv_format.key.rotate, self.kv_format.value.rotate
         out = []
         for row in range(batch):
-            row_mask = mask[row if mask.shape[0] > 1 else 0, 0]
-            softmax = OnlineSoftmax(rotate_heads(query[row].float()) if rotate_keys else query[row], scale, softcap,
-                                    sinks)  # fmt: skip
-            if plan.transition[row]:
-                row_mask = self._attend_transition(softmax, plan, row, row_mask)
-            for blocks, first in self._quantized_chunks(plan, row):
-                keys, values = self._dequantized(blocks, torch.float32, rotated=True)
-                softmax.update(keys, values, visible_columns(row_mask, first - plan.kv_offset, keys.shape[1]))
-            start, stop = plan.read_start[row], plan.read_stop[row]
-            if stop > start:
-                keys, values = (part.float() for part in self.row_kv(plan, row))
-                keys = rotate_heads(keys) if rotate_keys else keys
-                values = rotate_heads(values) if rotate_values else values
-                first = plan.base[row] + start - plan.kv_offset
-                softmax.update(keys, values, row_mask[:, first : first + stop - start])
-            result = softmax.result()
+            row_query = rotate_heads(query[row].float()) if rotate_keys else query[row]
+            transition = self._transition_kv(plan, row) if plan.transition[row] else None
+            tiles = []
+            for q0 in range(0, q_len, QUERY_TILE):  # bounded transients (logits of a tile x a chunk) for long steps
+                row_mask = mask[row if mask.shape[0] > 1 else 0, 0, q0 : q0 + QUERY_TILE]
+                softmax = OnlineSoftmax(row_query[:, q0 : q0 + QUERY_TILE], scale, softcap, sinks)
+                if transition is not None:
+                    row_mask = self._attend_transition(softmax, plan, transition, row_mask, q0)
+                for blocks, first in self._quantized_chunks(plan, row):
+                    keys, values = self._dequantized(blocks, torch.float32, rotated=True)
+                    softmax.update(keys, values, visible_columns(row_mask, first - plan.kv_offset, keys.shape[1]))
+                start, stop = plan.read_start[row], plan.read_stop[row]
+                if stop > start:
+                    keys, values = (part.float() for part in self.row_kv(plan, row))
+                    keys = rotate_heads(keys) if rotate_keys else keys
+                    values = rotate_heads(values) if rotate_values else values
+                    first = plan.base[row] + start - plan.kv_offset
+                    softmax.update(keys, values, row_mask[:, first : first + stop - start])
+                tiles.append(softmax.result())
+            result = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
             out.append(rotate_heads(result) if rotate_values else result)
         if not self.read_by_others:  # the transient copy is not needed again this step
             self._arrived = {}
         return torch.stack(out).to(query.dtype)
 
-    def _attend_transition(self, softmax: OnlineSoftmax, plan: StepPlan, row: int, row_mask: torch.Tensor):
-        """Attend the row's transition blocks as each query would read them one token at a time: quantized when
-        they end `window` positions or more before the query's own position + 1, else in full precision. Returns
-        the row's mask with their columns hidden from the other reads."""
+    def _transition_kv(self, plan: StepPlan, row: int) -> tuple[int, tuple, tuple]:
+        """The row's transition blocks both ways, once per step: their first position, their full-precision K/V
+        and their quantized (decoded) K/V, each `[kv_heads, n, d]` in float32 (rotated sides as stored)."""
         tables, count = self.tables, plan.transition[row]
         bs, heads = tables.block_size, self.kv_shape[0]
         if row in self._arrived:  # sealed as they arrived: the last of the row's quantized blocks
@@ -310,17 +314,28 @@ class QuantizedLayer(PagedLayer):
         keys, values = (part.flatten(0, 1).transpose(0, 1).float() for part in (keys, values))
         keys = rotate_heads(keys) if self.kv_format.key.rotate else keys
         values = rotate_heads(values) if self.kv_format.value.rotate else values
-        positions = torch.arange(plan.new_len - plan.q_len, plan.new_len, device=row_mask.device)
-        ends = first + (torch.arange(count * bs, device=row_mask.device) // bs + 1) * bs
-        reads_quantized = ends[None, :] <= positions[:, None] + 1 - tables.window
-        visible = visible_columns(row_mask, first - plan.kv_offset, count * bs)
-        for start in range(0, count * bs, CHUNK_TOKENS):  # a bounded transient, as for the quantized prefix
+        return first, (keys, values), quantized
+
+    def _attend_transition(self, softmax: OnlineSoftmax, plan: StepPlan, transition: tuple, row_mask: torch.Tensor,
+                           q0: int) -> torch.Tensor:  # fmt: skip
+        """Attend a row's transition blocks (`_transition_kv`) as each query of the tile starting at step token `q0`
+        would read them one token at a time: quantized when they end `window` positions or more before the
+        query's own position + 1, else in full precision. Returns the tile's mask with their columns hidden from
+        the other reads."""
+        first, (keys, values), quantized = transition
+        n = keys.shape[1]
+        start_position = plan.new_len - plan.q_len + q0
+        positions = torch.arange(start_position, start_position + row_mask.shape[0], device=row_mask.device)
+        ends = first + (torch.arange(n, device=row_mask.device) // self.tables.block_size + 1) * self.tables.block_size
+        reads_quantized = ends[None, :] <= positions[:, None] + 1 - self.tables.window
+        visible = visible_columns(row_mask, first - plan.kv_offset, n)
+        for start in range(0, n, CHUNK_TOKENS):  # a bounded transient, as for the quantized prefix
             columns = slice(start, start + CHUNK_TOKENS)
             quantized_part = (side[:, columns] for side in quantized)
             softmax.update(*quantized_part, visible[:, columns] & reads_quantized[:, columns])
             softmax.update(keys[:, columns], values[:, columns], visible[:, columns] & ~reads_quantized[:, columns])
         hidden = row_mask.clone()
-        hidden[:, max(first - plan.kv_offset, 0) : max(first + count * bs - plan.kv_offset, 0)] = False
+        hidden[:, max(first - plan.kv_offset, 0) : max(first + n - plan.kv_offset, 0)] = False
         return hidden
 
 

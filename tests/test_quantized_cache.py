@@ -19,6 +19,7 @@ from tiny_models import MODELS, MODELS_BY_NAME, PAD_ID, VOCAB, _common, _make, p
 from hf_paged_cache import OutOfBlocksError, PagedCache, PagedCacheConfig, estimate_kv_bytes
 from hf_paged_cache.block_tables import BlockTables, QuantizedBlockTables
 from hf_paged_cache.quantization import parse_kv_format
+from hf_paged_cache import quantized_layers
 from hf_paged_cache.quantized_layers import QuantizedLayer
 
 FORMATS = ("int8", "int4", "int2", "fp8_e4m3", "K4V2")
@@ -439,6 +440,22 @@ def test_contents_and_logits_follow_positions_not_step_sizes(spec):
         torch.testing.assert_close(logits, reference_logits, atol=1e-3, rtol=0)
         for got, want in zip(keys, reference_keys):
             assert (got - want).abs().mean() < 1e-4
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4"])
+def test_a_long_chunk_read_in_query_tiles_gives_the_untiled_logits(spec, monkeypatch):
+    """A long step's queries are attended `QUERY_TILE` at a time (bounded transients on long prompts): with tiles
+    of 5 queries the prompt's and the next tokens' logits are the untiled read's, whose transition blocks, prefix
+    and suffix reads each query sees the same way."""
+    model = _model("llama_gqa")
+    model.set_attn_implementation("paged")
+    tokens = torch.randint(3, VOCAB, (1, 45), generator=torch.Generator().manual_seed(3))
+    results = []
+    for tile in (10**6, 5):
+        monkeypatch.setattr(quantized_layers, "QUERY_TILE", tile)
+        cache = PagedCache(model.config, block_size=BLOCK, quant=spec, residual_length=RESIDUAL)
+        results.append(_feed(model, cache, tokens, [7, 30, 1, 1]))  # a warm chunk over a quantized prefix too
+    torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=0)
 
 
 def test_a_long_chunk_seals_its_own_blocks_as_they_arrive():
