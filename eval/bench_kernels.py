@@ -200,7 +200,7 @@ def kernel_cell(shape_name, batch, context, copy_gbps, flush, flash_attn_with_kv
 def quantized_decode_cells(batch: int, context: int, formats, flush: torch.Tensor) -> list[dict]:
     """bf16 paged decode, then decode over a quantized history per format (same content, same queries)."""
     from hf_paged_cache.kernels import QuantizedKV, paged_decode_attention, quantize_blocks
-    from hf_paged_cache.quantization import parse_kv_format
+    from hf_paged_cache.quantization.formats import parse_kv_format
 
     q_heads, kv_heads, head_dim = SHAPES[QUANT_SHAPE]
     base = dict(shape=QUANT_SHAPE, batch=batch, context=context, residual_bf16_tokens=QUANT_RESIDUAL)

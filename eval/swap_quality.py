@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 from hf_paged_cache import PagedCache  # noqa: E402
-from hf_paged_cache.swap import SwapSpace  # noqa: E402
+from hf_paged_cache.memory.swap import SwapSpace  # noqa: E402
 
 
 @torch.no_grad()

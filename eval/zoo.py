@@ -46,7 +46,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 import hf_paged_cache  # noqa: E402
 from hf_paged_cache import PagedCache, UnsupportedAttentionError, generate_batch  # noqa: E402
-from hf_paged_cache.attention_contract import REMEDY  # noqa: E402
+from hf_paged_cache.attention.contract import REMEDY  # noqa: E402
 
 VOCAB, PAD_ID, BOS_ID, EOS_ID = 128, 0, 1, 2
 ATOL = 1e-4

@@ -3,9 +3,9 @@
 Importing the package registers the `"paged"` attention with transformers (`register_paged_attention`).
 """
 
-from .attention import ATTENTION_NAME, register_paged_attention
-from .batch_generator import BatchConfig, BatchGenerator, BatchMetrics, GenerationOutput, generate_batch
-from .block_pool import BlockPool
+from .attention.dispatch import ATTENTION_NAME, register_paged_attention
+from .serving.generator import BatchConfig, BatchGenerator, BatchMetrics, GenerationOutput, generate_batch
+from .blocks.pool import BlockPool
 from .cache import PagedCache
 from .config import PagedCacheConfig, parse_bytes
 from .errors import CacheFileError, OutOfBlocksError, UnsupportedAttentionError
@@ -23,10 +23,10 @@ from .eviction import (
     pyramid_budgets,
 )
 from .inspection import GroupLayout, block_layout, cache_bytes, kept_positions
-from .memory import CacheMetrics, estimate_kv_bytes, kv_bytes_per_token
-from .pool_compaction import Fragmentation
+from .memory.accounting import CacheMetrics, estimate_kv_bytes, kv_bytes_per_token
+from .memory.defragment import Fragmentation
 from .scoring import perplexity
-from .swap import SwapSpace, SwapStats
+from .memory.swap import SwapSpace, SwapStats
 
 # `attn_implementation="paged"` works as soon as the package is imported (registering is idempotent).
 register_paged_attention()

@@ -15,25 +15,25 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
-from .attention import ATTENTION_NAME
-from .attention_contract import (
+from .attention.dispatch import ATTENTION_NAME
+from .attention.contract import (
     caches_latents,
     check_attention_kwargs,
     check_model_features,
     kv_sharing_sources,
     model_name,
 )
-from .block_pool import BlockPool
-from .block_tables import BlockTables, QuantizedBlockTables, StepPlan
+from .blocks.pool import BlockPool
+from .blocks.tables import BlockTables, QuantizedBlockTables, StepPlan
 from .config import PagedCacheConfig
 from .distributed import tensor_parallel_size
 from .errors import OutOfBlocksError, UnsupportedAttentionError
 from .eviction import Evictor
-from .layers import PAGED_KV_KWARG, PagedKV, PagedLayer, PagedSlidingLayer, SharedKVLayer
-from .memory import SLIDING_TYPES, CacheMetrics, blocks_in_budget, collect_metrics
-from .persistence import load_cache, save_cache
-from .quantization import parse_kv_format
-from .quantized_layers import QuantizedLayer, QuantizedSlidingLayer
+from .layers.paged import PAGED_KV_KWARG, PagedKV, PagedLayer, PagedSlidingLayer, SharedKVLayer
+from .memory.accounting import SLIDING_TYPES, CacheMetrics, blocks_in_budget, collect_metrics
+from .persistence.files import load_cache, save_cache
+from .quantization.formats import parse_kv_format
+from .layers.quantized import QuantizedLayer, QuantizedSlidingLayer
 
 GROWTH = 1.25  # a growable pool grows to this many times the blocks in use (storage included)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .eviction.policies import EvictionPolicy
-from .quantization import KVFormat, parse_kv_format
+from .quantization.formats import KVFormat, parse_kv_format
 
 BACKENDS = ("auto", "torch", "triton")
 # The largest `block_size`. A block is the unit of paging: one of 65,536 tokens already holds a whole

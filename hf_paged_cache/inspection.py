@@ -9,7 +9,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .cache import PagedCache
-from .layers import PagedLayer
+from .layers.paged import PagedLayer
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from hf_paged_cache import PagedCache
-from hf_paged_cache.layers import PagedLayer
+from hf_paged_cache.layers.paged import PagedLayer
 
 
 def cache_state(cache: PagedCache) -> dict:

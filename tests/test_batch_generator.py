@@ -12,9 +12,9 @@ from tiny_models import MODELS_BY_NAME, VOCAB, ProducerlessGemma3nConfig
 from transformers import DynamicCache
 
 from hf_paged_cache import PagedCache, StreamingLLM, UnsupportedAttentionError
-from hf_paged_cache.batch_generator import BatchConfig, BatchGenerator, generate_batch
-from hf_paged_cache.copy_stream import CopyStream
-from hf_paged_cache.request_settings import RequestSettings
+from hf_paged_cache.serving.generator import BatchConfig, BatchGenerator, generate_batch
+from hf_paged_cache.memory.copy_stream import CopyStream
+from hf_paged_cache.serving.settings import RequestSettings
 from hf_paged_cache.smollm2 import load_smollm2
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -5,7 +5,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hf_paged_cache.block_pool import NULL_BLOCK, BlockPool
+from hf_paged_cache.blocks.pool import NULL_BLOCK, BlockPool
 
 
 class BlockPoolMachine(RuleBasedStateMachine):

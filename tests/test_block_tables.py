@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_paged_cache.block_pool import NULL_BLOCK, BlockPool
-from hf_paged_cache.block_tables import BlockTables
+from hf_paged_cache.blocks.pool import NULL_BLOCK, BlockPool
+from hf_paged_cache.blocks.tables import BlockTables
 
 
 def _no_copy(_sources: list[int], _targets: list[int]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_paged_cache.copy_stream import CopyStream
+from hf_paged_cache.memory.copy_stream import CopyStream
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""Saving and loading caches (`hf_paged_cache.persistence`): a loaded cache continues exactly as the saved one
+"""Saving and loading caches (`hf_paged_cache.persistence.files`): a loaded cache continues exactly as the saved one
 (bit-identical logits on CPU) for plain, quantized, evicted, sliding-window and left-padded batched caches;
 corrupted files, another model's config and mismatched options fail clearly and change nothing."""
 
@@ -23,7 +23,7 @@ from tiny_models import MODELS_BY_NAME, VOCAB, padded_batch
 from transformers import DynamicCache
 
 from hf_paged_cache import H2O, CacheFileError, PagedCache, PagedCacheConfig, RandomEviction, SnapKV, block_layout
-from hf_paged_cache.persistence import DIGEST, FORMAT, _digest
+from hf_paged_cache.persistence.files import DIGEST, FORMAT, _digest
 from hf_paged_cache.smollm2 import load_smollm2
 
 PREFIX, PROMPT, STEPS = 10, 16, 6
@@ -440,7 +440,7 @@ def test_a_failed_save_keeps_the_earlier_file(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("hf_paged_cache.persistence.save_file", fail)
+    monkeypatch.setattr("hf_paged_cache.persistence.files.save_file", fail)
     with pytest.raises(OSError, match="disk full"):
         cache.save(path)
     assert path.read_bytes() == data and os.listdir(tmp_path) == ["cache.safetensors"]

@@ -6,7 +6,7 @@ import pytest
 from cache_state import stored_blocks
 from test_batch_generator import PRESSURE, _model, _prompts
 
-from hf_paged_cache.batch_generator import BatchConfig, BatchGenerator
+from hf_paged_cache.serving.generator import BatchConfig, BatchGenerator
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

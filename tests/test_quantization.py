@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_paged_cache.quantization import (
+from hf_paged_cache.quantization.formats import (
     FP8,
     Int8,
     IntN,

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_paged_cache.block_pool import BlockPool
-from hf_paged_cache.rows import BlockList, Row, blocks_freed
+from hf_paged_cache.blocks.pool import BlockPool
+from hf_paged_cache.blocks.rows import BlockList, Row, blocks_freed
 
 
 def _consecutive_from_run(blocks: BlockList) -> bool:

@@ -19,8 +19,8 @@ from tiny_models import MODELS_BY_NAME, VOCAB
 from transformers import DynamicCache
 
 from hf_paged_cache import PagedCache
-from hf_paged_cache.block_pool import BlockPool
-from hf_paged_cache.block_tables import BlockTables
+from hf_paged_cache.blocks.pool import BlockPool
+from hf_paged_cache.blocks.tables import BlockTables
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

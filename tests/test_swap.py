@@ -10,7 +10,7 @@ from cache_state import stored_blocks
 from tiny_models import MODELS_BY_NAME, VOCAB
 
 from hf_paged_cache import PagedCache
-from hf_paged_cache.swap import SwapSpace
+from hf_paged_cache.memory.swap import SwapSpace
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

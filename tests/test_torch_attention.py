@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_paged_cache.torch_attention import OnlineSoftmax, attend, attention_mass, causal_mask, visible_columns
+from hf_paged_cache.attention.torch_path import OnlineSoftmax, attend, attention_mass, causal_mask, visible_columns
 
 
 def _dense(query, key, value, visible, scale, softcap):

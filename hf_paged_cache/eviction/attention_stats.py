@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..torch_attention import attention_mass
+from ..attention.torch_path import attention_mass
 from .statistics import Statistic
 
 if TYPE_CHECKING:
-    from ..block_tables import StepPlan
-    from ..layers import PagedLayer
+    from ..blocks.tables import StepPlan
+    from ..layers.paged import PagedLayer
 
 QUERY_CHUNK = 256  # queries per pass when the torch path computes attention statistics
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..block_tables import BlockTables, ceil_div
+from ..blocks.tables import BlockTables, ceil_div
 from ..errors import OutOfBlocksError
 
 # (source slots `[1 or kv_heads, k]`, target slots `[k]`): every head's token k moves to target k, all reads first

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..block_tables import BlockTables, StepPlan
+from ..blocks.tables import BlockTables, StepPlan
 from ..distributed import reduce_scores
 from .compaction import check_compact, compact, unit_sizes
 from .policies import (EvictionPolicy, ScoreInputs, choose_kept, choose_kept_per_head, key_novelty,
@@ -23,7 +23,7 @@ from .policies import (EvictionPolicy, ScoreInputs, choose_kept, choose_kept_per
 from .attention_stats import AttentionStats
 
 if TYPE_CHECKING:
-    from ..layers import PagedLayer
+    from ..layers.paged import PagedLayer
 
 
 class Evictor:

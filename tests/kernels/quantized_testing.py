@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from kernel_testing import DEVICE, PagedKV
 
 from hf_paged_cache.kernels import QuantizedKV
-from hf_paged_cache.quantization import KernelFormat, QuantFormat, _absmax_scale, _nonzero, parse_kv_format
+from hf_paged_cache.quantization.formats import KernelFormat, QuantFormat, _absmax_scale, _nonzero, parse_kv_format
 
 # The formats of the kernels' format axis (hf_paged_cache.kernels.variants.QUANT_FORMATS).
 FORMATS = ("int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2", "K4V2", "K8V4", "K2V2", "K2rV4", "K2rV2r")

@@ -14,11 +14,11 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention_contract import check_attention_kwargs, sink_logits
-from .errors import UnsupportedAttentionError
-from .layers import PAGED_KV_KWARG, PackedPagedKV, PagedKV
+from .contract import check_attention_kwargs, sink_logits
+from ..errors import UnsupportedAttentionError
+from ..layers.paged import PAGED_KV_KWARG, PackedPagedKV, PagedKV
 from .paged_states import reused_paged_kv
-from .torch_attention import attend
+from .torch_path import attend
 
 ATTENTION_NAME = "paged"
 
@@ -106,7 +106,7 @@ def _attend_blocks(query: torch.Tensor, paged_kv: PagedKV, mask: torch.Tensor | 
 def _kernel_attention(query: torch.Tensor, paged_kv: PagedKV, scale: float, softcap: float | None,
                       sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     """Triton kernels over the blocks; returns `[batch, q, heads, head_dim]`."""
-    from .kernels import paged_decode_attention, paged_prefill_attention
+    from ..kernels import paged_decode_attention, paged_prefill_attention
 
     plan, layer, device = paged_kv.plan, paged_kv.layer, query.device
     tables, seq_lens = plan.tensor("block_tables", device), plan.tensor("seq_lens", device)

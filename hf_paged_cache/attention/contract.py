@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from .errors import UnsupportedAttentionError
-from .layers import PAGED_KV_KWARG
+from ..errors import UnsupportedAttentionError
+from ..layers.paged import PAGED_KV_KWARG
 
 # Keywords the paged attention receives and honours, each with the reason it is safe.
 HONOURED: dict[str, str] = {

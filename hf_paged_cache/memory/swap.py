@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_pool import BlockPool
-from .block_tables import BlockTables
-from .cache import PagedCache
+from ..blocks.pool import BlockPool
+from ..blocks.tables import BlockTables
+from ..cache import PagedCache
 from .copy_stream import CopyStream, Transfer
-from .quantization import QuantFormat, parse_kv_format
-from .rows import BlockList
+from ..quantization.formats import QuantFormat, parse_kv_format
+from ..blocks.rows import BlockList
 
 
 KINDS = ("blocks", "quantized")  # a row's block lists: full precision (`Row.blocks`), sealed (`Row.quantized`)

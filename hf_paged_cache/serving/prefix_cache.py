@@ -18,8 +18,8 @@ import hashlib
 from array import array
 from dataclasses import dataclass
 
-from .block_tables import BlockTables, QuantizedBlockTables
-from .cache import PagedCache
+from ..blocks.tables import BlockTables, QuantizedBlockTables
+from ..cache import PagedCache
 
 
 def block_keys(tokens: list[int], block_size: int, count: int, known: list[bytes] | None = None) -> list[bytes]:

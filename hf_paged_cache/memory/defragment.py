@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_pool import BlockPool
-from .block_tables import QuantizedBlockTables
-from .cache import PagedCache
-from .prefix_cache import PrefixCache
+from ..blocks.pool import BlockPool
+from ..blocks.tables import QuantizedBlockTables
+from ..cache import PagedCache
+from ..serving.prefix_cache import PrefixCache
 from .swap import KINDS, group_pool, storage_tensors
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .block_pool import BlockPool
+from .pool import BlockPool
 
 
 @dataclass

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .block_tables import BlockTables, StepPlan
-from .kernels.layout import allocate_kv_blocks
-from .paged_states import paged_only
-from .torch_attention import attend, attention, causal_mask, zero_unattended
+from ..blocks.tables import BlockTables, StepPlan
+from ..kernels.layout import allocate_kv_blocks
+from ..attention.paged_states import paged_only
+from ..attention.torch_path import attend, attention, causal_mask, zero_unattended
 
 if TYPE_CHECKING:
-    from .config import PagedCacheConfig
+    from ..config import PagedCacheConfig
 
 PAGED_KV_KWARG = "paged_kv"
 MAX_RUNS = 8  # a row's read cut into more runs of blocks than this is gathered slot by slot
@@ -288,7 +288,7 @@ class PagedLayer(CacheLayerMixin):
 
     def _write(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if self.uses_kernels():
-            from .kernels import write_kv
+            from ..kernels import write_kv
 
             tokens = [states.transpose(1, 2).reshape(-1, *states.shape[1:2], states.shape[-1]).to(self.dtype)
                       for states in (key_states, value_states)]  # fmt: skip

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .block_pool import NULL_BLOCK, BlockPool
+from .pool import NULL_BLOCK, BlockPool
 from .rows import BlockList, Row, blocks_freed
 
 BlockCopier = Callable[[list[int], list[int]], None]  # (source ids, target ids): copy contents in every layer

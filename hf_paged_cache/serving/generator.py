@@ -33,21 +33,21 @@ from dataclasses import dataclass, field
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from .attention import ATTENTION_NAME
-from .attention_contract import check_model_features
-from .batch_cache import PackedCache
-from .block_pool import BlockPool
-from .cache import PagedCache
-from .config import PagedCacheConfig
-from .copy_stream import COPY_MODES
-from .errors import UnsupportedAttentionError
-from .layers import PagedLayer, SharedKVLayer
-from .distributed import tensor_parallel_size
-from .memory import blocks_in_budget
-from .pool_compaction import Fragmentation, compact, device_pools, fragmentation
+from ..attention.dispatch import ATTENTION_NAME
+from ..attention.contract import check_model_features
+from .packed_cache import PackedCache
+from ..blocks.pool import BlockPool
+from ..cache import PagedCache
+from ..config import PagedCacheConfig
+from ..memory.copy_stream import COPY_MODES
+from ..errors import UnsupportedAttentionError
+from ..layers.paged import PagedLayer, SharedKVLayer
+from ..distributed import tensor_parallel_size
+from ..memory.accounting import blocks_in_budget
+from ..memory.defragment import Fragmentation, compact, device_pools, fragmentation
 from .prefix_cache import PrefixCache
-from .request_settings import FIELDS, RequestSettings, check_generation_config, request_settings, token_ids
-from .swap import SwapSpace
+from .settings import FIELDS, RequestSettings, check_generation_config, request_settings, token_ids
+from ..memory.swap import SwapSpace
 
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .cache import PagedCache
-from .layers import PAGED_KV_KWARG, PackedPagedKV
-from .paged_states import paged_only
+from ..cache import PagedCache
+from ..layers.paged import PAGED_KV_KWARG, PackedPagedKV
+from ..attention.paged_states import paged_only
 
 
 class _PackedLayer(CacheLayerMixin):

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .errors import CacheFileError
+from ..errors import CacheFileError
 
 # The end of every message about a header that passed the digest but is inconsistent: the digest has no key.
 CRAFTED = "the file was crafted or damaged before its digest was computed; save the cache again"

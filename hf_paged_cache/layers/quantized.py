@@ -20,10 +20,10 @@ import copy
 
 import torch
 
-from .block_tables import QuantizedBlockTables, StepPlan
-from .layers import PagedLayer, PagedSlidingLayer, storage_field
-from .quantization import KVFormat, rotate_heads
-from .torch_attention import OnlineSoftmax, causal_mask, visible_columns
+from ..blocks.tables import QuantizedBlockTables, StepPlan
+from .paged import PagedLayer, PagedSlidingLayer, storage_field
+from ..quantization.formats import KVFormat, rotate_heads
+from ..attention.torch_path import OnlineSoftmax, causal_mask, visible_columns
 
 CHUNK_TOKENS = 2048  # quantized tokens dequantized at a time by the paged read (a bounded transient)
 QUERY_TILE = 512  # queries of a long step attended at a time by that read (its logits: a tile x a chunk)
@@ -155,7 +155,7 @@ class QuantizedLayer(PagedLayer):
         dst = torch.tensor(targets, device=self.device)
         kernels = self.uses_kernels()
         if kernels:  # one launch quantizes every block of K and V
-            from .kernels import quantize_blocks
+            from ..kernels import quantize_blocks
 
             fmt = self.kv_format
             quantize_blocks(key_blocks, value_blocks, src, self.qkey, self.qvalue, dst, fmt.key, fmt.value)
@@ -219,7 +219,7 @@ class QuantizedLayer(PagedLayer):
 
     def quantized_kv(self, plan: StepPlan, device: torch.device):
         """The quantized prefix as the Triton kernels read it (`kernels.QuantizedKV`)."""
-        from .kernels.quantized import QuantizedKV
+        from ..kernels.quantized import QuantizedKV
 
         return QuantizedKV(
             self.kv_format.key, self.kv_format.value, self.qkey, self.qvalue,

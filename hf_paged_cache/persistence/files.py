@@ -35,15 +35,15 @@ from safetensors.torch import save_file
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from .block_tables import BlockTables, QuantizedBlockTables
-from .config import PagedCacheConfig, _check_device_exists
-from .errors import CacheFileError
-from .eviction import EvictionPolicy
-from .file_header import CRAFTED, check_header, checked_tensor, dtype_name, dtype_of, malformed_header, show_value
-from .layers import PagedLayer
-from .memory import stored_kv_shapes
-from .quantized_layers import QuantizedLayer
-from .rows import BlockList, Row
+from ..blocks.tables import BlockTables, QuantizedBlockTables
+from ..config import PagedCacheConfig, _check_device_exists
+from ..errors import CacheFileError
+from ..eviction import EvictionPolicy
+from .header import CRAFTED, check_header, checked_tensor, dtype_name, dtype_of, malformed_header, show_value
+from ..layers.paged import PagedLayer
+from ..memory.accounting import stored_kv_shapes
+from ..layers.quantized import QuantizedLayer
+from ..blocks.rows import BlockList, Row
 
 FORMAT = "hf_paged_cache"  # metadata key of the JSON header
 DIGEST = "sha256"  # metadata key of the digest of header and tensors

@@ -10,12 +10,12 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from .attention_contract import latent_key_shape
-from .block_tables import BlockTables, QuantizedBlockTables
-from .config import PagedCacheConfig, parse_bytes
+from ..attention.contract import latent_key_shape
+from ..blocks.tables import BlockTables, QuantizedBlockTables
+from ..config import PagedCacheConfig, parse_bytes
 
 if TYPE_CHECKING:
-    from .layers import PagedLayer
+    from ..layers.paged import PagedLayer
 
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 
