@@ -28,7 +28,7 @@ from hf_paged_cache import (
     StreamingLLM,
     pyramid_budgets,
 )
-from hf_paged_cache import torch_attention
+from hf_paged_cache.attention import torch_path as torch_attention
 from hf_paged_cache.eviction import ScoreInputs, choose_kept, choose_kept_per_head, novel_tokens
 
 BLOCK = 4

@@ -7,7 +7,8 @@ import torch
 from tiny_models import MODELS_BY_NAME, PAD_ID, padded_batch
 from transformers import DynamicCache
 
-from hf_paged_cache import PagedCache, layers
+from hf_paged_cache import PagedCache
+from hf_paged_cache.layers import paged as layers
 
 PADS = (0, 3, 7)
 NEW_TOKENS = 16

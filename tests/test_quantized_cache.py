@@ -19,7 +19,7 @@ from tiny_models import MODELS, MODELS_BY_NAME, PAD_ID, VOCAB, _common, _make, p
 from hf_paged_cache import OutOfBlocksError, PagedCache, PagedCacheConfig, estimate_kv_bytes
 from hf_paged_cache.blocks.tables import BlockTables, QuantizedBlockTables
 from hf_paged_cache.quantization.formats import parse_kv_format
-from hf_paged_cache import quantized_layers
+from hf_paged_cache.layers import quantized as quantized_layers
 from hf_paged_cache.layers.quantized import QuantizedLayer
 
 FORMATS = ("int8", "int4", "int2", "fp8_e4m3", "K4V2")
