@@ -200,7 +200,7 @@ def kernel_cell(shape_name, batch, context, copy_gbps, flush, flash_attn_with_kv
 def quantized_decode_cells(batch: int, context: int, formats, flush: torch.Tensor) -> list[dict]:
     """bf16 paged decode, then decode over a quantized history per format (same content, same queries)."""
     from hf_paged_cache.kernels import QuantizedKV, paged_decode_attention, quantize_blocks
-    from hf_paged_cache.quantization.formats import parse_kv_format
+    from hf_paged_cache.quantization import format_from_spec
 
     q_heads, kv_heads, head_dim = SHAPES[QUANT_SHAPE]
     base = dict(shape=QUANT_SHAPE, batch=batch, context=context, residual_bf16_tokens=QUANT_RESIDUAL)
@@ -220,7 +220,7 @@ def quantized_decode_cells(batch: int, context: int, formats, flush: torch.Tenso
     for spec in formats:
         cell = dict(base, format=spec)
         try:
-            kv_format = parse_kv_format(spec)
+            kv_format = format_from_spec(spec)
             pools = [fmt.allocate(batch * sealed, BLOCK_SIZE, kv_heads, head_dim, device=DEVICE)
                      for fmt in (kv_format.key, kv_format.value)]  # fmt: skip
             src = block_tables[:, :sealed].reshape(-1)

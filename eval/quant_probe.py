@@ -33,7 +33,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from hf_paged_cache.quantization.formats import IntN, hadamard  # noqa: E402
+from hf_paged_cache.quantization import IntN, hadamard  # noqa: E402
 
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 SIDE = re.compile(r"([KV])([24])([ct])(\d+)(s8)?((?:\+rot|\+clip)*)")

@@ -32,7 +32,7 @@ from .eviction import Evictor
 from .layers.paged import PAGED_KV_KWARG, PagedKV, PagedLayer, PagedSlidingLayer, SharedKVLayer
 from .memory.accounting import SLIDING_TYPES, CacheMetrics, blocks_in_budget, collect_metrics
 from .persistence.files import load_cache, save_cache
-from .quantization.formats import parse_kv_format
+from .quantization.registry import format_from_spec
 from .layers.quantized import QuantizedLayer, QuantizedSlidingLayer
 
 GROWTH = 1.25  # a growable pool grows to this many times the blocks in use (storage included)
@@ -137,7 +137,7 @@ class PagedCache(Cache):
             else:
                 self.groups[name] = QuantizedBlockTables(
                     name, pool, BlockPool(self._fixed_pool_size()), self.options.block_size, window,
-                    parse_kv_format(quant), self.options.residual_length,
+                    format_from_spec(quant), self.options.residual_length,
                 )  # fmt: skip
         return self.groups[name]
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from .eviction.policies import EvictionPolicy
-from .quantization.formats import KVFormat, parse_kv_format
+from .quantization.base import KVFormat
+from .quantization.registry import format_from_spec
 
 BACKENDS = ("auto", "torch", "triton")
 # The largest `block_size`. A block is the unit of paging: one of 65,536 tokens already holds a whole
@@ -81,7 +82,7 @@ class PagedCacheConfig:
             Quantized layers run the kernels too (dequantizing in registers). "triton" without CUDA and
             without the interpreter fails here.
         quant: KV quantization of every attention layer: None (full precision) or a format spec of
-            `parse_kv_format`: "int8", "int4", "int2", "fp8" / "fp8_e4m3", "fp8_e5m2", "K4V2", "K8V4", ...;
+            `format_from_spec`: "int8", "int4", "int2", "fp8" / "fp8_e4m3", "fp8_e5m2", "K4V2", "K8V4", ...;
             "r" after a side's 2 or 4 bits rotates it (Hadamard): "int2" is "K2V2r".
         quant_layers: `{layer index: spec or None}`, overriding `quant` and `full_precision_layers` for
             those layers.
@@ -203,7 +204,7 @@ class PagedCacheConfig:
             if spec is None:
                 return
             try:
-                parse_kv_format(spec)
+                format_from_spec(spec)
             except ValueError as error:
                 raise ValueError(f"`{name}`: {error}") from None
 
@@ -239,7 +240,7 @@ class PagedCacheConfig:
 
     def layer_format(self, layer_idx: int) -> KVFormat | None:
         spec = self.layer_quant(layer_idx)
-        return None if spec is None else parse_kv_format(spec)
+        return None if spec is None else format_from_spec(spec)
 
     def uses_kernels(self, device: torch.device) -> bool:
         """Whether blocks on `device` are read and written by the Triton kernels."""

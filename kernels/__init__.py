@@ -23,7 +23,7 @@ References (any device, plain torch): ``write_kv_ref``, ``paged_decode_attention
 
 Quantized history: ``quantized=QuantizedKV(key_format, value_format, key_fields, value_fields,
 block_tables, lens)`` makes each row's first ``lens[row]`` stored tokens come from whole quantized blocks
-(formats and pools of ``hf_paged_cache.quantization.formats``), dequantized in registers; the paged cache then
+(formats and pools of ``hf_paged_cache.quantization``), dequantized in registers; the paged cache then
 holds the row's remaining tokens. See ``quantized.py``.
 
 Layout: ``k_cache``/``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` (fp32/fp16/bf16;

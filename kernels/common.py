@@ -315,7 +315,7 @@ def attend_quantized_range(
 
     ``table_ptr`` points at the row's quantized block table; ``k_*`` / ``v_*`` at the KV head's slice of
     the key / value pools (see ``dequantize.load_quantized_tile``); key_lo must be a multiple of BLOCK_N.
-    Rotated formats (``*_ROTATE``, see ``hf_paged_cache.quantization.formats.IntN.rotate``) are read in the rotated
+    Rotated formats (``*_ROTATE``, see ``hf_paged_cache.quantization.int_n.IntN.rotate``) are read in the rotated
     space, which is orthogonal: rotated keys meet the rotated query (``Rq . Rk = q . k``), and rotated values
     are summed into the rotated state, rotated back after the range (``acc`` is linear in the values and
     the rotation its own inverse), so no decoded tile is ever rotated.

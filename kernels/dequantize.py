@@ -5,7 +5,7 @@ Nothing dequantized ever reaches memory: per tile of BLOCK_N tokens the kernel l
 tile in the dot dtype -- the same tile shape the full-precision path loads, so the attention step after it
 is shared code (``common.online_softmax_step``).
 
-Packed codes (IntN, planar layout, see ``hf_paged_cache.quantization.formats.pack_codes``): channel d of a head is
+Packed codes (IntN, planar layout, see ``hf_paged_cache.quantization.packing.pack_codes``): channel d of a head is
 in byte ``d % m`` at bit ``(d // m) * bits``, with ``m = head_dim * bits / 8`` bytes per token and head.
 The loader reads byte ``d % m`` for every channel (each byte is read 8 / bits times, from L1; DRAM traffic
 is unchanged) and shifts per column. Because planes are contiguous, a thread's run of adjacent channels is
@@ -54,7 +54,7 @@ def decode_codes(
     token_codes, mask, BITS: tl.constexpr, EXPONENT_BITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr
 ):
     """The codes of ``[BLOCK_N, BLOCK_D]`` channels as float32 numbers (before scale and zero point are
-    applied): the one place that reads an encoding (``hf_paged_cache.quantization.formats.KernelFormat``).
+    applied): the one place that reads an encoding (``hf_paged_cache.quantization.base.KernelFormat``).
 
     ``token_codes`` points at each token's codes of the KV head (a ``[BLOCK_N, 1]`` column of pointers).
     """
@@ -74,7 +74,7 @@ def decode_codes(
 @triton.jit
 def hadamard(x):
     """``x [rows, D]`` (float32, D a power of two) times the normalized Hadamard matrix, which is its own
-    inverse: ``hf_paged_cache.quantization.formats.hadamard``'s butterfly -- log2(D) rounds of neighbour sums and
+    inverse: ``hf_paged_cache.quantization.rotation.hadamard``'s butterfly -- log2(D) rounds of neighbour sums and
     differences, then one multiply -- with the same float32 operations in the same order, so the seal kernel
     rotates a block bit-identically to the reference. Readers rotate queries (keys of a ``ROTATE`` format)
     and the attention output (values) with it, never a decoded tile."""

@@ -7,14 +7,14 @@ blocks. Stored index ``s < lens[row]`` is token ``s % block_size`` of quantized 
 full-precision block ``fp_block_tables[row, (s - lens[row]) // block_size]``. ``seq_lens`` counts both parts,
 and causal masks and sliding windows use ``s`` exactly as without quantization.
 
-The storage formats are those of ``hf_paged_cache.quantization.formats`` (codes, float16 scales and zero points per
+The storage formats are those of ``hf_paged_cache.quantization`` (codes, float16 scales and zero points per
 block, ``[num_qblocks, *fmt.fields(...)]`` per field). Each format declares how the kernels see it, its
 ``KernelFormat`` (``fmt.kernel_format``); its fields become constexprs of the kernels (``BITS``,
 ``EXPONENT_BITS``, ``ZERO_POINT``, ``QMAX``, ``PER_TOKEN``, ``GROUP``, ``SCALE_BITS``, ``ROTATE``: see ``format_constexprs``) prefixed
 ``K_`` / ``V_``, so key and value formats make compile-time variants independently (``K4V2`` is one kernel
 variant, not a runtime branch). Nothing here or in the kernels names a format class.
 
-Adding a format: a class in ``hf_paged_cache.quantization.formats`` whose ``kernel_format`` describes its codes with
+Adding a format: a class in ``hf_paged_cache.quantization`` whose ``kernel_format`` describes its codes with
 an encoding of ``KernelFormat`` (integer codes of 2, 4 or 8 bits with or without a zero point, float8 codes)
 needs no kernel change. A new encoding (say, codes looked up in a table) is a new ``KernelFormat`` field and
 one branch on it in each of the two JIT functions that know encodings, ``dequantize.decode_codes`` (codes
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_paged_cache.quantization.formats import KernelFormat, QuantFormat
+from hf_paged_cache.quantization import KernelFormat, QuantFormat
 
 # The smallest head a kernel tile holds unpadded (common.MIN_DOT): rotated heads must fill their tile.
 _MIN_ROTATED_HEAD_DIM = 16

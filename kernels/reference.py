@@ -5,7 +5,7 @@ attention in fp32 with an explicit boolean mask and softmax. They are slow (a Py
 and exist to define the semantics the Triton kernels are tested against; they are themselves checked
 against ``torch.nn.functional.scaled_dot_product_attention`` on dense K/V in the tests.
 
-With a ``QuantizedKV``, a row's quantized prefix is decoded by ``hf_paged_cache.quantization.formats`` (float32)
+With a ``QuantizedKV``, a row's quantized prefix is decoded by ``hf_paged_cache.quantization`` (float32)
 and put before its full-precision tokens; ``quantize_blocks_ref`` is the formats' own ``quantize``.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hf_paged_cache.quantization.formats import QuantFormat
+from hf_paged_cache.quantization import QuantFormat
 
 from .quantized import QuantizedKV
 

@@ -6,7 +6,7 @@ writes codes, scales and zero points in the same pass -- nothing full-precision 
 One program owns one (block, KV head) and quantizes its ``[block_size, head_dim]`` keys with the key
 format and its values with the value format (the K_* / V_* constexprs of ``quantized.format_constexprs``).
 
-Exactness against ``fmt.quantize`` (``hf_paged_cache.quantization.formats``), the reference:
+Exactness against ``fmt.quantize`` (``hf_paged_cache.quantization``), the reference:
 
 * Scales and zero points are bit-identical. They are float16 rounded *outward* (scales up, zero points
   down): the float32 statistic is rounded to nearest, then stepped one float16 ulp outward when that
@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_paged_cache.quantization.formats import QuantFormat
+from hf_paged_cache.quantization import QuantFormat
 
 from .common import Launch, block_d, check_paged_kv
 from .dequantize import hadamard
@@ -116,7 +116,7 @@ def fp8_encode(y, EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr):
 @triton.jit
 def encode_codes(x, scale, zero, EXPONENT_BITS: tl.constexpr, ZERO_POINT: tl.constexpr, QMAX: tl.constexpr):
     """float32 ``x`` as codes (int32) given its stored float16 metadata, rounded as the reference rounds:
-    the one place that writes an encoding (``hf_paged_cache.quantization.formats.KernelFormat``)."""
+    the one place that writes an encoding (``hf_paged_cache.quantization.base.KernelFormat``)."""
     if ZERO_POINT:
         x = tl.minimum(tl.maximum(x, -_FP16_MAX), _FP16_MAX)
         code = round_half_even(tl.math.div_rn(x - zero, scale))

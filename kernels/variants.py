@@ -16,7 +16,7 @@ import itertools
 
 import torch
 
-from hf_paged_cache.quantization.formats import parse_kv_format
+from hf_paged_cache.quantization import format_from_spec
 
 from .attention_mass import plan_paged_attention_mass
 from .cache_write import plan_write_kv
@@ -38,8 +38,8 @@ DECODE_SPLITS = (1, 4)
 # sink logits (gpt-oss, HAS_SINKS), which only change where each online softmax starts.
 SOFTCAP = 30.0
 
-# The quantized grid: KV formats (hf_paged_cache.quantization.formats.parse_kv_format specs) on 16-bit caches.
-# "int2" rotates its values (hf_paged_cache.quantization.formats.IntN.rotate), "K2rV4" its keys only, "K2rV2r" both (the
+# The quantized grid: KV formats (hf_paged_cache.quantization.registry.format_from_spec specs) on 16-bit caches.
+# "int2" rotates its values (hf_paged_cache.quantization.int_n.IntN.rotate), "K2rV4" its keys only, "K2rV2r" both (the
 # read path rotates the query for keys and the output for values); "K2V2" is 2-bit without rotation.
 QUANT_FORMATS = ("int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2", "K4V2", "K8V4", "K2V2", "K2rV4", "K2rV2r")
 QUANT_DTYPES = (torch.float16, torch.bfloat16)
@@ -122,7 +122,7 @@ def quantized_example_launches(
 ) -> list[tuple[str, Launch]]:
     """(label, launch) for the launches of a model whose history is stored in ``kv_format``: decode (single
     pass and split-K) and prefill over a quantized prefix, and the seal kernel."""
-    formats = parse_kv_format(kv_format)
+    formats = format_from_spec(kv_format)
     q_heads = _NUM_KV_HEADS * group
     k_cache = allocate_kv_blocks(_NUM_BLOCKS, block_size, _NUM_KV_HEADS, head_dim, dtype, fill=0.0)
     v_cache = allocate_kv_blocks(_NUM_BLOCKS, block_size, _NUM_KV_HEADS, head_dim, dtype, fill=0.0)

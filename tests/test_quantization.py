@@ -13,14 +13,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_paged_cache.quantization.formats import (
+from hf_paged_cache.quantization import (
     FP8,
     Int8,
     IntN,
     KVFormat,
     hadamard,
     pack_codes,
-    parse_kv_format,
+    format_from_spec,
     rotate_heads,
     unpack_codes,
 )
@@ -296,7 +296,7 @@ def test_byte_ratios_meet_the_project_targets(spec, block_size, target, expected
     """Keys + values incl. scales vs float16 at head_dim 64 (values: one float16 (scale, zero) per 64
     channels of a token), against the byte targets: int8 <= 0.53x, int2 <= 0.19x (issue 17), int4 <= 0.28x
     from block 64 on (at block 16 strict per-channel keys cost 0.313x)."""
-    kv = parse_kv_format(spec)
+    kv = format_from_spec(spec)
     assert kv.ratio_to_fp16(2, 64, block_size) == pytest.approx(expected, rel=1e-12)
     assert target is None or expected <= target
     assert kv.bytes_per_block(block_size, 2, 64) == kv.key.bytes_per_block(
@@ -440,7 +440,7 @@ ROTATED_KEYS = {bits: IntN(bits, "channel", group_size=1, scale_bits=8, rotate=T
     ],
 )
 def test_parser_accepts(spec, key, value):
-    assert parse_kv_format(spec) == KVFormat(key=key, value=value)
+    assert format_from_spec(spec) == KVFormat(key=key, value=value)
 
 
 @pytest.mark.parametrize(
@@ -448,7 +448,7 @@ def test_parser_accepts(spec, key, value):
 )
 def test_parser_rejects_with_the_choices(spec):
     with pytest.raises(ValueError) as info:
-        parse_kv_format(spec)
+        format_from_spec(spec)
     message = str(info.value)
     assert repr(spec) in message and all(choice in message for choice in ("int8", "int4", "fp8_e5m2", "K4V2", "K2rV2r"))
 
@@ -523,7 +523,7 @@ def test_rotation_stores_nothing_and_needs_a_power_of_two_head_dim():
     for fmt in ROTATED:
         plain = IntN(fmt.bits, fmt.axis, fmt.group_size, fmt.scale_bits)
         assert fmt.fields(16, 3, 64) == plain.fields(16, 3, 64)
-    assert parse_kv_format("int2").bytes_per_block(16, 3, 64) == parse_kv_format("K2V2").bytes_per_block(16, 3, 64)
+    assert format_from_spec("int2").bytes_per_block(16, 3, 64) == format_from_spec("K2V2").bytes_per_block(16, 3, 64)
     with pytest.raises(ValueError, match="rotate=True needs a power-of-two head_dim.*got head_dim 80"):
         IntN(2, "token", rotate=True).fields(16, 1, 80)
     with pytest.raises(ValueError, match="rotate=True needs a power-of-two head_dim"):

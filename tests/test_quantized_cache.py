@@ -18,7 +18,7 @@ from tiny_models import MODELS, MODELS_BY_NAME, PAD_ID, VOCAB, _common, _make, p
 
 from hf_paged_cache import OutOfBlocksError, PagedCache, PagedCacheConfig, estimate_kv_bytes
 from hf_paged_cache.blocks.tables import BlockTables, QuantizedBlockTables
-from hf_paged_cache.quantization.formats import parse_kv_format
+from hf_paged_cache.quantization import format_from_spec
 from hf_paged_cache.layers import quantized as quantized_layers
 from hf_paged_cache.layers.quantized import QuantizedLayer
 
@@ -181,7 +181,7 @@ def test_rotated_blocks_read_like_attention_over_their_round_trip(spec, attn):
         model.set_attn_implementation("sdpa")
         reference = transformers.DynamicCache(config=config)
         model(input_ids=prompt, past_key_values=reference, use_cache=True)
-        kv_format = parse_kv_format(spec)
+        kv_format = format_from_spec(spec)
         layer = reference.layers[0]
         for states, fmt in ((layer.keys, kv_format.key), (layer.values, kv_format.value)):
             heads, dim = states.shape[1], states.shape[-1]
@@ -202,7 +202,7 @@ def test_quantized_bytes_are_sealed_blocks_times_block_bytes(spec):
     _generate(model, "paged", cache)
     metrics = cache.metrics()
     (group,) = cache.groups.values()
-    per_layer = parse_kv_format(spec).bytes_per_block(BLOCK, config.num_key_value_heads, config.head_dim)
+    per_layer = format_from_spec(spec).bytes_per_block(BLOCK, config.num_key_value_heads, config.head_dim)
     sealed = group.qpool.num_used
     assert sealed == len({block for table in group.qtables for block in table}) > 0
     assert metrics.quantized_bytes == sealed * per_layer * config.num_hidden_layers
@@ -217,7 +217,7 @@ def test_estimate_counts_quantized_blocks():
     fp16 = estimate_kv_bytes(config, 2, 100, block_size=16)
     int4 = estimate_kv_bytes(config, 2, 100, block_size=16, quant="int4", residual_length=32)
     sealed, fp_blocks = (100 - 32) // 16, 7 - (100 - 32) // 16
-    per_block = parse_kv_format("int4").bytes_per_block(16, heads, head_dim)
+    per_block = format_from_spec("int4").bytes_per_block(16, heads, head_dim)
     assert int4 == 2 * layers * (sealed * per_block + fp_blocks * 16 * 2 * heads * head_dim * 2)
     assert int4 < fp16
     assert estimate_kv_bytes(config, 2, 100, quant="int4", full_precision_layers=layers) == fp16

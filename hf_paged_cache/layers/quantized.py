@@ -22,7 +22,7 @@ import torch
 
 from ..blocks.tables import QuantizedBlockTables, StepPlan
 from .paged import PagedLayer, PagedSlidingLayer, storage_field
-from ..quantization.formats import KVFormat, rotate_heads
+from ..quantization.base import KVFormat
 from ..attention.torch_path import OnlineSoftmax, causal_mask, visible_columns
 
 CHUNK_TOKENS = 2048  # quantized tokens dequantized at a time by the paged read (a bounded transient)
@@ -253,8 +253,8 @@ class QuantizedLayer(PagedLayer):
         Row by row, and `QUERY_TILE` queries at a time (so a long prompt chunk's transients stay bounded), the
         quantized prefix is decoded at most `CHUNK_TOKENS` tokens at a time and the full-precision suffix is read
         as a view (or gathered); the chunks are merged with an online softmax in float32. Steps that read nothing quantized take the unquantized path unchanged.
-        A rotated side (`IntN.rotate`) is read as stored: the queries (rotated keys) and the short
-        full-precision suffix are rotated into its space instead, and the output (rotated values) back
+        A rotated side is read as stored: the queries (rotated keys) and the short full-precision suffix are
+        mapped into its code space instead (`QuantFormat.code_space`), and the output (rotated values) back
         once at the end, as the Triton kernels do -- not every decoded token of a long history.
         """
         batch, _heads, q_len, _ = query.shape
@@ -263,10 +263,10 @@ class QuantizedLayer(PagedLayer):
         width = plan.new_len - plan.kv_offset
         if mask is None:
             mask = causal_mask(q_len, width, query.device)
-        rotate_keys, rotate_values = self.kv_format.key.rotate, self.kv_format.value.rotate
+        key_format, value_format = self.kv_format.key, self.kv_format.value
         out = []
         for row in range(batch):
-            row_query = rotate_heads(query[row].float()) if rotate_keys else query[row]
+            row_query = key_format.code_space(query[row])
             transition = self._transition_kv(plan, row) if plan.transition[row] else None
             tiles = []
             for q0 in range(0, q_len, QUERY_TILE):  # bounded transients (logits of a tile x a chunk) for long steps
@@ -280,13 +280,12 @@ class QuantizedLayer(PagedLayer):
                 start, stop = plan.read_start[row], plan.read_stop[row]
                 if stop > start:
                     keys, values = (part.float() for part in self.row_kv(plan, row))
-                    keys = rotate_heads(keys) if rotate_keys else keys
-                    values = rotate_heads(values) if rotate_values else values
+                    keys, values = key_format.code_space(keys), value_format.code_space(values)
                     first = plan.base[row] + start - plan.kv_offset
                     softmax.update(keys, values, row_mask[:, first : first + stop - start])
                 tiles.append(softmax.result())
             result = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
-            out.append(rotate_heads(result) if rotate_values else result)
+            out.append(value_format.code_space(result))
         if not self.read_by_others:  # the transient copy is not needed again this step
             self._arrived = {}
         return torch.stack(out).to(query.dtype)
@@ -312,8 +311,7 @@ class QuantizedLayer(PagedLayer):
                 fields.append(fmt.dequantize(scratch, slice(0, count), torch.float32, rotated=True))
             quantized = tuple(field.flatten(0, 1).transpose(0, 1) for field in fields)
         keys, values = (part.flatten(0, 1).transpose(0, 1).float() for part in (keys, values))
-        keys = rotate_heads(keys) if self.kv_format.key.rotate else keys
-        values = rotate_heads(values) if self.kv_format.value.rotate else values
+        keys, values = self.kv_format.key.code_space(keys), self.kv_format.value.code_space(values)
         return first, (keys, values), quantized
 
     def _attend_transition(self, softmax: OnlineSoftmax, plan: StepPlan, transition: tuple, row_mask: torch.Tensor,

@@ -32,7 +32,8 @@ from ..blocks.pool import BlockPool
 from ..blocks.tables import BlockTables
 from ..cache import PagedCache
 from .copy_stream import CopyStream, Transfer
-from ..quantization.formats import QuantFormat, parse_kv_format
+from ..quantization.base import QuantFormat
+from ..quantization.registry import format_from_spec
 from ..blocks.rows import BlockList
 
 
@@ -143,7 +144,7 @@ class SwapSpace:
         self.template = template
         self.num_blocks = num_blocks
         try:
-            self.compression = parse_kv_format(compression) if compression is not None else None
+            self.compression = format_from_spec(compression) if compression is not None else None
         except ValueError as error:
             raise ValueError(f"`swap_compression`: {error}") from None
         self.copies = CopyStream(copies)

@@ -43,6 +43,7 @@ from .header import CRAFTED, check_header, checked_tensor, dtype_name, dtype_of,
 from ..layers.paged import PagedLayer
 from ..memory.accounting import stored_kv_shapes
 from ..layers.quantized import QuantizedLayer
+from ..quantization.registry import kv_format_fields, kv_format_from_fields
 from ..blocks.rows import BlockList, Row
 
 FORMAT = "hf_paged_cache"  # metadata key of the JSON header
@@ -182,7 +183,7 @@ def _save_layer(layer: PagedLayer, group: int, used: list[int], qused: list[int]
             for name, field in fields.items():
                 tensors[f"{prefix}.{side}.{name}"] = field.index_select(0, ids)
         entry["error_stats"] = layer.error_stats
-        entry["kv_format"] = repr(layer.kv_format)  # what a spec like "int2" meant when the file was written
+        entry["kv_format"] = kv_format_fields(layer.kv_format)  # what a spec like "int2" meant when the file was written
     return entry
 
 
@@ -509,13 +510,18 @@ def _check_evictor(saved: dict | None, tensors: dict[str, torch.Tensor], evictor
 
 def _check_format(index: int, layer, saved: dict) -> None:
     """A quantized layer's codes are read only in the format that wrote them: the same `quant` text whose meaning
-    changed since the file was written (version 1 files predate rotated formats and record none) is refused."""
+    changed since the file was written (version 1 files predate rotated formats and record none) is refused.
+    Files record the format by name and fields (`kv_format_fields`); earlier version 2 files, by its repr."""
     if not isinstance(layer, QuantizedLayer):  # the options (compared before) decide which layers are quantized
         return
     fmt = layer.kv_format
     written = saved.get("kv_format")
-    rotated = fmt.key.rotate or fmt.value.rotate
-    if written == repr(fmt) or (written is None and not rotated):  # version 1 files: unrotated formats only
+    if isinstance(written, dict):
+        try:
+            written = kv_format_from_fields(written)
+        except ValueError as error:
+            raise CacheFileError(f"the header's `layers[{index}].kv_format` is no format ({error}): {CRAFTED}") from None
+    if written in (fmt, repr(fmt)) or (written is None and not fmt.rotates):  # version 1: unrotated formats only
         return
     if written is None:
         raise CacheFileError(

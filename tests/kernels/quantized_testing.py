@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from kernel_testing import DEVICE, PagedKV
 
 from hf_paged_cache.kernels import QuantizedKV
-from hf_paged_cache.quantization.formats import KernelFormat, QuantFormat, _absmax_scale, _nonzero, parse_kv_format
+from hf_paged_cache.quantization import KernelFormat, QuantFormat, format_from_spec
+from hf_paged_cache.quantization.scales import absmax_scale, nonzero
 
 # The formats of the kernels' format axis (hf_paged_cache.kernels.variants.QUANT_FORMATS).
 FORMATS = ("int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2", "K4V2", "K8V4", "K2V2", "K2rV4", "K2rV2r")
@@ -35,8 +36,8 @@ class Int8PerHead(QuantFormat):
         return KernelFormat(bits=8, exponent_bits=0, zero_point=False, qmax=127.0, per_token=False, group=head_dim)
 
     def _encode(self, x):  # x: [n, block_size, kv_heads, head_dim]
-        scale = _absmax_scale(x, (1, -1), 127.0)
-        codes = torch.round(x / _nonzero(scale)).clamp_(-127, 127).to(torch.int8)
+        scale = absmax_scale(x, (1, -1), 127.0)
+        codes = torch.round(x / nonzero(scale)).clamp_(-127, 127).to(torch.int8)
         return {"codes": codes, "scale": scale[:, 0, :, 0]}
 
     def _decode(self, fields):
@@ -48,7 +49,7 @@ class QuantizedPagedKV:
     row's K/V as the kernels should see them (the prefix dequantized, float32)."""
 
     def __init__(self, rows, num_kv_heads, head_dim, block_size, dtype, kv_format, generator):
-        self.kv_format = parse_kv_format(kv_format) if isinstance(kv_format, str) else kv_format
+        self.kv_format = format_from_spec(kv_format) if isinstance(kv_format, str) else kv_format
         self.fp = PagedKV([n for _, n in rows], num_kv_heads, head_dim, block_size, dtype, generator)
         blocks_per_row = [qb for qb, _ in rows]
         num_qblocks = sum(blocks_per_row) + 1

@@ -15,7 +15,7 @@ from quantized_testing import Int8PerHead
 
 from hf_paged_cache.kernels import quantize_blocks, quantize_blocks_ref
 from hf_paged_cache.kernels.layout import allocate_kv_blocks
-from hf_paged_cache.quantization.formats import FP8, Int8, IntN, KVFormat, parse_kv_format, unpack_codes
+from hf_paged_cache.quantization import FP8, Int8, IntN, KVFormat, format_from_spec, unpack_codes
 
 _CASES = [
     # (key format, value format, cache dtype, head_dim, block_size)
@@ -36,7 +36,7 @@ _CASES = [
 
 
 def _formats(key, value):
-    return parse_kv_format(key) if isinstance(key, str) else KVFormat(key, value)
+    return format_from_spec(key) if isinstance(key, str) else KVFormat(key, value)
 
 
 def _case_id(case):

@@ -17,7 +17,7 @@ from quantized_testing import Int8PerHead, QuantizedPagedKV, format_params, sdpa
 from hf_paged_cache.kernels import QuantizedKV, paged_decode_attention, paged_decode_attention_ref
 from hf_paged_cache.kernels.paged_decode import plan_paged_decode
 from hf_paged_cache.kernels.quantized import format_constexprs
-from hf_paged_cache.quantization.formats import Int8, IntN, KVFormat
+from hf_paged_cache.quantization import Int8, IntN, KVFormat
 
 
 def rows_for(block_size):
