@@ -24,6 +24,8 @@ from transformers import DynamicCache
 
 from hf_paged_cache import H2O, CacheFileError, PagedCache, PagedCacheConfig, RandomEviction, SnapKV, block_layout
 from hf_paged_cache.persistence.files import DIGEST, FORMAT, _digest
+from hf_paged_cache.quantization import format_from_spec
+from hf_paged_cache.quantization.registry import kv_format_fields
 from hf_paged_cache.smollm2 import load_smollm2
 
 PREFIX, PROMPT, STEPS = 10, 16, 6
@@ -301,6 +303,38 @@ def test_a_spec_whose_meaning_changed_since_the_file_was_written_is_refused(tmp_
     _rewrite_header(tmp_path / "new.safetensors", tmp_path / "drifted.safetensors", drifted)
     with pytest.raises(CacheFileError, match="layer 0 was quantized as KVFormat\\(key=IntN\\(bits=2\\)"):
         PagedCache.load(tmp_path / "drifted.safetensors", model.config)
+
+
+def test_formats_are_saved_by_name_and_fields_and_files_with_their_repr_still_load(tmp_path):
+    """A layer's format is written as registry names and dataclass fields; files that wrote its repr (version 2
+    before formats were named) load alike, and a named format other than the options' is refused."""
+    model = _model("llama_gqa")
+    model.set_attn_implementation("paged")
+    cache = PagedCache(model.config, block_size=4, quant="int2", residual_length=4)
+    _forward(model, cache, torch.randint(3, VOCAB, (1, 14), generator=torch.Generator().manual_seed(1)))
+    cache.save(tmp_path / "new.safetensors")
+    with safe_open(tmp_path / "new.safetensors", framework="pt") as handle:
+        layers = json.loads(handle.metadata()[FORMAT])["layers"]
+    assert all(layer["kv_format"] == kv_format_fields(format_from_spec("int2")) for layer in layers)
+    assert layers[0]["kv_format"]["value"] == {
+        "name": "intn", "fields": {"bits": 2, "axis": "token", "group_size": None, "scale_bits": 16, "rotate": True},
+    }  # fmt: skip
+
+    def written(value):
+        def edit(header):
+            for layer in header["layers"]:
+                layer["kv_format"] = value
+        return edit
+
+    edits = {"repr": repr(format_from_spec("int2")), "other": kv_format_fields(format_from_spec("K2V2")),
+             "unknown": {"key": {"name": "int3", "fields": {}}, "value": {"name": "int8", "fields": {}}}}  # fmt: skip
+    for name, value in edits.items():
+        _rewrite_header(tmp_path / "new.safetensors", tmp_path / f"{name}.safetensors", written(value))
+    assert cache_state(PagedCache.load(tmp_path / "repr.safetensors", model.config)) == cache_state(cache)
+    with pytest.raises(CacheFileError, match="layer 0 was quantized as KVFormat\\(key=IntN\\(bits=2, axis='channel'"):
+        PagedCache.load(tmp_path / "other.safetensors", model.config)
+    with pytest.raises(CacheFileError, match="kv_format` is no format .*unknown quantization format name 'int3'"):
+        PagedCache.load(tmp_path / "unknown.safetensors", model.config)
 
 
 def test_a_policy_saved_before_per_head_existed_loads_head_shared(saved, tmp_path):

@@ -183,7 +183,7 @@ def _save_layer(layer: PagedLayer, group: int, used: list[int], qused: list[int]
             for name, field in fields.items():
                 tensors[f"{prefix}.{side}.{name}"] = field.index_select(0, ids)
         entry["error_stats"] = layer.error_stats
-        entry["kv_format"] = kv_format_fields(layer.kv_format)  # what a spec like "int2" meant when the file was written
+        entry["kv_format"] = kv_format_fields(layer.kv_format)  # what a spec like "int2" meant when it was written
     return entry
 
 
@@ -520,7 +520,8 @@ def _check_format(index: int, layer, saved: dict) -> None:
         try:
             written = kv_format_from_fields(written)
         except ValueError as error:
-            raise CacheFileError(f"the header's `layers[{index}].kv_format` is no format ({error}): {CRAFTED}") from None
+            message = f"the header's `layers[{index}].kv_format` is no format ({error}): {CRAFTED}"
+            raise CacheFileError(message) from None
     if written in (fmt, repr(fmt)) or (written is None and not fmt.rotates):  # version 1: unrotated formats only
         return
     if written is None:

@@ -162,7 +162,7 @@ def _check_layer(saved: dict, index: int, groups: list[dict], block_size: int, t
         if name.startswith((f"{prefix}.qkey.", f"{prefix}.qvalue.")) and tensor.shape[:1] != (sealed,):
             raise CacheFileError(f"tensor {name!r} is {tuple(tensor.shape)}, but its group holds {sealed} sealed "
                                  f"blocks: {CRAFTED}")  # fmt: skip
-    if not isinstance(saved.get("kv_format"), dict):  # a name and fields, read by the loader (`kv_format_from_fields`)
+    if not isinstance(saved.get("kv_format"), dict):  # a dict (name and fields) is read by `kv_format_from_fields`
         _value(saved, "kv_format", where, str, optional=True)  # or the format's repr (earlier version 2 files)
     stats = _value(saved, "error_stats", where, dict, optional=True)
     if stats is not None:
