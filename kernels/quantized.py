@@ -14,9 +14,9 @@ block, ``[num_qblocks, *fmt.fields(...)]`` per field). Each format declares how 
 ``K_`` / ``V_``, so key and value formats make compile-time variants independently (``K4V2`` is one kernel
 variant, not a runtime branch). Nothing here or in the kernels names a format class.
 
-Adding a format: a class in ``hf_paged_cache.quantization`` whose ``kernel_format`` describes its codes with
-an encoding of ``KernelFormat`` (integer codes of 2, 4 or 8 bits with or without a zero point, float8 codes)
-needs no kernel change. A new encoding (say, codes looked up in a table) is a new ``KernelFormat`` field and
+Adding a format: a class in a module of ``hf_paged_cache.quantization`` (one ``register_format`` line names it)
+whose ``kernel_format`` describes its codes with an encoding of ``KernelFormat`` (integer codes of 2, 4 or 8 bits
+with or without a zero point, float8 codes) needs no kernel change. A new encoding (say, codes looked up in a table) is a new ``KernelFormat`` field and
 one branch on it in each of the two JIT functions that know encodings, ``dequantize.decode_codes`` (codes
 to numbers) and ``seal.encode_codes`` (numbers to codes), plus its case in ``_check_encoding`` here (and, if
 its scales are not absmax- or min/max-based, in ``seal.quantize_tile``'s metadata step).

@@ -1,4 +1,5 @@
-"""Quantized KV-block formats (int8, KIVI int4 / int2, fp8), named by spec strings through the registry."""
+"""Quantized KV-block formats (int8, KIVI int4 / int2, fp8), named by spec strings through the registry; importing
+the package registers its formats."""
 
 from .base import KernelFormat, KVFormat, QuantFormat
 from .fp8 import FP8
