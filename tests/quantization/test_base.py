@@ -9,7 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hf_paged_cache.quantization import FP8, Int8, IntN, rotate_heads, unpack_codes
-from format_testing import FAST, PER_TOKEN, PER_BLOCK, ALL_FORMATS, ROTATED, blocks_of_kv, roundtrip, error_bound
+from quantization.format_testing import (
+    ALL_FORMATS, FAST, PER_BLOCK, PER_TOKEN, ROTATED, blocks_of_kv, error_bound, roundtrip,
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS, ids=repr)

@@ -3,7 +3,7 @@
 import torch
 
 from hf_paged_cache.quantization import FP8
-from format_testing import roundtrip
+from quantization.format_testing import roundtrip
 
 
 def test_fp8_codes_are_exact():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hf_paged_cache.quantization import Int8, IntN
-from format_testing import roundtrip
+from quantization.format_testing import roundtrip
 
 
 @pytest.mark.parametrize("fmt", [IntN(4, "token"), IntN(2, "token"), IntN(4, "channel"), IntN(2, "channel", 1)], ids=repr)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 
 from hf_paged_cache.quantization import IntN, format_from_spec, hadamard, rotate_heads
-from format_testing import FAST, ROTATED, blocks_of_kv, roundtrip, error_bound
+from quantization.format_testing import FAST, ROTATED, blocks_of_kv, roundtrip, error_bound
 
 
 @pytest.mark.parametrize("d", [1, 2, 16, 64, 128])

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 
 from hf_paged_cache.quantization import FP8, Int8, IntN
-from format_testing import FAST, F16_ULP_REL, F16_TINY, blocks_of_kv, roundtrip
+from quantization.format_testing import FAST, F16_ULP_REL, F16_TINY, blocks_of_kv, roundtrip
 
 
 @pytest.mark.parametrize("fmt", [Int8(), FP8("e4m3"), FP8("e5m2"), FP8("e4m3", "head")], ids=repr)
