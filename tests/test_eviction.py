@@ -26,10 +26,8 @@ from hf_paged_cache import (
     RandomEviction,
     SnapKV,
     StreamingLLM,
-    pyramid_budgets,
 )
 from hf_paged_cache.attention import torch_path as torch_attention
-from hf_paged_cache.eviction import ScoreInputs, choose_kept, choose_kept_per_head, novel_tokens
 
 BLOCK = 4
 BUDGET = 16
@@ -100,33 +98,6 @@ def test_policies_validate_their_options():
         PagedCache(_model().config, eviction="snapkv")
     with pytest.raises(ValueError, match="evict_every"):
         PagedCache(_model().config, eviction=H2O(), evict_every=0)
-
-
-def test_budgets_ratios_and_pyramid_schedules():
-    assert H2O(budget=100, sinks=4, window=8).budget_for(1000, 0) == 100
-    assert H2O(budget=0.25, sinks=4, window=8).budget_for(1000, 0) == 250
-    assert H2O(budget=0.01, sinks=4, window=8).budget_for(1000, 0) == 12  # never below sinks + window
-    schedule = pyramid_budgets(4, ratio=3.0)
-    assert schedule[0] / schedule[-1] == pytest.approx(3.0) and sum(schedule) == pytest.approx(4.0)
-    policy = TOVA(budget=100, sinks=0, window=0, layer_budgets=schedule)
-    assert [policy.budget_for(1000, layer) for layer in range(4)] == [int(100 * m) for m in schedule]
-    with pytest.raises(ValueError, match="one multiplier per layer"):
-        policy.budget_for(1000, 4)
-
-
-def test_choose_kept_protects_sinks_and_window_drops_padding_and_keeps_units_whole():
-    policy = H2O(budget=8, sinks=2, window=2)
-    positions = torch.arange(3, 19)  # 16 stored tokens; positions 3, 4 are padding (first real is 5)
-    scores = torch.zeros(16)
-    scores[[0, 1]] = 100.0  # padding scores high but must go
-    scores[[8, 9, 10, 11]] = torch.tensor([5.0, 5.0, 5.0, -9.0])  # a unit of 4 (mean 1.5)
-    scores[12] = 3.0
-    units = [1] * 8 + [4] + [1] * 4
-    keep = choose_kept(scores, positions, 5, 19, 8, policy, units)
-    assert not keep[:2].any()  # padding
-    assert keep[2:4].all() and keep[-2:].all()  # sinks (positions 5, 6) and window (17, 18)
-    assert bool(keep[8]) == bool(keep[9]) == bool(keep[10]) == bool(keep[11])  # a unit is all or nothing
-    assert int(keep.sum()) <= 8
 
 
 # ---------------------------------------------------------------------------------------------- invariants
@@ -279,16 +250,6 @@ def test_an_evicted_cache_read_by_a_second_sdpa_model_object_gets_the_library_er
         second(input_ids=input_ids[:, :1], cache=cache)
 
 
-def test_a_token_budget_below_sinks_plus_window_is_refused():
-    with pytest.raises(ValueError, match=r"StreamingLLM: the budget is 16 tokens, fewer than the 4 `sinks` \+ 32 "
-                       r"`window` tokens that are never evicted: raise `budget` or lower `sinks` / `window`"):  # fmt: skip
-        StreamingLLM(budget=16)
-    with pytest.raises(ValueError, match=r"TOVA: the budget at the layer of the smallest `layer_budgets` multiplier is 3"):
-        TOVA(budget=8, sinks=2, window=2, layer_budgets=[1.6, 0.4])
-    assert TOVA(budget=8, sinks=2, window=2, layer_budgets=[1.5, 0.5]).budget_for(100, 1) == 4
-    assert StreamingLLM(budget=36).budget_for(1000, 0) == 36
-
-
 def test_pool_pressure_evicts_instead_of_failing():
     model = _model()
     input_ids = torch.randint(3, VOCAB, (1, 24))
@@ -435,71 +396,7 @@ def test_kernel_statistics_equal_the_torch_path(policy):
             torch.testing.assert_close(kernel_stats[row, :, :count], torch_stats[row, :, :count], atol=1e-4, rtol=1e-4)
 
 
-def _rotate(keys: torch.Tensor, positions: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """A rotary embedding of `keys` `[n, d]` at `positions` (transformers' `rotate_half`, or GPT-J's pairs)."""
-    half = keys.shape[-1] // 2
-    angles = positions[:, None].float() * (10000.0 ** (-torch.arange(half) / half))[None]
-    cos, sin = angles.cos(), angles.sin()
-    first, second = (keys[:, 0::2], keys[:, 1::2]) if interleaved else keys.chunk(2, dim=-1)
-    rotated = (first * cos - second * sin, first * sin + second * cos)
-    return torch.stack(rotated, dim=-1).flatten(1) if interleaved else torch.cat(rotated, dim=-1)
-
-
-@pytest.mark.parametrize("rotary", ["half", "interleaved"])
-def test_key_novelty_finds_copies_wherever_the_rotary_embedding_put_them(rotary):
-    gen = torch.Generator().manual_seed(0)
-    phrase = torch.randn(4, 16, generator=gen)
-    fact = torch.randn(1, 16, generator=gen)
-    keys = torch.cat([phrase, phrase, fact, phrase])  # a phrase said three times, one fact in between
-    rotated = _rotate(keys, torch.arange(13) * 7 + 3, interleaved=rotary == "interleaved")
-    inputs = ScoreInputs(torch.arange(13), 13, None, lambda: rotated[None])
-    scores = KeyNovelty(budget=8, sinks=0, window=0, rotary=rotary).score(inputs)[0]
-    torch.testing.assert_close(scores[torch.arange(13) != 8], torch.full((12,), -1.0))  # each has an exact copy
-    assert scores[8] > -0.99  # the fact has none
-    raw = KeyNovelty(budget=8, sinks=0, window=0, rotary="none").score(inputs)[0]
-    assert bool((raw[torch.arange(13) != 8] > -0.99).any())  # compared as stored, the copies hide
-    with pytest.raises(ValueError, match="rotary"):
-        KeyNovelty(rotary="gptj")
-
-
-def test_novel_tokens_are_protected_before_the_policy_chooses():
-    policy = H2O(budget=8, sinks=2, window=2, protect_novel=0.25)
-    positions = torch.arange(3, 19)  # first real token at 5: stored indices 0, 1 are padding
-    novelty = torch.zeros(16)
-    novelty[[0, 2, 15]] = 9.0  # padding, a sink and the window: never counted among the novel
-    novelty[[6, 11]] = torch.tensor([2.0, 3.0])
-    novel = novel_tokens(novelty, positions, 5, 19, policy, count=2)
-    assert novel.nonzero().flatten().tolist() == [6, 11]
-    scores = torch.arange(16.0)  # the policy itself prefers the newest tokens
-    keep = choose_kept(scores, positions, 5, 19, 8, policy, [1] * 16, novel)
-    assert keep[[6, 11]].all() and int(keep.sum()) == 8
-    assert keep.nonzero().flatten().tolist() == [2, 3, 6, 11, 12, 13, 14, 15]
-    heads = novel_tokens(torch.stack([novelty, novelty.flip(0)]), positions, 5, 19, policy, count=2)
-    assert heads.sum(1).tolist() == [2, 2] and heads[1].nonzero().flatten().tolist() == [4, 13]
-    with pytest.raises(ValueError, match="protect_novel"):
-        H2O(protect_novel=1.0)
-
-
 # ---------------------------------------------------------------------------------------------- per head
-def test_choose_kept_per_head_keeps_each_heads_best_and_the_same_count():
-    policy = H2O(budget=8, sinks=2, window=2, per_head=True)
-    positions = torch.arange(3, 19)  # 16 stored tokens; the first 4 (padding 3, 4 and sinks 5, 6) are sealed
-    scores = torch.rand(2, 16, generator=torch.Generator().manual_seed(0))
-    scores[1, 4:] = scores[1, 4:].flip(0)  # the heads rank the full-precision tokens differently
-    shared = choose_kept(scores.mean(0), positions, 5, 19, 8, policy, [4] + [1] * 12)
-    keep = choose_kept_per_head(scores, positions, 5, 19, policy, shared, split=4)
-    assert keep.shape == (2, 16) and keep.sum(1).tolist() == [int(shared.sum())] * 2
-    assert torch.equal(keep[:, :4], shared[:4].expand(2, -1))  # the sealed unit: decided for both heads
-    for head in range(2):
-        tail = keep[head, 4:]
-        assert tail[-2:].all()  # the recent window
-        free = torch.ones(12, dtype=torch.bool)
-        free[-2:] = False
-        chosen, dropped = scores[head, 4:][free & tail], scores[head, 4:][free & ~tail]
-        assert chosen.min() >= dropped.max()  # the head's own best
-    assert not torch.equal(keep[0], keep[1])
-
-
 def _per_head_reference(model, input_ids: torch.Tensor, kept: list[dict[int, torch.Tensor]]) -> torch.Tensor:
     """Logits of a full DynamicCache whose decode steps read, in each layer and KV head, only the positions
     `kept[step][layer]` (`[kv_heads, n]`) plus the new token: a per-head 4D mask over the whole history."""

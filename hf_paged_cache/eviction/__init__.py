@@ -1,8 +1,12 @@
-"""Token eviction: policies decide what survives (`policies`) from scores fed by attention statistics
-(`statistics` says which, `attention_stats` records them), the evictor decides when (`evictor`), and
-compaction frees the blocks (`compaction`)."""
+"""Token eviction: policies score what survives (`policies/`, one module each) from statistics of attention
+(`statistics` says which, `attention_stats` records them); wrappers add variants (`variants`); `selection`
+turns scores into survivors within the `budget`; the evictor decides when (`evictor`), and `removal` frees
+the blocks."""
 
+from .attention_stats import AttentionStats
+from .budget import TokenBudget, pyramid_budgets
 from .evictor import Evictor
+from .novelty import key_novelty
 from .policies import (
     H2O,
     TOVA,
@@ -12,17 +16,12 @@ from .policies import (
     KeyNorm,
     KeyNovelty,
     RandomEviction,
-    ScoreInputs,
     SnapKV,
     StreamingLLM,
-    choose_kept,
-    choose_kept_per_head,
-    key_novelty,
-    novel_tokens,
-    pyramid_budgets,
 )
-from .attention_stats import AttentionStats
+from .selection import RowChoice, ScoreInputs, Selector, TakenFirst, choose_kept, choose_kept_per_head, novel_tokens
 from .statistics import Accumulated, LastQuery, ObservationWindow, Statistic
+from .variants import PerHead, ProtectNovel
 
 __all__ = [
     "Accumulated",
@@ -36,12 +35,18 @@ __all__ = [
     "KeyNovelty",
     "LastQuery",
     "ObservationWindow",
+    "PerHead",
+    "ProtectNovel",
     "RandomEviction",
+    "RowChoice",
     "ScoreInputs",
+    "Selector",
     "SnapKV",
     "Statistic",
     "StreamingLLM",
     "TOVA",
+    "TakenFirst",
+    "TokenBudget",
     "choose_kept",
     "choose_kept_per_head",
     "key_novelty",

@@ -63,8 +63,8 @@ class AttentionStats:
                 grown[..., : scores.shape[2]] = scores
             self.scores = grown
 
-    def compact(self, row: int, keep: torch.Tensor) -> None:
-        """Reorder the row's scores like its tokens after a compaction (`keep`: `[n]`, or `[kv_heads, n]` per head)."""
+    def keep_only(self, row: int, keep: torch.Tensor) -> None:
+        """Reorder the row's scores like its tokens after an eviction (`keep`: `[n]`, or `[kv_heads, n]` per head)."""
         if self.scores is None:
             return
         scores = self.scores[row]

@@ -1,4 +1,4 @@
-"""The evictor: *when* rows are compacted to their budget (the policy decides *what* survives).
+"""The evictor: *when* rows are cut down to their budget (the policy decides *what* survives).
 
 Triggers, all here: as each layer finishes its attention (`after_attention`: after every prompt chunk
 unless `evict_between_chunks` is off; while decoding every `evict_every` steps, or else once a row holds
@@ -16,11 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..blocks.tables import BlockTables, StepPlan
-from ..distributed import reduce_scores
-from .compaction import check_compact, compact, unit_sizes
-from .policies import (EvictionPolicy, ScoreInputs, choose_kept, choose_kept_per_head, key_novelty,
-                       novel_tokens)
 from .attention_stats import AttentionStats
+from .policies.base import EvictionPolicy
+from .removal import check_evict, evict_tokens, unit_sizes
+from .selection import RowChoice, ScoreInputs
 
 if TYPE_CHECKING:
     from ..layers.paged import PagedLayer
@@ -28,19 +27,21 @@ if TYPE_CHECKING:
 
 class Evictor:
     """Applies `policy` to the full-attention layers `layers` (`{layer index: layer}`, one group each);
-    under tensor parallelism (`tp_size` ranks) scores are averaged over the ranks, so all keep the same."""
+    under tensor parallelism (`tp_size` ranks) scores are averaged over the ranks, so all keep the same.
+    The policy's variant keywords are resolved once, into `selector` (`EvictionPolicy.composed()`)."""
 
     def __init__(self, policy: EvictionPolicy, layers: dict[int, PagedLayer], block_size: int,
                  evict_every: int | None, between_chunks: bool, tp_size: int = 1, growable: bool = False):  # fmt: skip
         self.policy = policy
-        self.growable = growable  # whether compaction may grow a pool for the fresh blocks copy-on-write needs
+        self.selector = policy.composed()
+        self.growable = growable  # whether eviction may grow a pool for the fresh blocks copy-on-write needs
         self.layers = layers
         self.block_size = block_size
         self.evict_every = evict_every
         self.between_chunks = between_chunks
         self.tp_size = tp_size
         self.stats = {index: AttentionStats() for index in layers}
-        self.counts: dict[str, list[int]] = {}  # group name -> [row compactions, tokens evicted]
+        self.counts: dict[str, list[int]] = {}  # group name -> [row evictions, tokens evicted]
         self.decode_steps = 0
         self.last_q_len = 0  # tokens of the previous forward: tells prefill from decode
 
@@ -58,7 +59,7 @@ class Evictor:
         self.last_q_len = q_len
 
     def relieve(self, stepping: list[BlockTables]) -> None:
-        """Pool pressure: compact every row above its budget before the step is planned again."""
+        """Pool pressure: cut every row above its budget down to it before the step is planned again."""
         self.evict(stepping, slack=0)
 
     def after_attention(self, layer_idx: int, plan: StepPlan, query: torch.Tensor, mask: torch.Tensor | None,
@@ -76,9 +77,9 @@ class Evictor:
         elif self.decode_steps % self.evict_every == 0:
             self.evict([layer.tables], slack=0)
 
-    # ------------------------------------------------------------------ compaction
+    # ------------------------------------------------------------------ eviction
     def evict(self, groups: list[BlockTables], slack: int) -> int:
-        """Compact every row of `groups` that stores more than its budget + `slack` tokens down to the
+        """Cut every row of `groups` that stores more than its budget + `slack` tokens down to the
         budget; returns the tokens evicted. All decisions are made (and the fresh blocks copy-on-write
         needs are checked) before any row changes, so running out of blocks leaves the cache as it was."""
         by_group = {layer.tables.name: index for index, layer in self.layers.items()}
@@ -93,49 +94,33 @@ class Evictor:
                 if group.stored_count(row) > budget + slack:
                     keeps[row] = self._choose_kept(index, row, budget)
             if keeps:
-                check_compact(group, keeps, self.growable)
+                check_evict(group, keeps, self.growable)
                 decisions.append((group, index, keeps))
         evicted = 0
         for group, index, keeps in decisions:
             counts = self.counts.setdefault(group.name, [0, 0])
             for row, keep in keeps.items():
-                tokens = compact(group, row, keep, self.layers[index].move_tokens)
-                self.stats[index].compact(row, keep)
+                tokens = evict_tokens(group, row, keep, self.layers[index].move_tokens)
+                self.stats[index].keep_only(row, keep)
                 counts[0] += 1
                 counts[1] += tokens
                 evicted += tokens
         return evicted
 
     def _choose_kept(self, index: int, row: int, budget: int) -> torch.Tensor:
-        """The row's survivors: `[n]` for all heads, or `[kv_heads, n]` under a `per_head` policy."""
+        """The row's survivors: `[n]` for all heads, or `[kv_heads, n]` when each head chooses its own."""
         layer = self.layers[index]
         group = layer.tables
-        positions = group.stored_positions(row)  # [kv_heads, n] once a per-head policy compacted the row
+        positions = group.stored_positions(row)  # [kv_heads, n] once a per-head choice evicted the row
         kv_heads, count = layer.kv_shape[0], positions.shape[-1]
         attention = None
         if self.policy.statistic is not None:
             attention = self.stats[index].row(row, count, kv_heads)
         inputs = ScoreInputs(positions, group.length, attention, lambda: layer.stored_keys(row).cpu())
-        scores = self.policy.score(inputs)
-        shared = reduce_scores(scores, self.tp_size)  # the same on every tensor-parallel rank
-        pads, length, split = group.rows[row].pads, group.length, group.quantized_tokens(row)
-        head_positions = positions if positions.dim() == 1 else positions[0]  # protected tokens: same in every head
-        novelty = key_novelty(inputs.keys, self.policy.rotary) if self.policy.protect_novel else None
-        novel = None
-        if novelty is not None:
-            novel = novel_tokens(reduce_scores(novelty, self.tp_size), head_positions, pads, length, self.policy,
-                                 int(self.policy.protect_novel * budget))  # fmt: skip
-        keep = choose_kept(shared.cpu(), head_positions, pads, length, budget, self.policy, unit_sizes(group, row),
-                           novel)  # fmt: skip
-        if not self.policy.per_head:
-            return keep
-        # Each head (of this rank: under tensor parallelism a rank holds its own heads) by its own scores; as many
-        # novel full-precision tokens per head as the shared choice protected there.
-        if novelty is not None:
-            novel = novel_tokens(novelty[:, split:], positions[..., split:], pads, length, self.policy,
-                                 int(novel[split:].sum()))  # fmt: skip
-        return choose_kept_per_head(scores.float().cpu().expand(kv_heads, count), positions, pads, length, self.policy,
-                                    keep, split, novel)  # fmt: skip
+        choice = RowChoice(inputs, first_real=group.rows[row].pads, budget=budget, sinks=self.policy.sinks,
+                           window=self.policy.window, kv_heads=kv_heads, unit_sizes=unit_sizes(group, row),
+                           split=group.quantized_tokens(row), tp_size=self.tp_size)  # fmt: skip
+        return self.selector.choose(choice)
 
     # ------------------------------------------------------------------ following whole-cache edits
     def reorder(self, order: list[int]) -> None:
@@ -164,5 +149,5 @@ class Evictor:
 
     @property
     def totals(self) -> tuple[int, int]:
-        """(row compactions, tokens evicted) over every group."""
+        """(row evictions, tokens evicted) over every group."""
         return sum(c[0] for c in self.counts.values()), sum(c[1] for c in self.counts.values())

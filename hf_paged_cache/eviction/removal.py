@@ -1,5 +1,5 @@
-"""Compaction: a row keeps only its surviving tokens, moved to the front of its blocks, and the blocks it
-no longer needs go back to the pool.
+"""Token removal: a row keeps only its surviving tokens, moved to the front of its blocks, and the blocks it
+no longer needs go back to the pool (unlike `memory/defragment.py`, which packs whole blocks within a pool).
 
 Units: a sealed quantized block is kept or dropped whole (its tokens share scales and are never
 re-quantized, so no data moves); full-precision tokens are single units. The logical length never
@@ -30,8 +30,8 @@ def unit_sizes(group: BlockTables, row: int) -> list[int]:
     return [group.block_size] * (group.quantized_tokens(row) // group.block_size) + [1] * group.stored_tokens(row)
 
 
-def check_compact(group: BlockTables, keeps: dict[int, torch.Tensor], growable: bool) -> None:
-    """Make sure compacting rows `keeps` finds the fresh blocks it needs: a row's shared (copy-on-write)
+def check_evict(group: BlockTables, keeps: dict[int, torch.Tensor], growable: bool) -> None:
+    """Make sure evicting from rows `keeps` finds the fresh blocks it needs: a row's shared (copy-on-write)
     blocks cannot be written, so its survivors go to fresh ones. A growable pool grows by the shortfall;
     a fixed one raises, changing nothing."""
     fresh = 0
@@ -49,7 +49,7 @@ def kept_per_head(keep: torch.Tensor) -> int:
     return int(keep.sum(dim=-1).flatten()[0]) if keep.numel() else 0
 
 
-def compact(group: BlockTables, row: int, keep: torch.Tensor, move_tokens: TokenMover) -> int:
+def evict_tokens(group: BlockTables, row: int, keep: torch.Tensor, move_tokens: TokenMover) -> int:
     """Keep the row's stored tokens where `keep` (bool `[n]` in stored order, or `[kv_heads, n]` per head) is
     True; returns the tokens evicted (per head). `move_tokens` moves K/V in every layer of the group."""
     heads_keep = keep if keep.dim() == 2 else keep[None]
@@ -57,7 +57,7 @@ def compact(group: BlockTables, row: int, keep: torch.Tensor, move_tokens: Token
     split = group.quantized_tokens(row)
     if split:
         _drop_quantized(group, row, heads_keep[0, :split])
-    _compact_full_precision(group, row, heads_keep[:, split:], move_tokens)
+    _move_survivors(group, row, heads_keep[:, split:], move_tokens)
     kept = positions[heads_keep].view(heads_keep.shape[0], -1)
     group.rows[row].kept_positions = kept if keep.dim() == 2 else kept[0]
     group.plan = None
@@ -72,7 +72,7 @@ def _drop_quantized(group: BlockTables, row: int, keep: torch.Tensor) -> None:
     quantized.replace([block for block, stays in zip(quantized.ids, kept) if stays])
 
 
-def _compact_full_precision(group: BlockTables, row: int, keep: torch.Tensor, move_tokens: TokenMover) -> None:
+def _move_survivors(group: BlockTables, row: int, keep: torch.Tensor, move_tokens: TokenMover) -> None:
     """Move each head's surviving full-precision tokens (`keep` `[1 or kv_heads, m]`), in order, to the front
     of the row's blocks (blocks shared with other rows are not written: fresh ones take their survivors) and
     free the rest."""

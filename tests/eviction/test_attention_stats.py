@@ -1,5 +1,5 @@
-"""Eviction statistics: each `Statistic` folded by `AttentionStats` equals the dense softmax of the queries
-it observes, step after step."""
+"""Attention statistics: each `Statistic` folded by `AttentionStats` equals the dense softmax of the queries
+it observes, step after step, and the scores follow their tokens through an eviction."""
 
 from __future__ import annotations
 
@@ -66,17 +66,10 @@ def test_statistic_folds_the_dense_softmax_of_its_queries(statistic):
         torch.testing.assert_close(stats.row(0, length, kv_heads), expected[:, :length], atol=1e-5, rtol=1e-5)
 
 
-def test_observation_window_ignores_decode_steps_and_last_query_observes_one():
-    assert ObservationWindow(size=32).observed_queries(1) is None
-    assert ObservationWindow(size=32).observed_queries(100) == 32
-    assert LastQuery().observed_queries(100) == 1
-    assert Accumulated().observed_queries(100) == 100
-
-
-def test_compaction_reorders_scores_like_tokens():
+def test_eviction_reorders_scores_like_tokens():
     stats = AttentionStats()
     stats.scores = torch.arange(12, dtype=torch.float32).reshape(1, 2, 6)
-    stats.compact(0, torch.tensor([True, False, True, False, False, True]))
+    stats.keep_only(0, torch.tensor([True, False, True, False, False, True]))
     assert stats.scores[0].tolist() == [[0, 2, 5, 0, 0, 0], [6, 8, 11, 0, 0, 0]]
     stats.forget_after([2])
     assert stats.scores[0].tolist() == [[0, 2, 0, 0, 0, 0], [6, 8, 0, 0, 0, 0]]
