@@ -1,7 +1,7 @@
 """What the batch generator counts, and the snapshot of it taken after every step (`BatchGenerator.history`).
 
-Preemptions are counted per mechanism name ("swap", "recompute", or whatever a custom `Preemption` returns),
-so a new strategy needs no new field; `preempted_swap` / `preempted_recompute` read the two built-in ones.
+Preemptions are counted per mechanism name (`preemption.SWAP`, `RECOMPUTE`), whichever strategy chose it, so a
+new strategy needs no field of its own; `preempted_swap` / `preempted_recompute` read the two counts.
 """
 
 from __future__ import annotations

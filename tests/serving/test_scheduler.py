@@ -72,7 +72,8 @@ def test_a_custom_scheduler_decides_the_order_of_every_step():
 @pytest.mark.parametrize("scheduler", ["fifo", FIFO()], ids=["name", "instance"])
 def test_fifo_under_pressure_gives_the_unconstrained_outputs(scheduler):
     generator = BatchGenerator(tiny_model("llama_gqa"), max_new_tokens=12, block_size=4, max_batch_tokens=16,
-                               num_blocks=15, prefix_caching=False, preemption="recompute", scheduler=scheduler)  # fmt: skip
+                               num_blocks=15, prefix_caching=False, preemption="recompute",
+                               scheduler=scheduler)  # fmt: skip
     assert isinstance(generator.scheduler, FIFO)
     for prompt in random_prompts(PRESSURE, seed=9):
         generator.add_request(prompt)
@@ -93,4 +94,5 @@ def test_block_room_counts_headroom_threshold_and_the_largest_chunk():
     assert not room.fits({pool: 1}, taken, headroom=4) and taken == {pool: 6}  # a refusal takes nothing
     assert room.below_threshold({pool: 5}, idle=False) and not room.below_threshold({pool: 6}, idle=False)
     assert room.below_threshold({pool: 10}, idle=True)  # an idle generator takes whatever fits
-    assert room.largest_chunk(cache, 40, {pool: 7}) == 12 and BlockRoom(template, None).below_threshold({pool: 99}, False)
+    assert room.largest_chunk(cache, 40, {pool: 7}) == 12
+    assert BlockRoom(template, None).below_threshold({pool: 99}, idle=False)
