@@ -2,8 +2,8 @@
 the generator's keyword options into batching, generation and cache options.
 
 A strategy string maps through a name table to its class (`PREEMPTIONS`, `VICTIM_POLICIES`, `SCHEDULERS`);
-the weighted victims' knobs given as fields (`decay`, `size_weight`) go to the `WeightedVictims` the name
-makes, and an instance brings its own.
+the knobs given as fields (`swap_blocks`, `swap_compression`, `swap_copies`; `decay`, `size_weight`) go to the
+`Swap` / `WeightedVictims` the name makes, and an instance brings its own.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ _CACHE_FIELDS = frozenset(f.name for f in dataclasses.fields(PagedCacheConfig))
 _GENERATION_FIELDS = FIELDS - _CACHE_FIELDS
 
 
+_SWAP_KNOBS = ("swap_blocks", "swap_compression", "swap_copies")
+
+
 @dataclass(frozen=True)
 class BatchConfig:
     """The batching knobs (the cache's own options are `PagedCacheConfig`'s).
@@ -49,7 +52,8 @@ class BatchConfig:
         swap_threshold: preempt before the pools run dry, as soon as more than this share of a pool is in use
             (and admit or swap in only while it stays below); None: preempt only when a request cannot get its
             next block.
-        swap_blocks: host blocks per device pool (None: as many as the device pool has).
+        swap_blocks: host blocks per device pool (None: as many as the device pool has). The `swap_*` knobs below
+            (but `swap_threshold`) go to the `Swap` / `Auto` that `"swap"` / `"auto"` make.
         swap_compression: a `quant` format ("fp8", "int4", ...) for host copies of full-precision blocks: fewer
             host bytes and less copy traffic, at a small quality cost (they come back close, not bit-exact).
         swap_copies: when swap copies run (`copy_stream.py`): `"auto"` (asynchronous on CUDA, synchronous
@@ -101,9 +105,21 @@ class BatchConfig:
             if value is not None and not share:
                 raise ValueError(f"`{name}` must be in (0, 1] (a share of the pool) or None, got {value!r}")
         check_weights(self.decay, self.size_weight)
+        for strategy, knobs in (("preemption", _SWAP_KNOBS), ("victim_policy", ("decay", "size_weight"))):
+            given = [name for name in knobs if getattr(self, name) != _DEFAULTS[name]]
+            if given and not isinstance(getattr(self, strategy), str):
+                raise ValueError(
+                    f"{given} are knobs of the `{strategy}` named by a string; a `{strategy}` instance brings its own: "
+                    f"give them to it (e.g. `Swap(compression=...)`, `WeightedVictims(decay=...)`)"
+                )
 
     def make_preemption(self) -> Preemption:
-        return self.preemption if isinstance(self.preemption, Preemption) else PREEMPTIONS[self.preemption]()
+        if isinstance(self.preemption, Preemption):
+            return self.preemption
+        strategy = PREEMPTIONS[self.preemption]
+        if issubclass(strategy, Swap):
+            return strategy(blocks=self.swap_blocks, compression=self.swap_compression, copies=self.swap_copies)
+        return strategy()
 
     def make_victims(self) -> VictimPolicy:
         if isinstance(self.victim_policy, VictimPolicy):
@@ -114,6 +130,9 @@ class BatchConfig:
 
     def make_scheduler(self) -> Scheduler:
         return self.scheduler if isinstance(self.scheduler, Scheduler) else SCHEDULERS[self.scheduler]()
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(BatchConfig)}
 
 
 def split_options(model: PreTrainedModel, generation_config: GenerationConfig | None,

@@ -39,7 +39,6 @@ from ..config import PagedCacheConfig
 from ..errors import UnsupportedAttentionError
 from ..layers.paged import PagedLayer, SharedKVLayer
 from ..memory.defragment import Fragmentation, compact, fragmentation
-from ..memory.swap import SwapSpace
 from .batch_config import BatchConfig, pools_up_front, split_options
 from .metrics import BatchMetrics, ServingCounters
 from .packed_cache import packed_logits
@@ -76,10 +75,7 @@ class BatchGenerator:
         self.sliding = [layer.is_sliding for layer in self.template.layers]
         cacheable = self.config.prefix_caching and self.template.options.sharing and PrefixCache.supports(self.template)
         self.prefix_cache = PrefixCache(self.template) if cacheable else None
-        if self.config.swap_copies == "async" and model.device.type != "cuda":
-            raise ValueError(f"`swap_copies='async'` needs a model on CUDA, this one is on {model.device}: use 'auto'")
-        self.swap = SwapSpace(self.template, self.config.swap_blocks, self.config.swap_compression,
-                              self.config.swap_copies)  # fmt: skip
+        self.swap = self.preemption.swap_space(self.template, model.device)
         model.set_attn_implementation(ATTENTION_NAME)
         if model.config._attn_implementation != ATTENTION_NAME:  # set_attn_implementation ignored: nothing changed
             raise UnsupportedAttentionError(

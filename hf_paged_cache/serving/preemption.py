@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..cache import PagedCache
 from ..memory.swap import SwapSpace
 from .requests import Request
@@ -86,6 +88,10 @@ class Preemption:
         """`compute_rate`: the measured tokens per second of the packed forwards."""
         raise NotImplementedError
 
+    def swap_space(self, template: PagedCache, device: torch.device) -> SwapSpace:
+        """The host blocks its swaps go to (host pools are made at the first swap: unused ones cost nothing)."""
+        return SwapSpace(template)
+
 
 @dataclass(frozen=True)
 class Recompute(Preemption):
@@ -97,7 +103,21 @@ class Recompute(Preemption):
 
 @dataclass(frozen=True)
 class Swap(Preemption):
-    """Swap the victim to host blocks; recompute it when the host pool cannot take them (or it holds nothing)."""
+    """Swap the victim to host blocks; recompute it when the host pool cannot take them (or it holds nothing).
+
+    `blocks`: host blocks per device pool (None: as many as the device pool has); `compression`: a `quant` format
+    for host copies of full-precision blocks; `copies`: when the copies run (`copy_stream.COPY_MODES`). These are
+    `BatchConfig`'s `swap_blocks`, `swap_compression` and `swap_copies`.
+    """
+
+    blocks: int | None = None
+    compression: str | None = None
+    copies: str = "auto"
+
+    def swap_space(self, template: PagedCache, device: torch.device) -> SwapSpace:
+        if self.copies == "async" and device.type != "cuda":
+            raise ValueError(f"`swap_copies='async'` needs a model on CUDA, this one is on {device}: use 'auto'")
+        return SwapSpace(template, self.blocks, self.compression, self.copies)
 
     def choose(self, request: Request, swap: SwapSpace, compute_rate: float) -> str:
         return SWAP if self.can_swap(request, swap) else RECOMPUTE

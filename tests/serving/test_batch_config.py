@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from batch_workloads import tiny_model
 
 from hf_paged_cache.serving.batch_config import PREEMPTIONS, SCHEDULERS, VICTIM_POLICIES, BatchConfig
+from hf_paged_cache.serving.generator import BatchGenerator
 from hf_paged_cache.serving.preemption import Auto, LRUVictims, Recompute, Swap, WeightedVictims
 from hf_paged_cache.serving.scheduler import FIFO, DecodeFirst, Scheduler
 
@@ -45,3 +47,26 @@ def test_instances_are_used_as_given():
 def test_bad_strategies_and_knobs_are_refused_clearly(field, value, match):
     with pytest.raises(ValueError, match=match):
         BatchConfig(**{field: value})
+
+
+def test_the_swap_fields_go_to_the_swap_the_name_makes():
+    config = BatchConfig(preemption="auto", swap_blocks=8, swap_compression="fp8", swap_copies="deferred")
+    assert config.make_preemption() == Auto(blocks=8, compression="fp8", copies="deferred")
+    assert BatchConfig(preemption="swap", swap_blocks=3).make_preemption() == Swap(blocks=3)
+
+
+@pytest.mark.parametrize("options", [
+    {"preemption": Swap(), "swap_compression": "fp8"},
+    {"preemption": Recompute(), "swap_blocks": 4},
+    {"victim_policy": WeightedVictims(), "decay": 0.5},
+], ids=["swap", "recompute", "weighted"])  # fmt: skip
+def test_knob_fields_with_a_strategy_instance_are_refused_not_ignored(options):
+    with pytest.raises(ValueError, match="give them to it"):
+        BatchConfig(**options)
+
+
+def test_a_swap_instance_sizes_the_generators_host_space():
+    generator = BatchGenerator(tiny_model("llama_gqa"), preemption=Swap(blocks=5, copies="deferred"))
+    assert generator.swap.num_blocks == 5 and generator.swap.copies.mode == "deferred"
+    with pytest.raises(ValueError, match="needs a model on CUDA"):
+        BatchGenerator(tiny_model("llama_gqa"), preemption=Auto(copies="async"))
