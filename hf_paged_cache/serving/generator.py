@@ -297,7 +297,7 @@ class BatchGenerator:
     def _relieve(self) -> None:
         """`swap_threshold`: preempt the lowest-priority running requests while a pool is fuller than it."""
         while len(self.running) > 1 and not self.room.below_threshold({}, idle=False):
-            self._preempt(min(self.running, key=self._priority))
+            self._preempt(self.victims.victims(self.running, len(self.history), self.room.total_blocks())[0])
 
     def _drop_waiting_cache(self) -> bool:
         """Let the next queued request's prefix hit go (its blocks back to the pool); False if it held none."""
