@@ -255,8 +255,10 @@ class BatchGenerator:
     # ------------------------------------------------------------------ preemption
     def _preempt(self, request: Request) -> None:
         """Swap `request` out or drop it for recompute, as the preemption strategy chooses."""
-        self.running.remove(request)
         mechanism = self.preemption.choose(request, self.swap, self.counters.compute_rate)
+        if mechanism not in (SWAP, RECOMPUTE):
+            raise ValueError(f"{type(self.preemption).__name__}.choose returned {mechanism!r}, not SWAP or RECOMPUTE")
+        self.running.remove(request)
         if mechanism == SWAP:
             self.swap.swap_out(request.cache)
             self.swapped.append(request)

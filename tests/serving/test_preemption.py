@@ -18,6 +18,7 @@ from hf_paged_cache.serving.preemption import (
     SWAP,
     Auto,
     LRUVictims,
+    Preemption,
     Recompute,
     Swap,
     WeightedVictims,
@@ -199,3 +200,17 @@ def test_preemption_strategies_given_as_instances_are_used(preemption):
     outputs = generator.run()
     assert tuple(tuple(o.generated_tokens) for o in outputs) == unconstrained("llama_gqa")
     assert generator.metrics().preempted_swap > 0
+
+
+def test_a_preemption_that_names_no_mechanism_is_refused_and_leaves_the_request_running():
+    class Drop(Preemption):
+        def choose(self, request, swap, compute_rate):
+            return "drop"
+
+    generator = BatchGenerator(tiny_model("llama_gqa"), max_new_tokens=12, block_size=4, max_batch_tokens=16,
+                               num_blocks=15, prefix_caching=False, preemption=Drop())  # fmt: skip
+    for prompt in random_prompts(PRESSURE, seed=9):
+        generator.add_request(prompt)
+    with pytest.raises(ValueError, match="Drop.choose returned 'drop'"):
+        generator.run()
+    assert generator.running and generator.metrics().preempted == {}
