@@ -107,7 +107,7 @@ nvidia-smi || echo "nvidia-smi: not available"; } > "$OUT/versions.txt" 2>&1; ca
 # parametrisations are pairwise subsets of the variant grid. The dry run interprets two of them.
 CUDA_TESTS="$REPO/tests/test_copy_stream.py::test_cuda_copies_run_on_a_side_stream_after_the_compute_stream \
 $REPO/tests/test_swap.py::test_cuda_side_stream_swaps_match_synchronous_ones \
-$REPO/tests/test_batch_generator.py::test_cuda_side_stream_copies_give_the_synchronous_outputs"
+$REPO/tests/serving/test_preemption.py::test_cuda_side_stream_copies_give_the_synchronous_outputs"
 if [ "$DRY" = 1 ]; then
   KERNEL_TESTS="$REPO/tests/kernels/test_paged_decode.py::test_decode_empty_batch \
 $REPO/tests/kernels/test_paged_prefill.py::test_single_query_prefill_equals_decode"

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from batch_workloads import PRESSURE, random_prompts, tiny_model
 from cache_state import stored_blocks
-from test_batch_generator import PRESSURE, _model, _prompts
 
 from hf_paged_cache.serving.generator import BatchConfig, BatchGenerator
 
@@ -14,8 +14,8 @@ OPTIONS = {"max_new_tokens": 12, "block_size": 4, "max_batch_tokens": 16, "max_n
 
 
 def _generator(options: dict) -> BatchGenerator:
-    generator = BatchGenerator(_model("llama_gqa"), **OPTIONS, **options)
-    for prompt in _prompts(PRESSURE, seed=10, prefix=8):
+    generator = BatchGenerator(tiny_model("llama_gqa"), **OPTIONS, **options)
+    for prompt in random_prompts(PRESSURE, seed=10, prefix=8):
         generator.add_request(prompt)
     return generator
 
@@ -45,8 +45,8 @@ def test_compaction_packs_the_pool_and_changes_no_contents_or_outputs(options, k
 def test_keep_free_shrinks_a_growable_pool_which_grows_again():
     options = {key: value for key, value in OPTIONS.items() if key != "num_blocks"}
     expected = [o.generated_tokens for o in _generator({}).run()]
-    generator = BatchGenerator(_model("llama_gqa"), **options)
-    for prompt in _prompts(PRESSURE, seed=10, prefix=8):
+    generator = BatchGenerator(tiny_model("llama_gqa"), **options)
+    for prompt in random_prompts(PRESSURE, seed=10, prefix=8):
         generator.add_request(prompt)
     while not (generator.finished and len(generator.running) > 1):
         generator.step()

@@ -1,7 +1,7 @@
 """`PackedCache`: one forward of many sequences packed into a single row, each with its own `PagedCache`.
 
-The batch generator runs an unmodified HF model on `input_ids` of shape `[1, tokens]` that concatenate
-prompt chunks and decode tokens of many requests (no padding stored or computed), with each token's own
+The batch generator runs an unmodified HF model (`packed_logits`) on `input_ids` of shape `[1, tokens]` that
+concatenate prompt chunks and decode tokens of many requests (no padding stored or computed), with each token's own
 position in `position_ids`. The model calls `update()` once per layer with the packed K/V; this cache
 hands each request's slice to that request's `PagedCache` (forks of one template, so they share pools)
 and leaves a `PackedPagedKV` for the `"paged"` attention, which attends each request over its own blocks. For a
@@ -72,3 +72,18 @@ class PackedCache(Cache):
             return tuple(torch.cat(states, dim=2) for states in zip(*histories))
         reader = packed.reader()  # for a later layer that reuses these states (a KV-shared layer)
         return paged_only(key_states, reader), paged_only(value_states, reader)
+
+
+def packed_logits(model, chunks: list[tuple[PagedCache, list[int], int]], sliding: list[bool]) -> torch.Tensor:
+    """One forward of every chunk (its cache, its tokens, the position of the first) packed into one row; the
+    logits of each chunk's last token, one row per chunk (`sliding`: which layers are sliding-window)."""
+    tokens, positions, spans, keep = [], [], [], []
+    for _cache, chunk, start in chunks:
+        spans.append((len(tokens), len(tokens) + len(chunk)))
+        keep.append(len(tokens) + len(chunk) - 1)
+        tokens += chunk
+        positions += range(start, start + len(chunk))
+    ids = torch.tensor([tokens], device=model.device)
+    cache = PackedCache([chunk[0] for chunk in chunks], spans, sliding)
+    return model(input_ids=ids, position_ids=torch.tensor([positions], device=ids.device), cache=cache,
+                 use_cache=True, logits_to_keep=torch.tensor(keep, device=ids.device)).logits[0]  # fmt: skip

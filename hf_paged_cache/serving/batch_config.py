@@ -1,0 +1,170 @@
+"""`BatchConfig`: the batch generator's knobs, with its strategies given by name or as instances; and the split of
+the generator's keyword options into batching, generation and cache options.
+
+A strategy string maps through a name table to its class (`PREEMPTIONS`, `VICTIM_POLICIES`, `SCHEDULERS`);
+the knobs given as fields (`swap_blocks`, `swap_compression`, `swap_copies`; `decay`, `size_weight`) go to the
+`Swap` / `WeightedVictims` the name makes, and an instance brings its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+from transformers import GenerationConfig, PreTrainedModel
+
+from ..config import PagedCacheConfig
+from ..distributed import tensor_parallel_size
+from ..memory.accounting import blocks_in_budget
+from ..memory.copy_stream import COPY_MODES
+from .preemption import Auto, LRUVictims, Preemption, Recompute, Swap, VictimPolicy, WeightedVictims, check_weights
+from .scheduler import FIFO, DecodeFirst, Scheduler
+from .settings import FIELDS, check_generation_config
+
+PREEMPTIONS: dict[str, type[Preemption]] = {"auto": Auto, "swap": Swap, "recompute": Recompute}
+VICTIM_POLICIES: dict[str, type[VictimPolicy]] = {"lru": LRUVictims, "weighted": WeightedVictims}
+SCHEDULERS: dict[str, type[Scheduler]] = {"decode_first": DecodeFirst, "fifo": FIFO}
+_CACHE_FIELDS = frozenset(f.name for f in dataclasses.fields(PagedCacheConfig))
+_GENERATION_FIELDS = FIELDS - _CACHE_FIELDS
+
+
+_SWAP_KNOBS = ("swap_blocks", "swap_compression", "swap_copies")
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """The batching knobs (the cache's own options are `PagedCacheConfig`'s).
+
+    Args:
+        max_batch_tokens: tokens one forward computes at most (prompt chunks and decode tokens together).
+        max_num_seqs: requests running at once at most (the seeds' `--max-num-seqs`).
+        prefix_caching: reuse full blocks of earlier requests with the same leading tokens (full-precision
+            caches without eviction; ignored otherwise, see `PrefixCache.supports`).
+        progress: show a progress bar of finished requests.
+        preemption: what happens to a preempted request (a `Preemption`, or its name): `"swap"` (`Swap`: its
+            blocks go to host memory and come back before it runs again; recompute when the host pool is full),
+            `"recompute"` (`Recompute`: its blocks are dropped and it is queued again with its generated tokens
+            as part of its prompt), or `"auto"` (`Auto`): the cheaper of the two by an estimate.
+        victim_policy: which running request is preempted first (a `VictimPolicy`, or its name): `"lru"`
+            (`LRUVictims`: least recently scheduled; ties: the latest admitted) or `"weighted"`
+            (`WeightedVictims(decay, size_weight)`, the seeds' score).
+        swap_threshold: preempt before the pools run dry, as soon as more than this share of a pool is in use
+            (and admit or swap in only while it stays below); None: preempt only when a request cannot get its
+            next block.
+        swap_blocks: host blocks per device pool (None: as many as the device pool has). The `swap_*` knobs below
+            (but `swap_threshold`) go to the `Swap` / `Auto` that `"swap"` / `"auto"` make.
+        swap_compression: a `quant` format ("fp8", "int4", ...) for host copies of full-precision blocks: fewer
+            host bytes and less copy traffic, at a small quality cost (they come back close, not bit-exact).
+        swap_copies: when swap copies run (`copy_stream.py`): `"auto"` (asynchronous on CUDA, synchronous
+            otherwise), `"sync"`, `"async"` (a CUDA side stream: copies overlap the forwards that do not need
+            them), or `"deferred"` (each copy waits until a step needs it: a check that outputs do not depend on
+            when copies land).
+        decay, size_weight: the `"weighted"` victim policy's time decay per step and size weight.
+        compact_threshold: compact the pools (`pool_compaction.py`) after a step that leaves more than this share
+            of the ids below a pool's highest block in use free; None: only when `compact()` is called.
+        scheduler: the order running requests get a step's tokens in (a `Scheduler`, or its name):
+            `"decode_first"` (`DecodeFirst`, decode tokens first, by victim priority) or `"fifo"` (`FIFO`).
+    """
+
+    max_batch_tokens: int = 512
+    max_num_seqs: int = 32
+    prefix_caching: bool = True
+    progress: bool = False
+    preemption: str | Preemption = "auto"
+    victim_policy: str | VictimPolicy = "lru"
+    swap_threshold: float | None = None
+    swap_blocks: int | None = None
+    swap_compression: str | None = None
+    swap_copies: str = "auto"
+    decay: float = 0.9
+    size_weight: float = 1.0
+    compact_threshold: float | None = None
+    scheduler: str | Scheduler = "decode_first"
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive int, got {value!r}")
+        for name in ("prefix_caching", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}")
+        for name, table, base in (("preemption", PREEMPTIONS, Preemption), ("victim_policy", VICTIM_POLICIES,
+                                  VictimPolicy), ("scheduler", SCHEDULERS, Scheduler)):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, base) and (not isinstance(value, str) or value not in table):
+                raise ValueError(
+                    f"`{name}` must be one of {tuple(table)} or a `{base.__name__}` instance, got {value!r}"
+                )
+        if self.swap_copies not in COPY_MODES:
+            raise ValueError(f"`swap_copies` must be one of {COPY_MODES}, got {self.swap_copies!r}")
+        for name in ("swap_threshold", "compact_threshold"):
+            value = getattr(self, name)
+            share = not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value <= 1
+            if value is not None and not share:
+                raise ValueError(f"`{name}` must be in (0, 1] (a share of the pool) or None, got {value!r}")
+        check_weights(self.decay, self.size_weight)
+        for strategy, knobs in (("preemption", _SWAP_KNOBS), ("victim_policy", ("decay", "size_weight"))):
+            given = [name for name in knobs if getattr(self, name) != _DEFAULTS[name]]
+            if given and not isinstance(getattr(self, strategy), str):
+                raise ValueError(
+                    f"{given} are knobs of the `{strategy}` named by a string; a `{strategy}` instance brings its own: "
+                    f"give them to it (e.g. `Swap(compression=...)`, `WeightedVictims(decay=...)`)"
+                )
+
+    def make_preemption(self) -> Preemption:
+        if isinstance(self.preemption, Preemption):
+            return self.preemption
+        strategy = PREEMPTIONS[self.preemption]
+        if issubclass(strategy, Swap):
+            return strategy(blocks=self.swap_blocks, compression=self.swap_compression, copies=self.swap_copies)
+        return strategy()
+
+    def make_victims(self) -> VictimPolicy:
+        if isinstance(self.victim_policy, VictimPolicy):
+            return self.victim_policy
+        if self.victim_policy == "weighted":
+            return WeightedVictims(self.decay, self.size_weight)
+        return VICTIM_POLICIES[self.victim_policy]()
+
+    def make_scheduler(self) -> Scheduler:
+        return self.scheduler if isinstance(self.scheduler, Scheduler) else SCHEDULERS[self.scheduler]()
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(BatchConfig)}
+
+
+def split_options(model: PreTrainedModel, generation_config: GenerationConfig | None,
+                  options: dict) -> tuple[BatchConfig, GenerationConfig, dict]:  # fmt: skip
+    """The batching knobs, the generation config (generation settings given as options override its own) and the
+    remaining options, which are the cache's; every name and value checked, nothing changed."""
+    batch_fields = {f.name for f in dataclasses.fields(BatchConfig)}
+    unknown = sorted(set(options) - batch_fields - _GENERATION_FIELDS - _CACHE_FIELDS)
+    if unknown:
+        raise ValueError(
+            f"Unknown option(s) {unknown}. Batching options: {sorted(batch_fields)}; cache options: "
+            f"{sorted(_CACHE_FIELDS)}; generation options: any `GenerationConfig` field"
+        )
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise ValueError(
+            f"`generation_config` must be a transformers `GenerationConfig`, got "
+            f"{type(generation_config).__name__}: pass `GenerationConfig(**settings)`, or the settings as "
+            "keyword options"
+        )
+    config = BatchConfig(**{k: v for k, v in options.items() if k in batch_fields})
+    generation = copy.deepcopy(generation_config or model.generation_config)
+    for name in [k for k in options if k in _GENERATION_FIELDS]:
+        setattr(generation, name, options[name])
+    check_generation_config(generation, "the generation config")
+    return config, generation, {k: v for k, v in options.items() if k in _CACHE_FIELDS}
+
+
+def pools_up_front(options: PagedCacheConfig, model: PreTrainedModel) -> PagedCacheConfig:
+    """A `max_memory` budget as `num_blocks`: a cache sizes `max_memory` pools at its first step, which would give
+    every request pools of its own; the requests must share the template's from the start."""
+    if options.max_memory is None:
+        return options
+    num_blocks = blocks_in_budget(model.config, options.max_memory, options.block_size, options.dtype or model.dtype,
+                                  tensor_parallel_size(model.config))  # fmt: skip
+    return dataclasses.replace(options, max_memory=None, num_blocks=num_blocks)

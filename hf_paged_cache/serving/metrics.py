@@ -1,0 +1,105 @@
+"""What the batch generator counts, and the snapshot of it taken after every step (`BatchGenerator.history`).
+
+Preemptions are counted per mechanism name (`preemption.SWAP`, `RECOMPUTE`), whichever strategy chose it, so a
+new strategy needs no field of its own; `preempted_swap` / `preempted_recompute` read the two counts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ..memory.accounting import CacheMetrics
+from ..memory.copy_stream import CopyStats
+from ..memory.swap import SwapStats
+from .prefix_cache import PrefixStats
+
+
+@dataclass(frozen=True)
+class BatchMetrics:
+    """A snapshot of the generator after a step; `BatchGenerator.history` keeps one per step (a time series)."""
+
+    step: int
+    seconds: float
+    running: int
+    waiting: int
+    finished: int
+    tokens_scheduled: int  # tokens this step computed
+    token_budget: int
+    blocks_used: int  # over every pool of the family
+    blocks_total: int
+    kv_bytes: int  # bytes of the blocks in use (every pool of the family)
+    shared_blocks: int
+    prompt_tokens: int  # of the requests admitted so far (cached or computed)
+    prefix_hit_tokens: int
+    stalled: int  # requests waiting for blocks: swapped out, or running but not scheduled this step
+    preempted: dict[str, int] = field(default_factory=dict, hash=False)  # preemptions so far, by mechanism
+    swap_out_blocks: int = 0  # swap traffic so far, each way
+    swap_out_bytes: int = 0
+    swap_in_blocks: int = 0
+    swap_in_bytes: int = 0
+    swap_stall_seconds: float = 0.0  # time the host or the compute stream waited for swap copies so far
+    swap_copy_seconds: float = 0.0  # time the swap copies took so far (overlapped with compute or not)
+    swap_prefetched: int = 0  # swap-ins copied while a forward they were not part of ran (a step ahead)
+    recomputed_tokens: int = 0  # tokens computed again after recompute preemptions (prefix hits excluded)
+    fragmentation: float = 0.0  # the largest share of free ids below a pool's highest block in use
+    compactions: int = 0  # so far
+
+    @property
+    def preempted_swap(self) -> int:
+        return self.preempted.get("swap", 0)
+
+    @property
+    def preempted_recompute(self) -> int:
+        return self.preempted.get("recompute", 0)
+
+    @property
+    def usage_ratio(self) -> float:
+        return self.blocks_used / self.blocks_total if self.blocks_total else 0.0
+
+    @property
+    def batch_efficiency(self) -> float:
+        """Tokens computed per token of budget."""
+        return self.tokens_scheduled / self.token_budget
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass
+class ServingCounters:
+    """The generator's running totals (the queues' lengths and the pools' use are read when a snapshot is taken)."""
+
+    preempted: Counter = field(default_factory=Counter)  # mechanism name -> preemptions
+    prefetched: int = 0  # swap-ins started while a forward they were not part of ran
+    recomputed_tokens: int = 0
+    compactions: int = 0
+    finished: int = 0
+    admitted_prompt_tokens: int = 0
+    forward_seconds: float = 0.0  # time in packed forwards and sampling
+    forward_tokens: int = 0
+
+    @property
+    def compute_rate(self) -> float:
+        """Measured tokens per second of the packed forwards (prefill and decode together)."""
+        return self.forward_tokens / max(self.forward_seconds, 1e-9)
+
+    def snapshot(self, step: int, seconds: float, queues: tuple[int, int, int], scheduled: int, budget: int,
+                 cache: CacheMetrics, prefix: PrefixStats | None, swap: SwapStats, copies: CopyStats,
+                 holes: float) -> BatchMetrics:  # fmt: skip
+        """The metrics after a step that computed `scheduled` tokens; `queues`: running, waiting and stalled
+        requests (swapped out, or running but not scheduled)."""
+        running, waiting, stalled = queues
+        return BatchMetrics(
+            step=step, seconds=seconds, running=running, waiting=waiting, finished=self.finished,
+            tokens_scheduled=scheduled, token_budget=budget,
+            blocks_used=cache.blocks_used + cache.quantized_blocks_used,
+            blocks_total=cache.blocks_total + cache.quantized_blocks_total, kv_bytes=cache.used_bytes,
+            shared_blocks=cache.shared_blocks, prompt_tokens=self.admitted_prompt_tokens,
+            prefix_hit_tokens=prefix.hit_tokens if prefix is not None else 0, stalled=stalled,
+            preempted=dict(self.preempted), swap_out_blocks=swap.out_blocks, swap_out_bytes=swap.out_bytes,
+            swap_in_blocks=swap.in_blocks, swap_in_bytes=swap.in_bytes, swap_stall_seconds=copies.stall_seconds,
+            swap_copy_seconds=copies.copy_seconds, swap_prefetched=self.prefetched,
+            recomputed_tokens=self.recomputed_tokens, fragmentation=holes, compactions=self.compactions,
+        )  # fmt: skip
