@@ -13,14 +13,13 @@ from typing import Any
 
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache
 
 from .attention.dispatch import ATTENTION_NAME
 from .attention.contract import (
     caches_latents,
     check_attention_kwargs,
     check_model_features,
-    kv_sharing_sources,
     model_name,
 )
 from .blocks.pool import BlockPool
@@ -29,11 +28,14 @@ from .config import PagedCacheConfig
 from .distributed import tensor_parallel_size
 from .errors import OutOfBlocksError, UnsupportedAttentionError
 from .eviction import Evictor
-from .layers.paged import PAGED_KV_KWARG, PagedKV, PagedLayer, PagedSlidingLayer, SharedKVLayer
-from .memory.accounting import SLIDING_TYPES, CacheMetrics, blocks_in_budget, collect_metrics
+from .layer_types.builder import build_layers
+from .layers.handle import PAGED_KV_KWARG, PagedKV
+from .layers.paged import PagedLayer
+from .layers.quantized import QuantizedLayer
+from .layers.shared import SharedKVLayer
+from .memory.accounting import CacheMetrics, blocks_in_budget, collect_metrics
 from .persistence.files import load_cache, save_cache
 from .quantization.formats import parse_kv_format
-from .layers.quantized import QuantizedLayer, QuantizedSlidingLayer
 
 GROWTH = 1.25  # a growable pool grows to this many times the blocks in use (storage included)
 
@@ -77,52 +79,15 @@ class PagedCache(Cache):
         self.groups: dict[str, BlockTables] = {}
         self._step_start: dict[str, int] = {}  # each group's length before the step under way (to take it back)
         self._forks = _Forks(self)
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(self.model_config)
-        _check_layer_counts(options, len(layer_types))
-        _check_quant_layers(options, layer_types)
-        # Layers the model itself makes reuse an earlier layer's K/V (transformers types them "dummy"): they call
-        # no `update()`, so they read the producer's blocks whatever `sharing` says.
-        reused = kv_sharing_sources(self.model_config)
-        if reused and options.eviction is not None:
-            raise ValueError(
-                f"`eviction` cannot serve {model_name(self.model_config)}: its layers {sorted(reused)} reuse the K/V "
-                "of earlier layers within the same forward, after those layers' eviction may already have moved "
-                "their tokens. Build the cache without `eviction` for this model."
-            )
-        if caches_latents(self.model_config) and options.eviction is not None:
-            raise ValueError(
-                f"`eviction` cannot serve {model_name(self.model_config)}: it caches compressed latents and expands "
-                "them into K/V after `update()`, so its attention reads the gathered history, not the blocks eviction "
-                "scores and leaves gaps in. Build the cache without `eviction` for this model."
-            )
-        layers = []
-        for index, (layer_type, kwargs_of_layer) in enumerate(zip(layer_types, layer_kwargs)):
-            quant = options.layer_quant(index)
-            source = options.shares_from(index)
-            producer = _stored_layer(layers[reused[index]]) if index in reused else None
-            if source is not None:
-                _check_share_with(index, source, layer_types, layer_kwargs, layers)
-                layers.append(SharedKVLayer(layers[source]))
-            elif producer is not None:
-                layers.append(SharedKVLayer(producer))
-            elif layer_type == "full_attention":
-                # With eviction each full-attention layer keeps its own tables: layers keep different tokens.
-                tables = self._group(f"full_attention@{index}" if options.eviction else "full_attention", None, quant)
-                layers.append((QuantizedLayer if quant else PagedLayer)(tables, options))
-            elif layer_type in SLIDING_TYPES:
-                tables = self._group(f"sliding_attention[{kwargs_of_layer['sliding_window']}]",
-                                     kwargs_of_layer["sliding_window"], quant)  # fmt: skip
-                layer_class = QuantizedSlidingLayer if quant else PagedSlidingLayer
-                layers.append(layer_class(tables, options, chunked=layer_type == "chunked_attention"))
-            else:
-                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs_of_layer))
+        layers, self.layer_types = build_layers(self.model_config, options, self._group)
         super().__init__(layers=layers)
         # Each group's layers, found once: every step hands them its copy-on-write and sealing work.
         self._members = {name: [layer for layer in self.paged_layers if layer.tables is group]
                          for name, group in self.groups.items()}  # fmt: skip
         self.evictor = None
         if options.eviction is not None:
-            evicting = {i: layer for i, layer in enumerate(layers) if isinstance(layer, PagedLayer) and not layer.is_sliding}
+            evicting = {i: layer for i, (layer, layer_type) in enumerate(zip(layers, self.layer_types))
+                        if isinstance(layer, PagedLayer) and layer_type.evictable}  # fmt: skip
             self.evictor = Evictor(options.eviction, evicting, options.block_size, options.evict_every,
                                    options.evict_between_chunks, self.tp_size, options.growable)  # fmt: skip
 
@@ -676,21 +641,8 @@ class _Forks:
         self.step: tuple[int | None, weakref.ref | None] = (None, None)
 
 
-def _check_share_with(index: int, source: int, layer_types: list[str], layer_kwargs: list[dict], built: list) -> None:
-    """`share_with` needs an earlier attention layer of the same kind (and window) that stores its own K/V."""
-    if layer_types[index] != layer_types[source] or layer_kwargs[index] != layer_kwargs[source] or not isinstance(
-        built[source], PagedLayer
-    ):
-        raise ValueError(
-            f"`share_with` maps layer {index} ({layer_types[index]!r}) to layer {source} ({layer_types[source]!r}): "
-            "the source must be an attention layer of the same kind and window that the cache stores in blocks"
-        )
 
 
-def _stored_layer(layer) -> PagedLayer | None:
-    """The paged layer whose blocks hold `layer`'s K/V (itself, or a `share_with` layer's source); None if not paged."""
-    layer = layer.source if isinstance(layer, SharedKVLayer) else layer
-    return layer if isinstance(layer, PagedLayer) else None
 
 
 def _copy_blocks(layers: list[PagedLayer], sources: list[int], targets: list[int]) -> None:
@@ -711,16 +663,6 @@ def _seal(layers: list[PagedLayer], sources: list[int], targets: list[int], keep
         layer.seal(sources, targets, keep)
 
 
-def _check_quant_layers(options: PagedCacheConfig, layer_types: list[str]) -> None:
-    for index, spec in (options.quant_layers or {}).items():
-        if index >= len(layer_types) or (
-            spec is not None and layer_types[index] != "full_attention" and layer_types[index] not in SLIDING_TYPES
-        ):
-            kind = "does not exist" if index >= len(layer_types) else f"is a {layer_types[index]!r} layer"
-            raise ValueError(
-                f"`quant_layers` names layer {index}, which {kind}: only the attention layers of this model's "
-                f"{len(layer_types)} layers are stored in blocks and can be quantized"
-            )
 
 
 def _left_padding(attention_kwargs: dict | None, batch: int, q_len: int) -> tuple[list[int], bool]:
@@ -766,24 +708,6 @@ def _grown_size(in_use: int) -> int:
     return max(in_use, int(GROWTH * in_use) - 1)
 
 
-def _check_layer_counts(options: PagedCacheConfig, num_layers: int) -> None:
-    """Options that count layers must fit the model: checked when the cache learns its layer count."""
-    if options.full_precision_layers > num_layers:
-        raise ValueError(
-            f"`full_precision_layers`={options.full_precision_layers} but this model has {num_layers} layers: "
-            f"at most {num_layers} (which quantizes nothing), or use `quant_layers` to choose layers one by one"
-        )
-    outside = [layer for pair in (options.share_with or {}).items() for layer in pair if layer >= num_layers]
-    if outside:
-        raise ValueError(
-            f"`share_with` names layer {outside[0]}, but this model has {num_layers} layers (0 to {num_layers - 1})"
-        )
-    budgets = options.eviction.layer_budgets if options.eviction is not None else None
-    if budgets is not None and len(budgets) != num_layers:
-        raise ValueError(
-            f"`layer_budgets` of the eviction policy has {len(budgets)} multipliers but this model has {num_layers} "
-            f"layers: give one per layer (e.g. `pyramid_budgets({num_layers})`)"
-        )
 
 
 def _row_indices(indices, name: str) -> torch.Tensor:
