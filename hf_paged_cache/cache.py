@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 import numbers
 import os
-import threading
-import weakref
-from collections import Counter
 from typing import Any
 
 import torch
@@ -16,7 +12,6 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
 from .attention.dispatch import ATTENTION_NAME
-from .cache_step import CacheStep, copy_blocks, copy_quantized, grown_size
 from .attention.contract import (
     caches_latents,
     check_attention_kwargs,
@@ -25,10 +20,12 @@ from .attention.contract import (
 )
 from .blocks.pool import BlockPool
 from .blocks.tables import BlockTables, QuantizedBlockTables, StepPlan
+from .cache_step import CacheStep, copy_blocks, copy_quantized, grown_size
 from .config import PagedCacheConfig
 from .distributed import tensor_parallel_size
 from .errors import OutOfBlocksError, UnsupportedAttentionError
 from .eviction import Evictor
+from .forks import ForkingCache, Forks
 from .layer_types.builder import build_layers
 from .layers.handle import PAGED_KV_KWARG, PagedKV
 from .layers.paged import PagedLayer
@@ -38,7 +35,8 @@ from .memory.accounting import CacheMetrics, blocks_in_budget, collect_metrics
 from .persistence.files import load_cache, save_cache
 from .quantization.formats import parse_kv_format
 
-class PagedCache(Cache):
+
+class PagedCache(ForkingCache, Cache):
     """A drop-in replacement for `DynamicCache` that stores K/V in fixed-size blocks.
 
     ```python
@@ -76,7 +74,7 @@ class PagedCache(Cache):
         self.tp_size = tensor_parallel_size(config)  # ranks sharing the KV heads (tensor parallelism)
         self.groups: dict[str, BlockTables] = {}
         self.planner = CacheStep()
-        self._forks = _Forks(self)
+        self._forks = Forks(self)
         layers, self.layer_types = build_layers(self.model_config, options, self._group)
         super().__init__(layers=layers)
         # Each group's layers, found once: every step hands them its copy-on-write and sealing work.
@@ -170,24 +168,6 @@ class PagedCache(Cache):
         """Take back the forward step under way (`CacheStep.undo`): its attention refused the model."""
         self.planner.undo(self)
 
-    def _check_thread(self) -> None:
-        """Refuse (changing nothing) an update from a thread other than the one whose forward step is under
-        way: some layers have written that step and others not yet. Between steps another thread may take
-        the cache over (e.g. a worker thread that runs the next generation)."""
-        thread, (owner, stepping) = threading.get_ident(), self._forks.step
-        stepping = stepping() if stepping is not None else None
-        if owner in (None, thread) or stepping is None:
-            return
-        written, layers = stepping.layers_written(), len(stepping.paged_layers)
-        if written < layers:
-            raise RuntimeError(
-                f"A PagedCache of this family (it and its forks share pools) is in the middle of a forward step of "
-                f"another thread ({written} of {layers} layers written) and thread {thread} called update(): a cache "
-                "and its forks belong to one generation at a time, in one thread. Give each thread an independent "
-                "cache (a pickle round trip, or `save` / `load`); if the other thread's forward failed, call `reset()` "
-                "on its cache first."
-            )
-
     def layers_written(self) -> int:
         """Paged layers that have written the latest step (all of them between steps)."""
         return sum(layer.seq_len == layer.tables.length for layer in self.paged_layers)
@@ -229,15 +209,6 @@ class PagedCache(Cache):
         less what it returns): a scheduler admits a step only when the pools hold them."""
         return self.planner.demand(self, q_len)
 
-    def claim_step(self) -> None:
-        """This thread's forward step of this cache is under way: until every layer wrote it, `update()` from
-        another thread is refused (the pools a cache shares with its forks serve one step at a time)."""
-        self._forks.step = (threading.get_ident(), weakref.ref(self))
-
-    def caches_sharing_pools(self) -> list[PagedCache]:
-        """This cache and its live forks and siblings: every cache whose tables hold ids of its pools."""
-        return list(self._forks.caches)
-
     def group_layers(self, name: str) -> list[PagedLayer]:
         """The paged layers that store their K/V through group `name`'s tables."""
         return self._members[name]
@@ -247,100 +218,6 @@ class PagedCache(Cache):
         of the blocks an eviction freed is given back at once (a prompt compressed to 25% holds 25%)."""
         self.evictor.after_attention(layer_idx, *attention)
         self.planner.trim(self, [self.layers[layer_idx].tables])
-
-    # ------------------------------------------------------------------ forks and copies
-    def fork(self) -> PagedCache:
-        """A second cache with the same contents that shares every block by reference count, in the same pools:
-        time and memory grow with the number of blocks, no K/V is copied, and whichever cache first writes into a
-        shared partly filled block copies that block only. Quantized codes, eviction survivors and statistics
-        are kept. With `sharing=False` the fork is an independent copy instead (blocks copied)."""
-        self._check_between_steps("fork")
-        if not self.options.sharing:
-            return self._independent_copy({})
-        return self._twin()
-
-    def sibling(self) -> PagedCache:
-        """An empty cache with the same options in the same pools and storage (what the batch generator gives
-        each request): blocks any of them frees serve the others. Pools are shared even with `sharing=False`,
-        which concerns the blocks' contents."""
-        self._check_between_steps("fork")
-        twin = self._twin()
-        twin.reset()
-        return twin
-
-    def _twin(self) -> PagedCache:
-        twin = self.__class__.__new__(self.__class__)  # not copy.copy: that would run __setstate__'s pool rebuild
-        twin.__dict__.update(self.__dict__)
-        twin.groups = {name: group.fork() for name, group in self.groups.items()}
-        twin.planner = CacheStep()
-        twin.layers = []
-        for layer in self.layers:
-            if isinstance(layer, PagedLayer):
-                twin.layers.append(layer.fork(twin.groups[layer.tables.name]))
-            elif isinstance(layer, SharedKVLayer):
-                twin.layers.append(SharedKVLayer(twin.layers[self.layers.index(layer.source)]))
-            else:
-                twin.layers.append(copy.deepcopy(layer))
-        twin._members = {name: [twin.layers[i] for i in self._layer_indices(members)]
-                         for name, members in self._members.items()}  # fmt: skip
-        if self.evictor is not None:
-            twin.evictor = self.evictor.fork({index: twin.layers[index] for index in self.evictor.layers})
-        self._forks.caches.add(twin)
-        return twin
-
-    def __del__(self) -> None:
-        """A fork that goes away returns its references, so the blocks only it held are free for the others."""
-        try:
-            for group in self.groups.values():
-                group.release()
-        except Exception:  # interpreter shutdown may have torn down what release needs; nothing is left to free
-            pass
-
-    def __deepcopy__(self, memo: dict) -> PagedCache:
-        """`copy.deepcopy(cache)` is `fork()`: transformers' "re-use a prompt cache" recipe works unchanged and
-        costs no copy of the prompt (an independent copy with `sharing=False`)."""
-        if self.options.sharing:
-            return self.fork()
-        self._check_between_steps("copy")
-        return self._independent_copy(memo)
-
-    def _independent_copy(self, memo: dict) -> PagedCache:
-        twin = self.__class__.__new__(self.__class__)
-        memo[id(self)] = twin
-        twin.__setstate__(copy.deepcopy(self.__getstate__(), memo))
-        return twin
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_forks"] = None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        """An unpickled (or independently copied) cache has its own pools: blocks that only its former forks
-        referenced are free in them."""
-        self.__dict__.update(state)
-        self._forks = _Forks(self)
-        references: dict[int, Counter] = {}
-        for group in self.groups.values():
-            for row in group.rows:
-                for pool, blocks in ((group.pool, row.blocks), (getattr(group, "qpool", None), row.quantized)):
-                    if blocks is not None:
-                        references.setdefault(id(pool), Counter()).update(blocks.ids)
-        for group in self.groups.values():
-            for pool in (group.pool, getattr(group, "qpool", None)):
-                if pool is not None:
-                    pool.set_references(references.get(id(pool), Counter()))
-
-    def _check_between_steps(self, what: str) -> None:
-        if self.layers_written() < len(self.paged_layers):
-            raise RuntimeError(
-                f"Cannot {what} a PagedCache in the middle of a forward step ({self.layers_written()} of "
-                f"{len(self.paged_layers)} layers written): {what} it between steps, or `reset()` it after a failed "
-                "forward"
-            )
-
-    def _layer_indices(self, layers: list[PagedLayer]) -> list[int]:
-        return [next(i for i, layer in enumerate(self.layers) if layer is member) for member in layers]
 
     # ------------------------------------------------------------------ eviction
     def evict_now(self) -> int:
@@ -490,19 +367,6 @@ class PagedCache(Cache):
         file's. A corrupted file, another model's config or mismatched options raise `CacheFileError` (a
         `ValueError`) naming the mismatch. Loading runs no code from the file (safetensors and JSON, no pickle)."""
         return load_cache(cls, path, config, options, **kwargs)
-
-
-class _Forks:
-    """What a cache and its forks share besides pools and storage: which of them are alive (metrics), and which
-    thread's forward step of which of them is under way (the pools serve one step at a time)."""
-
-    def __init__(self, cache: PagedCache):
-        self.caches: weakref.WeakSet[PagedCache] = weakref.WeakSet([cache])
-        self.step: tuple[int | None, weakref.ref | None] = (None, None)
-
-
-
-
 
 
 def _row_indices(indices, name: str) -> torch.Tensor:
