@@ -76,6 +76,7 @@ class ForkingCache:
         return twin
 
     def _share_pools(self) -> Self:
+        """What `fork()` and `sibling()` start from: a cache with the same rows in the same pools and storage."""
         twin = self.__class__.__new__(self.__class__)  # not copy.copy: that would run __setstate__'s pool rebuild
         twin.__dict__.update(self.__dict__)
         twin.groups = {name: group.fork() for name, group in self.groups.items()}
