@@ -204,6 +204,8 @@ def test_chunked_attention_layers_never_use_the_kernels():
     """Chunked layers store like sliding ones but mask by chunk, which the window-masking kernels cannot."""
     from transformers import Llama4TextConfig
 
+    from hf_paged_cache.layer_types.chunked import ChunkedAttention
+
     config = Llama4TextConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_chunk_size=8,
@@ -211,7 +213,7 @@ def test_chunked_attention_layers_never_use_the_kernels():
     )  # fmt: skip
     cache = PagedCache(config, backend="triton")
     chunked, full = cache.layers
-    assert chunked.chunked and chunked.is_sliding and chunked.sliding_window == 8
+    assert isinstance(chunked.layer_type, ChunkedAttention) and chunked.is_sliding and chunked.sliding_window == 8
     full.device = chunked.device = torch.device("cpu")
     assert not chunked.uses_kernels() and full.uses_kernels()
 

@@ -348,12 +348,12 @@ def test_full_precision_layers_and_overrides():
     model = _model("gemma3")  # layers: sliding, sliding, full, sliding
     cache = PagedCache(model.config, block_size=BLOCK, quant="int4", full_precision_layers=1,
                        quant_layers={2: "int8", 3: None}, residual_length=RESIDUAL)  # fmt: skip
-    kinds = [(type(layer).__name__, layer.tables.name) for layer in cache.layers]
+    kinds = [(type(layer).__name__, layer.layer_type.name, layer.tables.name) for layer in cache.layers]
     assert kinds == [
-        ("PagedSlidingLayer", "sliding_attention[8]"),
-        ("QuantizedSlidingLayer", "sliding_attention[8]/int4"),
-        ("QuantizedLayer", "full_attention/int8"),
-        ("PagedSlidingLayer", "sliding_attention[8]"),
+        ("PagedLayer", "sliding_attention", "sliding_attention[8]"),
+        ("QuantizedLayer", "sliding_attention", "sliding_attention[8]/int4"),
+        ("QuantizedLayer", "full_attention", "full_attention/int8"),
+        ("PagedLayer", "sliding_attention", "sliding_attention[8]"),
     ]
     assert type(cache.groups["sliding_attention[8]"]) is BlockTables  # no quantized pool
     assert isinstance(cache.groups["full_attention/int8"], QuantizedBlockTables)

@@ -16,7 +16,8 @@ import torch
 from transformers import PretrainedConfig
 
 from ..errors import UnsupportedAttentionError
-from ..layers.paged import PAGED_KV_KWARG
+from ..layer_types.registry import is_known, layer_type_for
+from ..layers.handle import PAGED_KV_KWARG
 
 # Keywords the paged attention receives and honours, each with the reason it is safe.
 HONOURED: dict[str, str] = {
@@ -49,9 +50,6 @@ REFUSED: dict[str, str] = {
     "seq_idx": "packed-sequence indices: the paged attention would attend across the packed sequences",
 }
 
-# Layer types whose attention also reads K/V entries made after `update()` (DeepSeek-V4's compressors).
-COMPRESSED_LAYER_TYPES = {"compressed_sparse_attention", "heavily_compressed_attention"}
-
 # Values of a refused keyword that ask for nothing the paged attention lacks.
 _HARMLESS = {"is_causal": (True,)}
 
@@ -76,7 +74,9 @@ def check_attention_kwargs(model: str, kwargs: dict, dropout: float = 0.0) -> No
 def check_model_features(config: PretrainedConfig) -> None:
     """Refuse, from the config alone, models whose attention the paged attention cannot read from blocks."""
     model = model_name(config)
-    compressed = sorted(set(getattr(config, "layer_types", None) or []) & COMPRESSED_LAYER_TYPES)
+    # Layer types whose attention also reads K/V entries made after `update()` (DeepSeek-V4's compressors).
+    compressed = sorted(name for name in set(getattr(config, "layer_types", None) or [])
+                        if is_known(name) and not layer_type_for(name).paged_readable)  # fmt: skip
     if compressed:
         refuse(model, f"compressed attention layers ({', '.join(compressed)})",
                "the model appends its compressor's K/V entries (and their mask) to what `update()` returns, but the "

@@ -16,7 +16,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .contract import check_attention_kwargs, sink_logits
 from ..errors import UnsupportedAttentionError
-from ..layers.paged import PAGED_KV_KWARG, PackedPagedKV, PagedKV
+from ..layers.handle import PAGED_KV_KWARG, PackedPagedKV, PagedKV
 from .paged_states import reused_paged_kv
 from .torch_path import attend
 
@@ -110,7 +110,7 @@ def _kernel_attention(query: torch.Tensor, paged_kv: PagedKV, scale: float, soft
 
     plan, layer, device = paged_kv.plan, paged_kv.layer, query.device
     tables, seq_lens = plan.tensor("block_tables", device), plan.tensor("seq_lens", device)
-    window, softcap = paged_kv.sliding_window or 0, softcap or 0.0
+    window, softcap = paged_kv.kernel_window, softcap or 0.0
     quantized = layer.quantized_kv(plan, device) if layer.is_quantized else None
     if query.shape[2] == 1:
         out = paged_decode_attention(

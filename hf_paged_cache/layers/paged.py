@@ -1,4 +1,4 @@
-"""Cache layers whose keys and values live in blocks: one class per layer behaviour, as in transformers.
+"""`PagedLayer`: a cache layer whose keys and values live in blocks; its `LayerType` says how it is read.
 
 A layer owns its storage (`key_blocks` / `value_blocks`, `[blocks + 1, block_size, kv_heads, head_dim]`,
 block 0 being the all-zero null block) and shares block tables with the other layers of its group.
@@ -19,94 +19,13 @@ from ..blocks.tables import BlockTables, StepPlan
 from ..kernels.layout import allocate_kv_blocks
 from ..attention.paged_states import paged_only
 from ..attention.torch_path import attend, attention, causal_mask, zero_unattended
+from .handle import PAGED_KV_KWARG, AfterAttention, PagedKV
 
 if TYPE_CHECKING:
     from ..config import PagedCacheConfig
+    from ..layer_types.base import LayerType
 
-PAGED_KV_KWARG = "paged_kv"
 MAX_RUNS = 8  # a row's read cut into more runs of blocks than this is gathered slot by slot
-# (plan, query, mask, scale, softcap, sinks): what runs after a layer's attention (eviction), bound by the cache.
-AfterAttention = Callable[[StepPlan, torch.Tensor, "torch.Tensor | None", float, "float | None", "torch.Tensor | None"],
-                          None]  # fmt: skip
-
-
-class PagedKV:
-    """The handle `update()` leaves in the attention kwargs in place of gathered K/V: where the step's
-    history lives, and the work due once attention ran (`finish`: eviction statistics and triggers), so
-    neither the attention function nor the layer needs a reference to the cache.
-
-    `gathered`: `update()` returned the gathered history instead (a model that caches latents expands it into the
-    K/V its attention receives); the handle then only takes the step back on a refusal and masks a packed row."""
-
-    def __init__(self, layer: PagedLayer, plan: StepPlan, after_attention: AfterAttention | None = None,
-                 undo: Callable[[], None] | None = None, gathered: bool = False):  # fmt: skip
-        self.layer = layer
-        self.plan = plan
-        self.after_attention = after_attention
-        self.undo_step = undo  # takes the cache's step back when the attention refuses the model
-        self.gathered = gathered
-
-    @property
-    def sliding_window(self) -> int | None:
-        return self.layer.tables.sliding_window
-
-    @property
-    def uses_kernels(self) -> bool:
-        return self.layer.uses_kernels()
-
-    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of logical positions [kv_offset, new_len) of every row, `[batch, kv_heads, n, head_dim]`."""
-        return self.layer.gather(self.plan)
-
-    def undo(self) -> None:
-        """Called by the attention when it refuses the model: the cache takes back the step under way."""
-        if self.undo_step is not None:
-            self.undo_step()
-
-    def finish(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None,
-               sinks: torch.Tensor | None = None) -> None:  # fmt: skip
-        """Called by the attention once this layer's output is computed."""
-        if self.after_attention is not None:
-            self.after_attention(self.plan, query, mask, scale, softcap, sinks)
-
-    def reader(self) -> PagedKV:
-        """The handle for another layer that attends over this layer's K/V (a KV-shared layer): the same blocks and
-        plan without the work due after attention, so eviction statistics are recorded once per stored layer."""
-        return PagedKV(self.layer, self.plan, None, self.undo_step, self.gathered)
-
-    @property
-    def read_len(self) -> int:
-        """Positions the step reads (the gathered history's length)."""
-        return self.plan.new_len - self.plan.kv_offset
-
-    def own_mask(self, q_len: int, device: torch.device) -> torch.Tensor | None:
-        """The mask of a sequence that has no model-made mask (a packed batch): causal over the read range,
-        within the sliding window if any; None for one query, which sees the whole read range."""
-        if q_len == 1:
-            return None
-        return causal_mask(q_len, self.read_len, device, self.sliding_window)
-
-
-class PackedPagedKV:
-    """The handle a packed forward (the batch generator's) leaves instead of one `PagedKV`: for each sequence,
-    its slice `[start, stop)` of the packed tokens and its own `PagedKV`."""
-
-    def __init__(self, parts: list[tuple[int, int, PagedKV]]):
-        self.parts = parts
-
-    @property
-    def gathered(self) -> bool:
-        """Whether the forward's K/V are the sequences' gathered histories, concatenated in the parts' order."""
-        return all(part.gathered for _start, _stop, part in self.parts)
-
-    def undo(self) -> None:
-        """Every sequence's cache takes back the step under way (the attention refused the model)."""
-        for _start, _stop, part in self.parts:
-            part.undo()
-
-    def reader(self) -> PackedPagedKV:
-        """`PagedKV.reader` for every sequence."""
-        return PackedPagedKV([(start, stop, part.reader()) for start, stop, part in self.parts])
 
 
 class LayerStorage:
@@ -124,9 +43,8 @@ def storage_field(name: str, default=None) -> property:
 
 
 class PagedLayer(CacheLayerMixin):
-    """A full-attention layer stored in blocks."""
+    """An attention layer stored in blocks; its `layer_type` (full, sliding, chunked...) says how it is read."""
 
-    is_sliding = False
     is_croppable = True
     is_compileable = False
     is_quantized = False
@@ -134,25 +52,31 @@ class PagedLayer(CacheLayerMixin):
     key_blocks = storage_field("key_blocks")
     value_blocks = storage_field("value_blocks")
 
-    def __init__(self, tables: BlockTables, options: PagedCacheConfig, chunked: bool = False):
+    def __init__(self, tables: BlockTables, options: PagedCacheConfig, layer_type: LayerType):
         self.storage = LayerStorage()
         super().__init__()
         self.tables = tables
         self.options = options
-        # Chunked attention stores like a sliding window but masks by chunk, which only transformers'
-        # mask (the torch path) knows: the kernels mask by window.
-        self.chunked = chunked
+        self.layer_type = layer_type
         self.seq_len = 0  # tokens this layer has written (its group's length once the step reached it)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(group={self.tables.name!r}, tokens={self.seq_len})"
+        return f"{type(self).__name__}({self.layer_type.name}, group={self.tables.name!r}, tokens={self.seq_len})"
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.layer_type.is_sliding
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.tables.sliding_window
 
     def uses_kernels(self) -> bool:
         """Whether the Triton kernels write and read this layer's blocks. They take one head dim for keys and
         values, so values of another width (a model caching latents stores its positional key as the values) are
         written and read by the torch paths."""
         one_head_dim = not self.is_initialized or self.value_dim == self.kv_shape[1]
-        return not self.chunked and one_head_dim and self.options.uses_kernels(self.device)
+        return self.layer_type.kernels_read and one_head_dim and self.options.uses_kernels(self.device)
 
     # ------------------------------------------------------------------ storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -225,10 +149,10 @@ class PagedLayer(CacheLayerMixin):
         return self.seq_len
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seq_len + query_length, 0
+        return self.layer_type.mask_sizes(self.tables, self.seq_len, query_length)
 
     def get_max_length(self) -> int:
-        return -1
+        return self.layer_type.max_length(self.tables)
 
     def check_states(self, key_states: torch.Tensor) -> None:
         """Raise before anything changes if `key_states` do not fit this layer's storage."""
@@ -433,89 +357,6 @@ class PagedLayer(CacheLayerMixin):
             flat = _heads_first(blocks)  # [kv_heads, slots, d], a view of the storage
             index = src.expand(flat.shape[0], -1)[..., None].expand(-1, -1, flat.shape[-1])
             flat[:, dst] = flat.gather(1, index)
-
-
-class PagedSlidingLayer(PagedLayer):
-    """A sliding-window layer stored in blocks: blocks that leave the window go back to the pool.
-
-    Lengths and returned K/V match transformers' `DynamicSlidingWindowLayer` (the previous
-    `window - 1` tokens plus the new ones), so masks built for it apply unchanged.
-    """
-
-    is_sliding = True
-
-    @property
-    def sliding_window(self) -> int:
-        return self.tables.sliding_window
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        kv_offset = self.tables.read_offset(self.seq_len)
-        return self.seq_len - kv_offset + query_length, kv_offset
-
-    def get_max_length(self) -> int:
-        return self.sliding_window
-
-
-class SharedKVLayer(CacheLayerMixin):
-    """A layer that stores nothing and reads an earlier paged layer's K/V (`share_with`, or a model's KV-shared
-    layer, which calls no `update()` and attends over its source's states): its own new K/V are dropped, so
-    attention sees the source layer's history and this step's source states."""
-
-    is_compileable = False
-    is_quantized = False
-
-    def __init__(self, source: PagedLayer):
-        super().__init__()
-        self.source = source
-        self.is_initialized = True
-        source.read_by_others = True
-
-    def __repr__(self) -> str:
-        return f"SharedKVLayer(source={self.source!r})"
-
-    @property
-    def is_sliding(self) -> bool:
-        return self.source.is_sliding
-
-    @property
-    def is_croppable(self) -> bool:  # a crop of the cache crops the source's tables, which this layer reads
-        return self.source.is_croppable
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Nothing to allocate: the source layer stores the K/V."""
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, attention_kwargs: dict | None = None,
-               undo: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        self.source.check_states(key_states)
-        if self.source.seq_len != self.source.tables.length or self.source.tables.plan is None:
-            raise RuntimeError("A `share_with` layer ran before its source layer wrote this step: the source must be "
-                               "an earlier layer of the same forward")  # fmt: skip
-        return self.source.hand_over(self.source.tables.plan, key_states, value_states, attention_kwargs, undo=undo)
-
-    def get_seq_length(self) -> int:
-        return self.source.get_seq_length()
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.source.get_mask_sizes(query_length)
-
-    def get_max_length(self) -> int:
-        return self.source.get_max_length()
-
-    # The source's tables follow every whole-cache edit; this layer holds nothing to edit.
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        pass
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        pass
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        pass
-
-    def crop(self, max_length: int) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
 
 
 def _heads_first(blocks: torch.Tensor) -> torch.Tensor:

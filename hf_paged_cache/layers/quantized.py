@@ -21,7 +21,7 @@ import copy
 import torch
 
 from ..blocks.tables import QuantizedBlockTables, StepPlan
-from .paged import PagedLayer, PagedSlidingLayer, storage_field
+from .paged import PagedLayer, storage_field
 from ..quantization.base import KVFormat
 from ..attention.torch_path import OnlineSoftmax, causal_mask, visible_columns
 
@@ -30,7 +30,7 @@ QUERY_TILE = 512  # queries of a long step attended at a time by that read (its 
 
 
 class QuantizedLayer(PagedLayer):
-    """A full-attention layer whose history is stored quantized (the most recent tokens in full precision).
+    """An attention layer whose history is stored quantized (the most recent tokens in full precision).
 
     Storage: the full-precision `key_blocks` / `value_blocks` of `PagedLayer`, plus `qkey` / `qvalue`, the
     quantized fields (codes, scale, zero) of the group's quantized pool, `[qblocks + 1, ...]` each.
@@ -41,8 +41,8 @@ class QuantizedLayer(PagedLayer):
     qkey: dict[str, torch.Tensor] = storage_field("qkey", {})
     qvalue: dict[str, torch.Tensor] = storage_field("qvalue", {})
 
-    def __init__(self, tables: QuantizedBlockTables, options, chunked: bool = False):
-        super().__init__(tables, options, chunked)
+    def __init__(self, tables: QuantizedBlockTables, options, layer_type):
+        super().__init__(tables, options, layer_type)
         self.kv_format: KVFormat = tables.kv_format
         # Sampled reconstruction error: per "key" / "value", [sum of sample means, samples, max].
         self.error_stats = {"key": [0.0, 0, 0.0], "value": [0.0, 0, 0.0]}
@@ -348,7 +348,3 @@ def _id_runs(table: list[int], first: int, block_size: int) -> list[tuple[slice,
         runs.append((slice(table[index], table[index] + run), index))
         index += run
     return runs
-
-
-class QuantizedSlidingLayer(QuantizedLayer, PagedSlidingLayer):
-    """A sliding-window layer with quantized history: blocks of either kind that leave the window are freed."""

@@ -13,11 +13,10 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from ..attention.contract import latent_key_shape
 from ..blocks.tables import BlockTables, QuantizedBlockTables
 from ..config import PagedCacheConfig, parse_bytes
+from ..layer_types.registry import layer_type_for
 
 if TYPE_CHECKING:
     from ..layers.paged import PagedLayer
-
-SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 
 
 @dataclass(frozen=True)
@@ -203,10 +202,11 @@ def stored_kv_shapes(config: PretrainedConfig, tp_size: int = 1) -> list[StoredK
     text = config.get_text_config(decoder=True)
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
     shapes = []
-    for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
-        if layer_type not in ("full_attention", *SLIDING_TYPES):
+    for index, (name, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+        layer_type = layer_type_for(name)
+        if not layer_type.stored:
             continue
-        window = kwargs["sliding_window"] if layer_type in SLIDING_TYPES else None
+        window = layer_type.window(kwargs)
         layer = text.per_layer_config[index]
         latent = latent_key_shape(layer)
         if latent is not None:

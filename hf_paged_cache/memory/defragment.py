@@ -80,7 +80,7 @@ def compact(template: PagedCache, prefix_cache: PrefixCache | None = None, keep_
         raise ValueError(f"`keep_free` must be an int >= 0 (free blocks each pool keeps) or None, got {keep_free!r}")
     caches = list(template._forks.caches)
     for cache in caches:
-        cache._check_between_steps("compact the pools of")
+        cache.check_between_steps("compact the pools of")
     pools = device_pools(template)
     mappings = {id(pool): {block: new for new, block in enumerate(_used(pool), start=1)} for pool, _kind in pools}
     entries = _live_prefix_entries(template, prefix_cache, mappings)

@@ -541,7 +541,7 @@ def _restore(cache: Cache, header: dict, tensors: dict[str, torch.Tensor]) -> No
     layers = [(index, saved) for index, saved in enumerate(header["layers"]) if saved is not None]
     if layers and any(group.pool is None for group in cache.groups.values()):
         # A `max_memory` cache sizes its pools at its first step, by the dtype of its K/V: the file's.
-        cache._ensure_pools(dtype_of(layers[0][1]["dtype"]))
+        cache.ensure_storage(dtype_of(layers[0][1]["dtype"]))
     slots = {}  # group name -> (full-precision pool ids, quantized pool ids) of the file's blocks, by file index
     for index, saved in enumerate(header["groups"]):
         group = cache.groups[saved["name"]]

@@ -37,7 +37,6 @@ from ..blocks.pool import BlockPool
 from ..cache import PagedCache
 from ..config import PagedCacheConfig
 from ..errors import UnsupportedAttentionError
-from ..layers.paged import PagedLayer, SharedKVLayer
 from ..memory.defragment import Fragmentation, compact, fragmentation
 from .batch_config import BatchConfig, pools_up_front, split_options
 from .metrics import BatchMetrics, ServingCounters
@@ -435,11 +434,9 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]],
 
 def _check_model(template: PagedCache) -> None:
     """The packed forward needs every layer stored in blocks (no linear-attention or chunked layers)."""
-    for index, layer in enumerate(template.layers):
-        paged = isinstance(layer, (PagedLayer, SharedKVLayer))
-        if not paged or getattr(layer, "chunked", False):
-            kind = "chunked attention" if paged else f"not stored in blocks ({type(layer).__name__}: linear attention, "
-            kind += "" if paged else "a recurrent or convolutional state)"
+    for index, (layer, layer_type) in enumerate(zip(template.layers, template.layer_types)):
+        kind = layer_type.packing_refusal(layer)
+        if kind is not None:
             raise ValueError(
                 f"Layer {index} is {kind}: the batch generator serves models whose layers are full or sliding-window "
                 "attention; use `model.generate` with a `PagedCache` for this model"

@@ -15,7 +15,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache import PagedCache
-from ..layers.paged import PAGED_KV_KWARG, PackedPagedKV
+from ..layers.handle import PAGED_KV_KWARG, PackedPagedKV
 from ..attention.paged_states import paged_only
 
 

@@ -80,7 +80,7 @@ class PrefixCache:
 
     def _blocks(self, group: BlockTables, keys: list[bytes], count: int) -> tuple[int, list[int]] | None:
         """(base position, block ids) a row of `group` needs at length `count * block_size`, or None."""
-        first = group.read_offset(count * self.block_size) // self.block_size if group.sliding_window else 0
+        first = group.read_offset(count * self.block_size) // self.block_size  # 0 without a window
         blocks = []
         for key in keys[first:count]:
             block, epoch = self.entries.get(key, {}).get(group.name, (None, None))
