@@ -287,7 +287,7 @@ class PagedCache(Cache):
         if tables.plan is not None and layer.seq_len + q_len == tables.length and tables.plan.q_len == q_len:
             return tables.plan
         self._check_step(layer, batch, q_len)
-        self._ensure_pools(key_states.dtype)
+        self.ensure_storage(key_states.dtype)
         self._forks.step = (threading.get_ident(), weakref.ref(self))
         stepping = [group for group in self.groups.values() if group.length == tables.length]
         pads = [0] * batch
@@ -378,8 +378,8 @@ class PagedCache(Cache):
                     growth.append((pool, _grown_size(pool.num_used - freed + needed) - pool.num_blocks))
         return growth, None
 
-    def _ensure_pools(self, dtype: torch.dtype) -> None:
-        """Create the pools of a `max_memory` cache at its first write, which tells the storage dtype."""
+    def ensure_storage(self, dtype: torch.dtype) -> None:
+        """Create the pools of a `max_memory` cache at its first write (or load), which tells the storage dtype."""
         if self.options.max_memory is None or all(group.pool is not None for group in self.groups.values()):
             return
         num_blocks = blocks_in_budget(self.model_config, self.options.max_memory, self.options.block_size,
@@ -430,7 +430,7 @@ class PagedCache(Cache):
         time and memory grow with the number of blocks, no K/V is copied, and whichever cache first writes into a
         shared partly filled block copies that block only. Quantized codes, eviction survivors and statistics
         are kept. With `sharing=False` the fork is an independent copy instead (blocks copied)."""
-        self._check_between_steps("fork")
+        self.check_between_steps("fork")
         if not self.options.sharing:
             return self._independent_copy({})
         return self._twin()
@@ -439,7 +439,7 @@ class PagedCache(Cache):
         """An empty cache with the same options in the same pools and storage (what the batch generator gives
         each request): blocks any of them frees serve the others. Pools are shared even with `sharing=False`,
         which concerns the blocks' contents."""
-        self._check_between_steps("fork")
+        self.check_between_steps("fork")
         twin = self._twin()
         twin.reset()
         return twin
@@ -476,7 +476,7 @@ class PagedCache(Cache):
         costs no copy of the prompt (an independent copy with `sharing=False`)."""
         if self.options.sharing:
             return self.fork()
-        self._check_between_steps("copy")
+        self.check_between_steps("copy")
         return self._independent_copy(memo)
 
     def _independent_copy(self, memo: dict) -> PagedCache:
@@ -506,13 +506,22 @@ class PagedCache(Cache):
                 if pool is not None:
                     pool.set_references(references.get(id(pool), Counter()))
 
-    def _check_between_steps(self, what: str) -> None:
+    def check_between_steps(self, what: str) -> None:
+        """Raise unless every paged layer wrote the current step (`what` names the refused operation)."""
         if self.layers_written() < len(self.paged_layers):
             raise RuntimeError(
                 f"Cannot {what} a PagedCache in the middle of a forward step ({self.layers_written()} of "
                 f"{len(self.paged_layers)} layers written): {what} it between steps, or `reset()` it after a failed "
                 "forward"
             )
+
+    def caches_sharing_pools(self) -> list[PagedCache]:
+        """This cache and its live forks and siblings: every cache whose tables hold ids of its pools."""
+        return list(self._forks.caches)
+
+    def group_layers(self, name: str) -> list[PagedLayer]:
+        """The paged layers that store their K/V through group `name`'s tables."""
+        return self._members[name]
 
     def _layer_indices(self, layers: list[PagedLayer]) -> list[int]:
         return [next(i for i, layer in enumerate(self.layers) if layer is member) for member in layers]

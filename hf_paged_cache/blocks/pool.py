@@ -184,6 +184,16 @@ class BlockPool:
             if not self._ref[block]:
                 self._append(block)
 
+    def packing(self) -> dict[int, int]:
+        """The `remap` that packs the blocks in use to ids 1..n, in id order (consecutive ids stay consecutive)."""
+        used = [block for block in range(1, self.num_blocks + 1) if self._ref[block]]
+        return {block: new for new, block in enumerate(used, start=1)}
+
+    def remapped_epoch(self, block: int) -> int:
+        """The epoch `block` has once the next `remap` started its new lifetime: what a record renumbered ahead
+        of that remap stores."""
+        return self._epoch[block] + 1
+
     def shrink(self, num_blocks: int) -> None:
         """Drop the ids above `num_blocks`, which must all be free (compact the pool first)."""
         valid = not isinstance(num_blocks, bool) and isinstance(num_blocks, int) and 0 <= num_blocks <= self.num_blocks

@@ -198,6 +198,12 @@ class PagedLayer(CacheLayerMixin):
         if self.is_initialized:
             self._fit_pool()
 
+    def cut_storage(self) -> None:
+        """Cut the storage (whichever of the forks allocated it) to its pool after the pool shrank."""
+        blocks = self.tables.pool.num_blocks + 1
+        if self.key_blocks is not None and len(self.key_blocks) > blocks:
+            self.key_blocks, self.value_blocks = self.key_blocks[:blocks].clone(), self.value_blocks[:blocks].clone()
+
     def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
         if self.is_initialized:
             self._fit_pool()

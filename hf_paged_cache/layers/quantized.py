@@ -77,6 +77,13 @@ class QuantizedLayer(PagedLayer):
                     new[name][: tensor.shape[0]] = tensor
             self.qkey, self.qvalue = grown
 
+    def cut_storage(self) -> None:
+        super().cut_storage()
+        blocks = self.tables.qpool.num_blocks + 1
+        if self.qkey and self.qkey["codes"].shape[0] > blocks:
+            self.qkey = {field: tensor[:blocks].clone() for field, tensor in self.qkey.items()}
+            self.qvalue = {field: tensor[:blocks].clone() for field, tensor in self.qvalue.items()}
+
     @property
     def storage_bytes(self) -> int:
         quantized = sum(t.numel() * t.element_size() for fields in (self.qkey, self.qvalue) for t in fields.values())

@@ -192,7 +192,7 @@ class SwapSpace:
         `can_swap_out`; a shortage raises before anything changes). Returns the copy's transfer."""
         if self.is_swapped(cache):
             raise ValueError("this cache is swapped out already")
-        cache._check_between_steps("swap out")
+        cache.check_between_steps("swap out")
         if not self.can_swap_out(cache):
             raise ValueError(f"the host pool cannot take {self.out_demand(cache)} more blocks: raise `swap_blocks`")
         parts = list(self._fields(cache))
@@ -319,7 +319,7 @@ def storage_tensors(cache: PagedCache, pool: BlockPool, kind: str) -> list[torch
     for name, group in cache.groups.items():
         if group_pool(group, kind) is not pool:
             continue
-        for layer in cache._members[name]:
+        for layer in cache.group_layers(name):
             if kind == "blocks":
                 tensors += [layer.key_blocks, layer.value_blocks]
             else:
