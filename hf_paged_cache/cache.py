@@ -31,7 +31,8 @@ from .errors import OutOfBlocksError, UnsupportedAttentionError
 from .eviction import Evictor
 from .layers.paged import PAGED_KV_KWARG, PagedKV, PagedLayer, PagedSlidingLayer, SharedKVLayer
 from .memory.accounting import SLIDING_TYPES, CacheMetrics, blocks_in_budget, collect_metrics
-from .persistence.files import load_cache, save_cache
+from .persistence.load import load_cache
+from .persistence.save import save_cache
 from .quantization.formats import parse_kv_format
 from .layers.quantized import QuantizedLayer, QuantizedSlidingLayer
 

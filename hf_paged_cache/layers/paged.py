@@ -441,6 +441,32 @@ class PagedLayer(CacheLayerMixin):
             flat[:, dst] = flat.gather(1, index)
 
 
+    # ------------------------------------------------------------------ state
+    def state_dict(self, blocks: list[int], quantized: list[int]) -> tuple[dict, dict[str, torch.Tensor]]:
+        """What a saved file keeps of the layer: its dtype, device and shapes, and the K/V of pool ids `blocks`
+        (its block i is `blocks[i]`) heads first, `[kv_heads, blocks, block_size, d]`, the storage's own layout,
+        so each head's block is one contiguous copy. `quantized`: the sealed blocks (quantized layers)."""
+        ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        state = {"dtype": self.dtype, "device": self.device, "kv_heads": self.kv_shape[0], "head_dim": self.kv_shape[1],
+                 "value_dim": self.value_dim}  # fmt: skip
+        tensors = {name: storage.permute(2, 0, 1, 3).index_select(1, ids)
+                   for name, storage in (("keys", self.key_blocks), ("values", self.value_blocks))}  # fmt: skip
+        return state, tensors
+
+    def storage_shapes(self, blocks: int, quantized: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The shape and dtype `load_state_dict` takes each tensor of `state_dict` in, for that many blocks."""
+        return {name: ((storage.shape[2], blocks, storage.shape[1], storage.shape[3]), storage.dtype)
+                for name, storage in (("keys", self.key_blocks), ("values", self.value_blocks))}  # fmt: skip
+
+    def load_state_dict(self, state: dict, tensors: dict[str, torch.Tensor], blocks: list[int],
+                        quantized: list[int]) -> None:  # fmt: skip
+        """Take a saved layer's K/V into pool ids `blocks` of the storage (allocated by `lazy_initialization`;
+        `tensors` have the `storage_shapes`)."""
+        ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        for name, storage in (("keys", self.key_blocks), ("values", self.value_blocks)):
+            storage.permute(2, 0, 1, 3).index_copy_(1, ids, tensors[name].to(self.device))
+        self.sync_length()
+
 class PagedSlidingLayer(PagedLayer):
     """A sliding-window layer stored in blocks: blocks that leave the window go back to the pool.
 

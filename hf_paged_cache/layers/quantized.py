@@ -346,6 +346,35 @@ class QuantizedLayer(PagedLayer):
         return hidden
 
 
+    # ------------------------------------------------------------------ state
+    def state_dict(self, blocks: list[int], quantized: list[int]) -> tuple[dict, dict[str, torch.Tensor]]:
+        """`PagedLayer.state_dict`, plus the sealed blocks `quantized` (codes, scales, zero points), the sampled
+        error and the resolved format (what a spec like "int2" meant when the file was written)."""
+        state, tensors = super().state_dict(blocks, quantized)
+        ids = torch.tensor(quantized, dtype=torch.long, device=self.device)
+        for side, fields in (("qkey", self.qkey), ("qvalue", self.qvalue)):
+            for name, field in fields.items():
+                tensors[f"{side}.{name}"] = field.index_select(0, ids)
+        state["error_stats"] = self.error_stats
+        state["kv_format"] = repr(self.kv_format)
+        return state, tensors
+
+    def storage_shapes(self, blocks: int, quantized: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        shapes = super().storage_shapes(blocks, quantized)
+        for side, fields in (("qkey", self.qkey), ("qvalue", self.qvalue)):
+            for name, field in fields.items():
+                shapes[f"{side}.{name}"] = ((quantized, *field.shape[1:]), field.dtype)
+        return shapes
+
+    def load_state_dict(self, state: dict, tensors: dict[str, torch.Tensor], blocks: list[int],
+                        quantized: list[int]) -> None:  # fmt: skip
+        ids = torch.tensor(quantized, dtype=torch.long, device=self.device)
+        for side, fields in (("qkey", self.qkey), ("qvalue", self.qvalue)):
+            for name, field in fields.items():
+                field.index_copy_(0, ids, tensors[f"{side}.{name}"].to(self.device))
+        self.error_stats = state["error_stats"]
+        super().load_state_dict(state, tensors, blocks, quantized)
+
 def _id_runs(table: list[int], first: int, block_size: int) -> list[tuple[slice, int]]:
     """`table[first:]` cut into runs of consecutive ids of at most `CHUNK_TOKENS` tokens:
     (the run as a slice of ids, the table index of its first block)."""

@@ -1,4 +1,4 @@
-"""Saving and loading caches (`hf_paged_cache.persistence.files`): a loaded cache continues exactly as the saved one
+"""Saving and loading caches (`hf_paged_cache.persistence.save`, `.load`): a loaded cache continues exactly as the saved one
 (bit-identical logits on CPU) for plain, quantized, evicted, sliding-window and left-padded batched caches;
 corrupted files, another model's config and mismatched options fail clearly and change nothing."""
 
@@ -23,7 +23,7 @@ from tiny_models import MODELS_BY_NAME, VOCAB, padded_batch
 from transformers import DynamicCache
 
 from hf_paged_cache import H2O, CacheFileError, PagedCache, PagedCacheConfig, RandomEviction, SnapKV, block_layout
-from hf_paged_cache.persistence.files import DIGEST, FORMAT, _digest
+from hf_paged_cache.persistence.save import DIGEST, FORMAT, digest
 from hf_paged_cache.smollm2 import load_smollm2
 
 PREFIX, PROMPT, STEPS = 10, 16, 6
@@ -268,7 +268,7 @@ def _rewrite_header(source, target, edit, edit_tensors=None) -> None:
 
 
 def _write(target, text: str, tensors: dict) -> None:
-    save_file(tensors, target, metadata={FORMAT: text, DIGEST: _digest(text, tensors)})
+    save_file(tensors, target, metadata={FORMAT: text, DIGEST: digest(text, tensors)})
 
 
 def test_a_spec_whose_meaning_changed_since_the_file_was_written_is_refused(tmp_path):
@@ -440,7 +440,7 @@ def test_a_failed_save_keeps_the_earlier_file(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("hf_paged_cache.persistence.files.save_file", fail)
+    monkeypatch.setattr("hf_paged_cache.persistence.save.save_file", fail)
     with pytest.raises(OSError, match="disk full"):
         cache.save(path)
     assert path.read_bytes() == data and os.listdir(tmp_path) == ["cache.safetensors"]
@@ -736,3 +736,23 @@ def test_a_kv_shared_model_round_trips_and_forks(tmp_path):
     for continued in (PagedCache.load(tmp_path / "kv_shared.safetensors", model.config), cache.fork(), cache):
         for got, want in zip(_continue(model, continued, ids[:, PREFIX:]), expected):
             torch.testing.assert_close(got, want)
+
+
+DATA = os.path.join(os.path.dirname(__file__), "data")  # files saved by commit 8b790c2, before the redesign
+with open(os.path.join(DATA, "expected.json")) as recorded_file:
+    SAVED_FILES = json.load(recorded_file)
+
+
+@pytest.mark.parametrize("name", SAVED_FILES)
+def test_files_saved_before_the_redesign_load_and_continue_as_recorded(name):
+    """Each file in `data/` (saved by commit 8b790c2 after `generate`; `expected.json` records the sequences it was
+    saved after and the 5 greedy tokens its loaded cache continued with) loads and continues the same way."""
+    import tiny_models
+
+    recorded = SAVED_FILES[name]
+    model, _config = getattr(tiny_models, recorded["factory"])()
+    model.set_attn_implementation("paged")
+    cache = PagedCache.load(os.path.join(DATA, f"{name}.safetensors"), model.config)
+    first = torch.tensor(recorded["first"])
+    out = model.generate(first, cache=cache, max_new_tokens=5, do_sample=False)
+    assert out[:, first.shape[1] :].tolist() == recorded["continuation"]
