@@ -98,6 +98,13 @@ class BlockList:
         else:
             self.replace(ids)
 
+    def repoint(self, target: BlockPool, ids: list[int]) -> None:
+        """The same contents as blocks `ids` of `target` (already referenced for this table: a swap copied them
+        there); the references in the current pool go."""
+        self.pool.free(self.ids)
+        self.pool = target
+        self.replace(ids)
+
     def state_dict(self) -> dict:
         return {"ids": list(self.ids), "run_from": self.run_from}
 

@@ -574,11 +574,15 @@ class BlockTables:
 
 
     # ------------------------------------------------------------------ state
+    def drop_plan(self) -> None:
+        """Forget the step plan after the rows' tables moved (a swap, a packing): the next step makes its own."""
+        self.plan = None
+
     def remap(self, old_to_new: Renumbering, keep_runs: bool = False) -> None:
         """Renumber the rows' tables in the packed pools (`Row.remap`); the plan is made again at the next step."""
         for row in self.rows:
             row.remap(old_to_new, keep_runs)
-        self.plan = None
+        self.drop_plan()
 
     def used_blocks(self) -> tuple[list[int], list[int]]:
         """The pool ids the rows reference, ascending: (full-precision, quantized)."""

@@ -57,8 +57,12 @@ class QuantizedLayer(PagedLayer):
     def fork(self, tables: QuantizedBlockTables) -> QuantizedLayer:
         twin = super().fork(tables)
         twin.error_stats = copy.deepcopy(self.error_stats)
-        twin._arrived, twin._kept = {}, None
+        twin.forget_step_copies()
         return twin
+
+    def forget_step_copies(self) -> None:
+        """Drop the full-precision copies of this step's sealed blocks (a fork starts with none of its own)."""
+        self._arrived, self._kept = {}, None
 
     def _allocate_quantized(self, blocks: int) -> tuple[dict, dict]:
         bs, heads = self.tables.block_size, self.kv_shape[0]

@@ -1,10 +1,10 @@
-"""Pool compaction: the blocks in use packed to the low end of their pool, so the pool can shrink.
+"""Defragmenting: the blocks in use packed to the low end of their pool, so the pool can shrink.
 
 After many requests come and go, the blocks in use are scattered over the whole id range: the storage cannot
-shrink (a layer's storage is indexed by id), and a row's blocks rarely form runs a read can view. `compact`
+shrink (a layer's storage is indexed by id), and a row's blocks rarely form runs a read can view. `defragment`
 moves every referenced block of a family of caches (a template and its forks, which share pools and storage)
-to ids 1..n, in id order, copying the contents in every layer, and rewrites every table of every fork, the
-prefix cache's entries and the quantized groups' sealed-copy records. Every id then starts a new lifetime
+to ids 1..n, in id order, copying the contents in every layer (`blocks/packing.py`); every table of every fork,
+the prefix cache's entries and the quantized groups' sealed-copy records renumber themselves (`remap`). Every id then starts a new lifetime
 (`BlockPool.remap` bumps its epoch): blocks no one references are forgotten, including unreferenced
 prefix-cached ones. With `keep_free`, each pool of a growable family then shrinks to its blocks in use plus that
 many, and the storage with it (it grows again on demand); a fixed pool never shrinks below the `num_blocks` /
@@ -74,7 +74,7 @@ def fragmentation(template: PagedCache) -> dict[str, Fragmentation]:
 
 
 @torch.no_grad()
-def compact(template: PagedCache, prefix_cache: PrefixCache | None = None, keep_free: int | None = None) -> None:
+def defragment(template: PagedCache, prefix_cache: PrefixCache | None = None, keep_free: int | None = None) -> None:
     """Pack the blocks in use of every pool of `template`'s family to ids 1..n (see the module docstring); with
     `keep_free`, shrink each pool of a growable family to n + `keep_free` blocks (fixed pools keep their size).
     Call it between steps."""

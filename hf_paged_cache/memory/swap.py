@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..blocks.pool import BlockPool
-from ..blocks.tables import BlockTables
+from ..blocks.tables import BlockTables, QuantizedBlockTables
 from ..cache import PagedCache
 from .copy_stream import CopyStream, Transfer
 from ..quantization.formats import QuantFormat, parse_kv_format
@@ -41,7 +41,9 @@ KINDS = ("blocks", "quantized")  # a row's block lists: full precision (`Row.blo
 
 def group_pool(group: BlockTables, kind: str) -> BlockPool | None:
     """The device pool of a group's `kind` of blocks (None: the group has no such blocks, or no pool yet)."""
-    return group.pool if kind == "blocks" else getattr(group, "qpool", None)
+    if kind == "blocks":
+        return group.pool
+    return group.qpool if isinstance(group, QuantizedBlockTables) else None
 
 
 @dataclass
@@ -232,7 +234,7 @@ class SwapSpace:
             self.stats.in_bytes += len(host_ids) * host.block_bytes
         self._swapped.discard(cache)
         for group in cache.groups.values():
-            group.plan = None
+            group.drop_plan()
         return self._submit(cache, "in", device, copies, [])
 
     def _device(self, parts: list) -> torch.device | None:
@@ -303,12 +305,10 @@ class SwapSpace:
                 blocks: BlockList | None = getattr(row, kind)
                 if blocks is None or blocks.pool is not source:
                     continue
-                blocks.pool.free(blocks.ids)
                 fresh = [mapping[block] for block in blocks.ids]
                 target.fork([block for block in fresh if holders[block]])
                 holders.update(fresh)
-                blocks.pool = target
-                blocks.replace(fresh)
+                blocks.repoint(target, fresh)
 
 
 def storage_tensors(cache: PagedCache, pool: BlockPool, kind: str) -> list[torch.Tensor]:

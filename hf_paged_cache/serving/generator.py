@@ -44,7 +44,7 @@ from ..errors import UnsupportedAttentionError
 from ..layers.paged import PagedLayer, SharedKVLayer
 from ..distributed import tensor_parallel_size
 from ..memory.accounting import blocks_in_budget
-from ..memory.defragment import Fragmentation, compact, device_pools, fragmentation
+from ..memory.defragment import Fragmentation, defragment, device_pools, fragmentation
 from .prefix_cache import PrefixCache
 from .settings import FIELDS, RequestSettings, check_generation_config, request_settings, token_ids
 from ..memory.swap import SwapSpace
@@ -90,7 +90,7 @@ class BatchConfig:
             them), or `"deferred"` (each copy waits until a step needs it: a check that outputs do not depend on
             when copies land).
         decay, size_weight: the weighted score's time decay per step and size weight.
-        compact_threshold: compact the pools (`pool_compaction.py`) after a step that leaves more than this share
+        compact_threshold: compact the pools (`memory/defragment.py`) after a step that leaves more than this share
             of the ids below a pool's highest block in use free; None: only when `compact()` is called.
     """
 
@@ -647,12 +647,12 @@ class BatchGenerator:
         ))  # fmt: skip
 
     def compact(self, keep_free: int | None = None) -> tuple[dict[str, Fragmentation], dict[str, Fragmentation]]:
-        """Pack the blocks in use to the low end of every pool (`pool_compaction.compact`; with `keep_free`, shrink
+        """Pack the blocks in use to the low end of every pool (`memory/defragment.py`; with `keep_free`, shrink
         each growable pool to its blocks in use plus that many; fixed pools keep their size). Returns the
         fragmentation before and after."""
         self.swap.copies.fence()  # a pending copy in writes the ids it was given, which compaction moves
         before = fragmentation(self.template)
-        compact(self.template, self.prefix_cache, keep_free)
+        defragment(self.template, self.prefix_cache, keep_free)
         self.compactions += 1
         return before, fragmentation(self.template)
 
