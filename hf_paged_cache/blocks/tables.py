@@ -602,7 +602,8 @@ class BlockTables:
             row = self._new_row(saved["pads"])
             row.load_state_dict(saved)
             self.rows.append(row)
-        self.length, self.record_past, self.padding_exact = state["length"], state["record_past"], state["padding_exact"]
+        self.length, self.record_past = state["length"], state["record_past"]
+        self.padding_exact = state["padding_exact"]
         self.plan = None
 
 class QuantizedBlockTables(BlockTables):

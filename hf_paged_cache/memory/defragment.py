@@ -4,12 +4,12 @@ After many requests come and go, the blocks in use are scattered over the whole 
 shrink (a layer's storage is indexed by id), and a row's blocks rarely form runs a read can view. `defragment`
 moves every referenced block of a family of caches (a template and its forks, which share pools and storage)
 to ids 1..n, in id order, copying the contents in every layer (`blocks/packing.py`); every table of every fork,
-the prefix cache's entries and the quantized groups' sealed-copy records renumber themselves (`remap`). Every id then starts a new lifetime
-(`BlockPool.remap` bumps its epoch): blocks no one references are forgotten, including unreferenced
-prefix-cached ones. With `keep_free`, each pool of a growable family then shrinks to its blocks in use plus that
-many, and the storage with it (it grows again on demand); a fixed pool never shrinks below the `num_blocks` /
-`max_memory` it was given, so requests it was sized for keep fitting. Swapped-out caches hold host blocks and
-are left as they are.
+the prefix cache's entries and the quantized groups' sealed-copy records renumber themselves (`remap`). Every
+id then starts a new lifetime (`BlockPool.remap` bumps its epoch): blocks no one references are forgotten,
+including unreferenced prefix-cached ones. With `keep_free`, each pool of a growable family then shrinks to its
+blocks in use plus that many, and the storage with it (it grows again on demand); a fixed pool never shrinks
+below the `num_blocks` / `max_memory` it was given, so requests it was sized for keep fitting. Swapped-out caches
+hold host blocks and are left as they are.
 """
 
 from __future__ import annotations

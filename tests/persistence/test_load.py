@@ -1,5 +1,5 @@
-"""Saving and loading caches (`hf_paged_cache.persistence.save`, `.load`): a loaded cache continues exactly as the saved one
-(bit-identical logits on CPU) for plain, quantized, evicted, sliding-window and left-padded batched caches;
+"""Saving and loading caches (`persistence/save.py`, `persistence/load.py`): a loaded cache continues exactly as the
+saved one (bit-identical logits on CPU) for plain, quantized, evicted, sliding-window and left-padded batched caches;
 corrupted files, another model's config and mismatched options fail clearly and change nothing."""
 
 from __future__ import annotations
