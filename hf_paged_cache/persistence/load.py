@@ -347,7 +347,7 @@ def _restore_layer(layer: PagedLayer, saved: dict, slots: list[int], qslots: lis
 
 
 def _restore_evictor(evictor, saved: dict, tensors: dict[str, torch.Tensor]) -> None:
-    for index in saved["scored_layers"]:  # checked by `_check_header` and `_check_evictor`
+    for index in saved["scored_layers"]:  # checked by `check_header` and `_check_evictor`
         evictor.stats[index].scores = tensors[f"eviction.scores.{index}"].to(evictor.layers[index].device, copy=True)
     for name in saved["generators"]:
         getattr(evictor.policy, name).set_state(tensors[f"eviction.policy.{name}"])
