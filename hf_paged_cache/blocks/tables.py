@@ -475,7 +475,7 @@ class BlockTables:
             return Counter((id(blocks.pool), block) for row in rows for blocks in (row.blocks, row.quantized)
                            if blocks is not None for block in blocks.ids)  # fmt: skip
 
-        pools = {id(pool): pool for pool in (self.pool, getattr(self, "qpool", None)) if pool is not None}
+        pools = {id(pool): pool for pool in self.pools() if pool is not None}
         before, after = holders(self.rows), holders([self.rows[source] for source in order])
         demand = Counter()
         for (pool, block), count in after.items():
@@ -574,6 +574,10 @@ class BlockTables:
 
 
     # ------------------------------------------------------------------ state
+    def pools(self) -> tuple[BlockPool | None, BlockPool | None]:
+        """(full-precision pool, quantized pool): None where the group has none (yet)."""
+        return self.pool, None
+
     def drop_plan(self) -> None:
         """Forget the step plan after the rows' tables moved (a swap, a packing): the next step makes its own."""
         self.plan = None
@@ -791,3 +795,6 @@ class QuantizedBlockTables(BlockTables):
         self.sealed_copies.clear()
         self.sealed_copies.update({block: (self.pool.remapped_epoch(block), copy, self.qpool.remapped_epoch(copy))
                                    for block, copy in live.items()})  # fmt: skip
+
+    def pools(self) -> tuple[BlockPool | None, BlockPool | None]:
+        return self.pool, self.qpool

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..blocks.pool import BlockPool
-from ..blocks.tables import BlockTables, QuantizedBlockTables
+from ..blocks.tables import BlockTables
 from ..cache import PagedCache
 from .copy_stream import CopyStream, Transfer
 from ..quantization.formats import QuantFormat, parse_kv_format
@@ -41,9 +41,7 @@ KINDS = ("blocks", "quantized")  # a row's block lists: full precision (`Row.blo
 
 def group_pool(group: BlockTables, kind: str) -> BlockPool | None:
     """The device pool of a group's `kind` of blocks (None: the group has no such blocks, or no pool yet)."""
-    if kind == "blocks":
-        return group.pool
-    return group.qpool if isinstance(group, QuantizedBlockTables) else None
+    return group.pools()[KINDS.index(kind)]
 
 
 @dataclass
