@@ -170,7 +170,7 @@ class BlockPool:
         """Move every referenced block to `mapping[block]` (a one-to-one map of all of them; pool compaction, which
         moves the contents). Every id starts a new lifetime (its epoch is bumped), so records of the old ids stop
         matching; the free queue is rebuilt in id order, low ids first."""
-        used = [block for block in range(1, self.num_blocks + 1) if self._ref[block]]
+        used = list(self.packing())
         targets = [mapping[block] for block in used if block in mapping]
         distinct = len(set(targets)) == len(used) and all(0 < target <= self.num_blocks for target in targets)
         if sorted(mapping) != used or not distinct:
