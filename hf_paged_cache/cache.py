@@ -32,7 +32,8 @@ from .layers.paged import PagedLayer
 from .layers.quantized import QuantizedLayer
 from .layers.shared import SharedKVLayer
 from .memory.accounting import CacheMetrics, blocks_in_budget, collect_metrics
-from .persistence.files import load_cache, save_cache
+from .persistence.load import load_cache
+from .persistence.save import save_cache
 from .quantization.registry import format_from_spec
 
 

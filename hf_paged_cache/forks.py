@@ -131,11 +131,11 @@ class ForkingCache:
         references: dict[int, Counter] = {}
         for group in self.groups.values():
             for row in group.rows:
-                for pool, blocks in ((group.pool, row.blocks), (getattr(group, "qpool", None), row.quantized)):
+                for pool, blocks in zip(group.pools(), (row.blocks, row.quantized)):
                     if blocks is not None:
                         references.setdefault(id(pool), Counter()).update(blocks.ids)
         for group in self.groups.values():
-            for pool in (group.pool, getattr(group, "qpool", None)):
+            for pool in group.pools():
                 if pool is not None:
                     pool.set_references(references.get(id(pool), Counter()))
 

@@ -72,7 +72,7 @@ def stored_blocks(cache: PagedCache) -> list[torch.Tensor]:
     the quantized fields): equal before and after an operation that moves blocks without changing them."""
     out = []
     for name, group in cache.groups.items():
-        for layer in cache._members[name]:
+        for layer in cache.group_layers(name):
             for row in group.rows:
                 out += [layer.key_blocks[row.blocks.ids].clone(), layer.value_blocks[row.blocks.ids].clone()]
                 if row.quantized is not None:

@@ -170,7 +170,7 @@ class BlockPool:
         """Move every referenced block to `mapping[block]` (a one-to-one map of all of them; pool compaction, which
         moves the contents). Every id starts a new lifetime (its epoch is bumped), so records of the old ids stop
         matching; the free queue is rebuilt in id order, low ids first."""
-        used = [block for block in range(1, self.num_blocks + 1) if self._ref[block]]
+        used = list(self.packing())
         targets = [mapping[block] for block in used if block in mapping]
         distinct = len(set(targets)) == len(used) and all(0 < target <= self.num_blocks for target in targets)
         if sorted(mapping) != used or not distinct:
@@ -183,6 +183,16 @@ class BlockPool:
             self._epoch[block] += 1
             if not self._ref[block]:
                 self._append(block)
+
+    def packing(self) -> dict[int, int]:
+        """The `remap` that packs the blocks in use to ids 1..n, in id order (consecutive ids stay consecutive)."""
+        used = [block for block in range(1, self.num_blocks + 1) if self._ref[block]]
+        return {block: new for new, block in enumerate(used, start=1)}
+
+    def remapped_epoch(self, block: int) -> int:
+        """The epoch `block` has once the next `remap` started its new lifetime: what a record renumbered ahead
+        of that remap stores."""
+        return self._epoch[block] + 1
 
     def shrink(self, num_blocks: int) -> None:
         """Drop the ids above `num_blocks`, which must all be free (compact the pool first)."""

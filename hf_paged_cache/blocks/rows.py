@@ -9,7 +9,7 @@ quantized tables share one implementation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -82,17 +82,37 @@ class BlockList:
         self.ids = ids
         self.run_from = max((i for i in range(1, len(ids)) if ids[i] != ids[i - 1] + 1), default=0)
 
-    def renumber(self, mapping: dict[int, int]) -> None:
-        """The same blocks under the ids `mapping` gives them (a pool packed in id order, so consecutive ids stay
-        consecutive). `run_from` is kept: reads take the path they took before (a view or a gather, which round
-        differently), so the packing changes no result."""
-        self.ids = [mapping[block] for block in self.ids]
-
     def append_shared(self, block: int, fresh: bool) -> None:
         """Append `block`: a fresh allocation (already referenced) or one more reference to a shared one."""
         if not fresh:
             self.pool.fork([block])
         self.ids.append(block)
+
+    def remap(self, old_to_new: Mapping[int, int], keep_runs: bool = True) -> None:
+        """The same blocks under the ids a packed pool gives them (consecutive ids stay consecutive). `keep_runs`
+        keeps `run_from`, so reads take the path they took before (a view or a gather, which round differently) and
+        the packing changes no result; otherwise the runs the new ids form are taken."""
+        ids = [old_to_new[block] for block in self.ids]
+        if keep_runs:
+            self.ids = ids
+        else:
+            self.replace(ids)
+
+    def repoint(self, target: BlockPool, ids: list[int]) -> None:
+        """The same contents as blocks `ids` of `target` (already referenced for this table: a swap copied them
+        there); the references in the current pool go."""
+        self.pool.free(self.ids)
+        self.pool = target
+        self.replace(ids)
+
+    def state_dict(self) -> dict:
+        return {"ids": list(self.ids), "run_from": self.run_from}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take a saved table whose ids are already referenced for it; reads take the saved paths (views from
+        `run_from` on) where the ids allow."""
+        self.replace(list(state["ids"]))
+        self.run_from = max(self.run_from, state["run_from"])
 
 
 def blocks_freed(lists: Iterable[tuple[BlockList, int]]) -> int:
@@ -136,3 +156,26 @@ class Row:
         self.blocks.free_all()
         if self.quantized is not None:
             self.quantized.free_all()
+
+    def block_lists(self) -> list[BlockList]:
+        """The row's tables: full precision, then sealed (quantized groups only)."""
+        return [self.blocks] if self.quantized is None else [self.blocks, self.quantized]
+
+    def remap(self, old_to_new: Mapping[BlockPool, Mapping[int, int]], keep_runs: bool = True) -> None:
+        """Renumber the tables in the packed pools (`BlockList.remap`); tables in other pools stay."""
+        for blocks in self.block_lists():
+            if blocks.pool in old_to_new:
+                blocks.remap(old_to_new[blocks.pool], keep_runs)
+
+    def state_dict(self) -> dict:
+        """Padding, base, both tables (pool ids) and the eviction survivors (a tensor, or None)."""
+        quantized = self.quantized.state_dict() if self.quantized is not None else None
+        return {"pads": self.pads, "base": self.base, "blocks": self.blocks.state_dict(), "quantized": quantized,
+                "kept_positions": self.kept_positions}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take a saved row into this fresh one (its tables' ids already referenced for it)."""
+        self.pads, self.base, self.kept_positions = state["pads"], state["base"], state["kept_positions"]
+        self.blocks.load_state_dict(state["blocks"])
+        if self.quantized is not None:
+            self.quantized.load_state_dict(state["quantized"])

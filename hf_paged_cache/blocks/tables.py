@@ -10,16 +10,16 @@ by every row, as in `DynamicCache`.
 from __future__ import annotations
 
 import copy
+import functools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from .packing import BlockCopier, Renumbering, pack
 from .pool import NULL_BLOCK, BlockPool
 from .rows import BlockList, Row, blocks_freed
-
-BlockCopier = Callable[[list[int], list[int]], None]  # (source ids, target ids): copy contents in every layer
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -475,7 +475,7 @@ class BlockTables:
             return Counter((id(blocks.pool), block) for row in rows for blocks in (row.blocks, row.quantized)
                            if blocks is not None for block in blocks.ids)  # fmt: skip
 
-        pools = {id(pool): pool for pool in (self.pool, getattr(self, "qpool", None)) if pool is not None}
+        pools = {id(pool): pool for pool in self.pools() if pool is not None}
         before, after = holders(self.rows), holders([self.rows[source] for source in order])
         demand = Counter()
         for (pool, block), count in after.items():
@@ -500,7 +500,7 @@ class BlockTables:
         self.plan = None
 
     def _block_lists(self) -> list[BlockList]:
-        return [blocks for row in self.rows for blocks in (row.blocks, row.quantized) if blocks is not None]
+        return [blocks for row in self.rows for blocks in row.block_lists()]
 
     def check_crop(self, new_len: int) -> None:
         """Raise (changing nothing) if cropping to `new_len` would need tokens that were already dropped."""
@@ -556,18 +556,11 @@ class BlockTables:
         the group) and shrink the pool to `num_blocks` (>= n) ids, so the layers' storage can shrink with it.
         Only for a pool whose every reference is a row of this group (a cache without forks, full precision):
         nothing else learns the new ids. The plan of the step just applied is made again on them."""
-        pool = self.pool
-        used = [block for block in range(1, pool.num_blocks + 1) if pool.ref_count(block)]
-        mapping = {block: new for new, block in enumerate(used, start=1)}
-        moved = {old: new for old, new in mapping.items() if old != new}
-        if moved:
-            copy_blocks(list(moved), list(moved.values()))
-        pool.remap(mapping)
-        for row in self.rows:
-            row.blocks.renumber(mapping)
-        pool.shrink(num_blocks)
-        if self.plan is not None:
-            self.plan = self._make_plan(self.plan.q_len, self.plan.new_tokens, self.plan.mirrors)
+        plan = self.plan
+        pack([(self.pool, copy_blocks)], [functools.partial(self.remap, keep_runs=True)])
+        self.pool.shrink(num_blocks)
+        if plan is not None:
+            self.plan = self._make_plan(plan.q_len, plan.new_tokens, plan.mirrors)
 
     def trim_to_window(self) -> None:
         """Free the blocks a recorded past kept beyond the window (after `crop` in assisted decoding)."""
@@ -579,6 +572,43 @@ class BlockTables:
                 row.base += fp * self.block_size
         self.plan = None
 
+
+    # ------------------------------------------------------------------ state
+    def pools(self) -> tuple[BlockPool | None, BlockPool | None]:
+        """(full-precision pool, quantized pool): None where the group has none (yet)."""
+        return self.pool, None
+
+    def drop_plan(self) -> None:
+        """Forget the step plan after the rows' tables moved (a swap, a packing): the next step makes its own."""
+        self.plan = None
+
+    def remap(self, old_to_new: Renumbering, keep_runs: bool = False) -> None:
+        """Renumber the rows' tables in the packed pools (`Row.remap`); the plan is made again at the next step."""
+        for row in self.rows:
+            row.remap(old_to_new, keep_runs)
+        self.drop_plan()
+
+    def used_blocks(self) -> tuple[list[int], list[int]]:
+        """The pool ids the rows reference, ascending: (full-precision, quantized)."""
+        fp = {block for row in self.rows for block in row.blocks.ids}
+        quantized = {block for row in self.rows if row.quantized is not None for block in row.quantized.ids}
+        return sorted(fp), sorted(quantized)
+
+    def state_dict(self) -> dict:
+        """Name, length, recording flags and every row's state (`Row.state_dict`, pool ids)."""
+        return {"name": self.name, "length": self.length, "record_past": self.record_past,
+                "padding_exact": self.padding_exact, "rows": [row.state_dict() for row in self.rows]}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take saved rows (their ids already referenced in this group's pools) in place of the current ones."""
+        self.rows = []
+        for saved in state["rows"]:
+            row = self._new_row(saved["pads"])
+            row.load_state_dict(saved)
+            self.rows.append(row)
+        self.length, self.record_past = state["length"], state["record_past"]
+        self.padding_exact = state["padding_exact"]
+        self.plan = None
 
 class QuantizedBlockTables(BlockTables):
     """Block tables whose rows start with sealed quantized blocks (ids of a second pool, `qpool`).
@@ -752,3 +782,19 @@ class QuantizedBlockTables(BlockTables):
                     "recent tokens stay in full precision."
                 )
         super().check_crop(new_len)
+
+    def remap_sealed_copies(self, old_to_new: Renumbering) -> None:
+        """Renumber the sealed-copy records, shared by the forks (so once per family), ahead of the pools' remap:
+        records of stale or unreferenced blocks are forgotten."""
+        fp, quantized = old_to_new[self.pool], old_to_new[self.qpool]
+        live = {
+            fp[block]: quantized[copy] for block, (epoch, copy, copy_epoch) in self.sealed_copies.items()
+            if block in fp and copy in quantized and self.pool.epoch(block) == epoch
+            and self.qpool.epoch(copy) == copy_epoch
+        }  # fmt: skip
+        self.sealed_copies.clear()
+        self.sealed_copies.update({block: (self.pool.remapped_epoch(block), copy, self.qpool.remapped_epoch(copy))
+                                   for block, copy in live.items()})  # fmt: skip
+
+    def pools(self) -> tuple[BlockPool | None, BlockPool | None]:
+        return self.pool, self.qpool

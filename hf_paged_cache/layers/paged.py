@@ -122,6 +122,12 @@ class PagedLayer(CacheLayerMixin):
         if self.is_initialized:
             self._fit_pool()
 
+    def cut_storage(self) -> None:
+        """Cut the storage (whichever of the forks allocated it) to its pool after the pool shrank."""
+        blocks = self.tables.pool.num_blocks + 1
+        if self.key_blocks is not None and len(self.key_blocks) > blocks:
+            self.key_blocks, self.value_blocks = self.key_blocks[:blocks].clone(), self.value_blocks[:blocks].clone()
+
     def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
         if self.is_initialized:
             self._fit_pool()
@@ -357,6 +363,31 @@ class PagedLayer(CacheLayerMixin):
             flat = _heads_first(blocks)  # [kv_heads, slots, d], a view of the storage
             index = src.expand(flat.shape[0], -1)[..., None].expand(-1, -1, flat.shape[-1])
             flat[:, dst] = flat.gather(1, index)
+
+    def state_dict(self, blocks: list[int], quantized: list[int]) -> tuple[dict, dict[str, torch.Tensor]]:
+        """What a saved file keeps of the layer: its dtype, device and shapes, and the K/V of pool ids `blocks`
+        (its block i is `blocks[i]`) heads first, `[kv_heads, blocks, block_size, d]`, the storage's own layout,
+        so each head's block is one contiguous copy. `quantized`: the sealed blocks (quantized layers)."""
+        ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        state = {"dtype": self.dtype, "device": self.device, "kv_heads": self.kv_shape[0], "head_dim": self.kv_shape[1],
+                 "value_dim": self.value_dim}  # fmt: skip
+        tensors = {name: storage.permute(2, 0, 1, 3).index_select(1, ids)
+                   for name, storage in (("keys", self.key_blocks), ("values", self.value_blocks))}  # fmt: skip
+        return state, tensors
+
+    def storage_shapes(self, blocks: int, quantized: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The shape and dtype `load_state_dict` takes each tensor of `state_dict` in, for that many blocks."""
+        return {name: ((storage.shape[2], blocks, storage.shape[1], storage.shape[3]), storage.dtype)
+                for name, storage in (("keys", self.key_blocks), ("values", self.value_blocks))}  # fmt: skip
+
+    def load_state_dict(self, state: dict, tensors: dict[str, torch.Tensor], blocks: list[int],
+                        quantized: list[int]) -> None:  # fmt: skip
+        """Take a saved layer's K/V into pool ids `blocks` of the storage (allocated by `lazy_initialization`;
+        `tensors` have the `storage_shapes`)."""
+        ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        for name, storage in (("keys", self.key_blocks), ("values", self.value_blocks)):
+            storage.permute(2, 0, 1, 3).index_copy_(1, ids, tensors[name].to(self.device))
+        self.sync_length()
 
 
 def _heads_first(blocks: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 from ..blocks.tables import QuantizedBlockTables, StepPlan
 from .paged import PagedLayer, storage_field
 from ..quantization.base import KVFormat
+from ..quantization.registry import kv_format_fields
 from ..attention.torch_path import OnlineSoftmax, causal_mask, visible_columns
 
 CHUNK_TOKENS = 2048  # quantized tokens dequantized at a time by the paged read (a bounded transient)
@@ -57,8 +58,12 @@ class QuantizedLayer(PagedLayer):
     def fork(self, tables: QuantizedBlockTables) -> QuantizedLayer:
         twin = super().fork(tables)
         twin.error_stats = copy.deepcopy(self.error_stats)
-        twin._arrived, twin._kept = {}, None
+        twin.forget_step_copies()
         return twin
+
+    def forget_step_copies(self) -> None:
+        """Drop the full-precision copies of this step's sealed blocks (a fork starts with none of its own)."""
+        self._arrived, self._kept = {}, None
 
     def _allocate_quantized(self, blocks: int) -> tuple[dict, dict]:
         bs, heads = self.tables.block_size, self.kv_shape[0]
@@ -76,6 +81,13 @@ class QuantizedLayer(PagedLayer):
                 for name, tensor in old.items():
                     new[name][: tensor.shape[0]] = tensor
             self.qkey, self.qvalue = grown
+
+    def cut_storage(self) -> None:
+        super().cut_storage()
+        blocks = self.tables.qpool.num_blocks + 1
+        if self.qkey and self.qkey["codes"].shape[0] > blocks:
+            self.qkey = {field: tensor[:blocks].clone() for field, tensor in self.qkey.items()}
+            self.qvalue = {field: tensor[:blocks].clone() for field, tensor in self.qvalue.items()}
 
     @property
     def storage_bytes(self) -> int:
@@ -336,6 +348,35 @@ class QuantizedLayer(PagedLayer):
         hidden[:, max(first - plan.kv_offset, 0) : max(first + n - plan.kv_offset, 0)] = False
         return hidden
 
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self, blocks: list[int], quantized: list[int]) -> tuple[dict, dict[str, torch.Tensor]]:
+        """`PagedLayer.state_dict`, plus the sealed blocks `quantized` (codes, scales, zero points), the sampled
+        error and the resolved format (what a spec like "int2" meant when the file was written)."""
+        state, tensors = super().state_dict(blocks, quantized)
+        ids = torch.tensor(quantized, dtype=torch.long, device=self.device)
+        for side, fields in (("qkey", self.qkey), ("qvalue", self.qvalue)):
+            for name, field in fields.items():
+                tensors[f"{side}.{name}"] = field.index_select(0, ids)
+        state["error_stats"] = self.error_stats
+        state["kv_format"] = kv_format_fields(self.kv_format)
+        return state, tensors
+
+    def storage_shapes(self, blocks: int, quantized: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        shapes = super().storage_shapes(blocks, quantized)
+        for side, fields in (("qkey", self.qkey), ("qvalue", self.qvalue)):
+            for name, field in fields.items():
+                shapes[f"{side}.{name}"] = ((quantized, *field.shape[1:]), field.dtype)
+        return shapes
+
+    def load_state_dict(self, state: dict, tensors: dict[str, torch.Tensor], blocks: list[int],
+                        quantized: list[int]) -> None:  # fmt: skip
+        ids = torch.tensor(quantized, dtype=torch.long, device=self.device)
+        for side, fields in (("qkey", self.qkey), ("qvalue", self.qvalue)):
+            for name, field in fields.items():
+                field.index_copy_(0, ids, tensors[f"{side}.{name}"].to(self.device))
+        self.error_stats = state["error_stats"]
+        super().load_state_dict(state, tensors, blocks, quantized)
 
 def _id_runs(table: list[int], first: int, block_size: int) -> list[tuple[slice, int]]:
     """`table[first:]` cut into runs of consecutive ids of at most `CHUNK_TOKENS` tokens:

@@ -42,7 +42,7 @@ KINDS = ("blocks", "quantized")  # a row's block lists: full precision (`Row.blo
 
 def group_pool(group: BlockTables, kind: str) -> BlockPool | None:
     """The device pool of a group's `kind` of blocks (None: the group has no such blocks, or no pool yet)."""
-    return group.pool if kind == "blocks" else getattr(group, "qpool", None)
+    return group.pools()[KINDS.index(kind)]
 
 
 @dataclass
@@ -233,7 +233,7 @@ class SwapSpace:
             self.stats.in_bytes += len(host_ids) * host.block_bytes
         self._swapped.discard(cache)
         for group in cache.groups.values():
-            group.plan = None
+            group.drop_plan()
         return self._submit(cache, "in", device, copies, [])
 
     def _device(self, parts: list) -> torch.device | None:
@@ -304,12 +304,10 @@ class SwapSpace:
                 blocks: BlockList | None = getattr(row, kind)
                 if blocks is None or blocks.pool is not source:
                     continue
-                blocks.pool.free(blocks.ids)
                 fresh = [mapping[block] for block in blocks.ids]
                 target.fork([block for block in fresh if holders[block]])
                 holders.update(fresh)
-                blocks.pool = target
-                blocks.replace(fresh)
+                blocks.repoint(target, fresh)
 
 
 def storage_tensors(cache: PagedCache, pool: BlockPool, kind: str) -> list[torch.Tensor]:
@@ -320,7 +318,7 @@ def storage_tensors(cache: PagedCache, pool: BlockPool, kind: str) -> list[torch
     for name, group in cache.groups.items():
         if group_pool(group, kind) is not pool:
             continue
-        for layer in cache._members[name]:
+        for layer in cache.group_layers(name):
             if kind == "blocks":
                 tensors += [layer.key_blocks, layer.value_blocks]
             else:

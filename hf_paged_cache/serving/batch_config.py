@@ -61,7 +61,7 @@ class BatchConfig:
             them), or `"deferred"` (each copy waits until a step needs it: a check that outputs do not depend on
             when copies land).
         decay, size_weight: the `"weighted"` victim policy's time decay per step and size weight.
-        compact_threshold: compact the pools (`pool_compaction.py`) after a step that leaves more than this share
+        compact_threshold: compact the pools (`memory/defragment.py`) after a step that leaves more than this share
             of the ids below a pool's highest block in use free; None: only when `compact()` is called.
         scheduler: the order running requests get a step's tokens in (a `Scheduler`, or its name):
             `"decode_first"` (`DecodeFirst`, decode tokens first, by victim priority) or `"fifo"` (`FIFO`).

@@ -37,7 +37,7 @@ from ..blocks.pool import BlockPool
 from ..cache import PagedCache
 from ..config import PagedCacheConfig
 from ..errors import UnsupportedAttentionError
-from ..memory.defragment import Fragmentation, compact, fragmentation
+from ..memory.defragment import Fragmentation, defragment, fragmentation
 from .batch_config import BatchConfig, pools_up_front, split_options
 from .metrics import BatchMetrics, ServingCounters
 from .packed_cache import packed_logits
@@ -382,12 +382,12 @@ class BatchGenerator:
         ))  # fmt: skip
 
     def compact(self, keep_free: int | None = None) -> tuple[dict[str, Fragmentation], dict[str, Fragmentation]]:
-        """Pack the blocks in use to the low end of every pool (`pool_compaction.compact`; with `keep_free`, shrink
+        """Pack the blocks in use to the low end of every pool (`memory/defragment.py`; with `keep_free`, shrink
         each growable pool to its blocks in use plus that many; fixed pools keep their size). Returns the
         fragmentation before and after."""
         self.swap.copies.fence()  # a pending copy in writes the ids it was given, which compaction moves
         before = fragmentation(self.template)
-        compact(self.template, self.prefix_cache, keep_free)
+        defragment(self.template, self.prefix_cache, keep_free)
         self.counters.compactions += 1
         return before, fragmentation(self.template)
 

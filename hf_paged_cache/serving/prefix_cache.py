@@ -18,6 +18,7 @@ import hashlib
 from array import array
 from dataclasses import dataclass
 
+from ..blocks.packing import Renumbering
 from ..blocks.tables import BlockTables, QuantizedBlockTables
 from ..cache import PagedCache
 
@@ -121,3 +122,19 @@ class PrefixCache:
                 self.entries[key] = entry
             else:
                 del self.entries[key]
+
+    # ------------------------------------------------------------------ state
+    def remap(self, old_to_new: Renumbering, groups: dict[str, BlockTables]) -> None:
+        """Renumber the entries after the pools of `groups` (the template's) were packed, ahead of the pools'
+        remap: entries on blocks handed out again, or on blocks no table holds, are forgotten."""
+        entries = {}
+        for key, entry in self.entries.items():
+            kept = {}
+            for name, (block, epoch) in entry.items():
+                pool = groups[name].pool
+                if pool.epoch(block) == epoch and block in old_to_new[pool]:
+                    new = old_to_new[pool][block]
+                    kept[name] = (new, pool.remapped_epoch(new))
+            if kept:
+                entries[key] = kept
+        self.entries = entries

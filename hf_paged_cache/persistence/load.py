@@ -1,55 +1,43 @@
-"""Saving a `PagedCache` to one safetensors file and loading it back (`PagedCache.save` / `PagedCache.load`).
+"""Loading a cache `save.py` wrote (`PagedCache.load`).
 
-The file holds only the blocks in use: each group's block ids are renumbered densely (in ascending order,
-so runs of consecutive ids stay runs) and every layer writes just those blocks, quantized ones as their
-codes, scales and zero points. A JSON header in the safetensors metadata holds the rest: the options,
-the model's shapes, each group's tables and per-row state (padding, base, kept positions, quantized
-prefix), and the evictor's counters; its scores are tensors. A SHA-256 over the header and every tensor
-makes a corrupted file fail before anything is built; it has no key, so it does not stop a crafted file, and
-every header value is checked against the others and the tensors present before anything is allocated from it.
-Loading reads tensors and JSON only -- no pickle, no code from the file: an eviction policy is named by its
-class, which must already be imported.
+Every header value is checked against the others and the tensors present (`header.py`) before anything is
+allocated from it, and the digest makes a corrupted file fail before anything is built (it has no key, so it does
+not stop a crafted file). Loading reads tensors and JSON only -- no pickle, no code from the file: an eviction
+policy is named by its class, which must already be imported.
 
 A loaded cache is standalone, with its own pools sized to the blocks it holds (or by `num_blocks` /
-`max_memory`), and continues exactly as the saved one would have. `PagedCache.save` / `PagedCache.load` hand
-`save_cache` / `load_cache` the cache or its class, so this module sits below `cache.py` in the import graph.
+`max_memory`), and continues exactly as the saved one would have: the file's blocks are allocated in its pools
+and the groups and layers take their saved state (`load_state_dict`). `PagedCache.load` hands `load_cache` its
+class, so this module sits below `cache.py` in the import graph.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
 import os
-import stat
-import uuid
 from collections import Counter
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
 from ..blocks.tables import BlockTables, QuantizedBlockTables
 from ..config import PagedCacheConfig, _check_device_exists
 from ..errors import CacheFileError
-from ..eviction import EvictionPolicy
-from .header import CRAFTED, check_header, checked_tensor, dtype_name, dtype_of, malformed_header, show_value
 from ..layers.paged import PagedLayer
-from ..memory.accounting import stored_kv_shapes
 from ..layers.quantized import QuantizedLayer
-from ..quantization.registry import kv_format_fields, kv_format_from_fields
-from ..blocks.rows import BlockList, Row
+from ..quantization.registry import kv_format_from_fields
+from ..memory.accounting import stored_kv_shapes
+from .header import CRAFTED, check_header, checked_tensor, dtype_of, malformed_header, show_value
+from .options import describe_option, options_from_json, options_to_json
+from .save import DIGEST, FORMAT, digest
 
-FORMAT = "hf_paged_cache"  # metadata key of the JSON header
-DIGEST = "sha256"  # metadata key of the digest of header and tensors
-VERSION = 2  # 2: quantized layers record their resolved format ("int2" came to mean rotated values)
-READS = (1, 2)
+READS = (1, 2, 3)  # the format versions this version reads
 # Policy fields added after format version 1, with the behaviour a file that lacks them was saved with
 # (a policy's current default may differ: `per_head` is True for H2O, SnapKV and KeepRatio now).
 POLICY_FIELDS_BEFORE = {"per_head": False, "protect_novel": 0.0, "rotary": "half"}
@@ -62,229 +50,6 @@ POOL_SIZE = ("num_blocks", "initial_blocks", "max_memory")
 BOOKKEEPING = 32
 
 
-# ---------------------------------------------------------------------------------------------- saving
-def save_cache(cache: Cache, path: str | os.PathLike, overwrite: bool = False) -> None:
-    """Write `cache` to `path` (replaced atomically: a failed save leaves any earlier file as it was). An existing
-    file is replaced when it is writable, a write-protected one only with `overwrite=True`: the rename that makes
-    the save atomic would otherwise replace a file whose permissions forbid writing it."""
-    path = Path(path)
-    _check_target(path, overwrite)
-    _check_savable(cache)
-    tensors: dict[str, torch.Tensor] = {}
-    groups = list(cache.groups.values())
-    used = [_used_blocks(group) for group in groups]
-    header = {
-        "version": VERSION,
-        "model": {"model_type": cache.model_config.model_type, "layers": len(cache.layers), "tp_size": cache.tp_size},
-        "options": _options_to_json(cache.options),
-        "groups": [_save_group(group, *used[index], f"groups.{index}", tensors) for index, group in enumerate(groups)],
-        "layers": [],
-        "eviction": _save_evictor(cache.evictor, tensors) if cache.evictor is not None else None,
-    }
-    position = {id(group): index for index, group in enumerate(groups)}
-    for index, layer in enumerate(cache.layers):
-        group = position.get(id(getattr(layer, "tables", None)))
-        saved = group is not None and layer.is_initialized
-        header["layers"].append(_save_layer(layer, group, *used[group], f"layers.{index}", tensors) if saved else None)
-    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}
-    text = json.dumps(header)
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")  # beside it: os.replace stays atomic
-    try:
-        save_file(tensors, temporary, metadata={FORMAT: text, DIGEST: _digest(text, tensors)})
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-
-
-def _check_target(path: Path, overwrite: bool) -> None:
-    """Refuse a directory, and a write-protected file unless `overwrite` (no write bit counts even for root)."""
-    if not isinstance(overwrite, bool):
-        raise TypeError(f"PagedCache.save: `overwrite` must be a bool, got {overwrite!r}")
-    if path.is_dir():
-        raise IsADirectoryError(f"PagedCache.save: {str(path)!r} is a directory; give the path of a file to write")
-    if path.exists() and not overwrite:
-        if not os.access(path, os.W_OK) or not path.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
-            raise PermissionError(
-                f"PagedCache.save: {str(path)!r} exists and is write-protected; pass `overwrite=True` to replace it, "
-                "or save to another path"
-            )
-
-
-def _check_savable(cache: Cache) -> None:
-    for index, layer in enumerate(cache.layers):
-        if not isinstance(layer, PagedLayer):
-            if _holds_tensors(layer):
-                raise ValueError(
-                    f"PagedCache.save: layer {index} is a transformers {type(layer).__name__} (not stored in blocks) "
-                    "and holds state; only caches whose filled layers are all paged can be saved."
-                )
-        elif layer.seq_len != layer.tables.length:
-            raise RuntimeError(
-                f"PagedCache.save: layer {index} holds {layer.seq_len} tokens but its group {layer.tables.length}: "
-                "the cache is in the middle of a forward step (or one was interrupted). Save between steps, or call "
-                "`cache.reset()` first."
-            )
-
-
-def _holds_tensors(layer) -> bool:
-    """Whether a layer transformers stores (not in blocks) holds any state, as tensors or dicts of them."""
-    values = [v for value in vars(layer).values() for v in (value.values() if isinstance(value, dict) else [value])]
-    return any(isinstance(value, torch.Tensor) for value in values)
-
-
-def _used_blocks(group: BlockTables) -> tuple[list[int], list[int]]:
-    """The pool ids the group's rows reference, ascending: (full-precision, quantized). A block's index in
-    these lists is its index in the file, so runs of consecutive ids stay runs."""
-    quantized = {block for row in group.rows if row.quantized is not None for block in row.quantized.ids}
-    return sorted({block for row in group.rows for block in row.blocks.ids}), sorted(quantized)
-
-
-def _save_group(group: BlockTables, used: list[int], qused: list[int], prefix: str,
-                tensors: dict[str, torch.Tensor]) -> dict:  # fmt: skip
-    quantized = isinstance(group, QuantizedBlockTables)
-    dense = {block: index for index, block in enumerate(used)}
-    qdense = {block: index for index, block in enumerate(qused)}
-    rows = []
-    for row in group.rows:
-        kept = row.kept_positions  # [n], or [kv_heads, n] after a per-head eviction
-        rows.append({
-            "pads": row.pads, "base": row.base, "blocks": len(row.blocks), "run_from": row.blocks.run_from,
-            "quantized": len(row.quantized) if quantized else None,
-            "quantized_run_from": row.quantized.run_from if quantized else None,
-            "kept": None if kept is None else kept.shape[-1],
-            "kept_heads": None if kept is None or kept.dim() == 1 else kept.shape[0],
-        })  # fmt: skip
-    tensors[f"{prefix}.blocks"] = _ids([dense[block] for row in group.rows for block in row.blocks.ids])
-    if quantized:
-        tensors[f"{prefix}.quantized"] = _ids([qdense[block] for row in group.rows for block in row.quantized.ids])
-    kept = [row.kept_positions.cpu().flatten() for row in group.rows if row.kept_positions is not None]
-    if kept:
-        tensors[f"{prefix}.kept"] = torch.cat(kept)
-    return {
-        "name": group.name, "length": group.length, "record_past": group.record_past,
-        "padding_exact": group.padding_exact, "rows": rows,
-        "blocks": len(used), "quantized_blocks": len(qused) if quantized else None,
-    }  # fmt: skip
-
-
-def _save_layer(layer: PagedLayer, group: int, used: list[int], qused: list[int], prefix: str,
-                tensors: dict[str, torch.Tensor]) -> dict:  # fmt: skip
-    ids = torch.tensor(used, dtype=torch.long, device=layer.device)
-    tensors[f"{prefix}.keys"] = _heads_first(layer.key_blocks).index_select(1, ids)
-    tensors[f"{prefix}.values"] = _heads_first(layer.value_blocks).index_select(1, ids)
-    entry = {
-        "group": group, "dtype": dtype_name(layer.dtype), "device": str(layer.device),
-        "kv_heads": layer.kv_shape[0], "head_dim": layer.kv_shape[1], "value_dim": layer.value_dim,
-    }  # fmt: skip
-    if isinstance(layer, QuantizedLayer):
-        ids = torch.tensor(qused, dtype=torch.long, device=layer.device)
-        for side, fields in (("qkey", layer.qkey), ("qvalue", layer.qvalue)):
-            for name, field in fields.items():
-                tensors[f"{prefix}.{side}.{name}"] = field.index_select(0, ids)
-        entry["error_stats"] = layer.error_stats
-        entry["kv_format"] = kv_format_fields(layer.kv_format)  # what a spec like "int2" meant when it was written
-    return entry
-
-
-def _save_evictor(evictor, tensors: dict[str, torch.Tensor]) -> dict:
-    scored = []
-    for index, stats in evictor.stats.items():
-        if stats.scores is not None:
-            tensors[f"eviction.scores.{index}"] = stats.scores
-            scored.append(index)
-    generators = []
-    for name, value in _policy_state(evictor.policy):
-        tensors[f"eviction.policy.{name}"] = value.get_state()
-        generators.append(name)
-    return {"counts": evictor.counts, "decode_steps": evictor.decode_steps, "last_q_len": evictor.last_q_len,
-            "scored_layers": scored, "generators": generators}  # fmt: skip
-
-
-def _policy_state(policy: EvictionPolicy) -> Iterator[tuple[str, torch.Generator]]:
-    """A policy's state beyond its fields: random generators (whose state is saved), nothing else."""
-    fields = {field.name for field in dataclasses.fields(policy)}
-    for name, value in vars(policy).items():
-        if name in fields:
-            continue
-        if not isinstance(value, torch.Generator):
-            raise ValueError(
-                f"PagedCache.save: the eviction policy {type(policy).__name__} holds `{name}` "
-                f"({type(value).__name__}), state that is neither a dataclass field nor a torch.Generator, so it "
-                "cannot be saved: keep a policy's settings in its fields."
-            )
-        yield name, value
-
-
-def _ids(ids: list[int]) -> torch.Tensor:
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def _heads_first(blocks: torch.Tensor) -> torch.Tensor:
-    """Storage `[blocks, block_size, kv_heads, head_dim]` as `[kv_heads, blocks, block_size, head_dim]`: the
-    file's layout and the storage's own (`kernels/layout.py`), so each head's block is one contiguous copy."""
-    return blocks.permute(2, 0, 1, 3)
-
-
-# ---------------------------------------------------------------------------------------------- options as JSON
-def _options_to_json(options: PagedCacheConfig) -> dict:
-    values = {}
-    for field in dataclasses.fields(options):
-        value = getattr(options, field.name)
-        if isinstance(value, torch.dtype):
-            value = dtype_name(value)
-        elif isinstance(value, torch.device):
-            value = str(value)
-        elif isinstance(value, EvictionPolicy):
-            value = _policy_to_json(value)
-        elif isinstance(value, Mapping):  # `quant_layers`, `share_with`: keyed by layer index
-            value = {str(layer): entry for layer, entry in value.items()}
-        values[field.name] = value
-    return values
-
-
-def _options_from_json(values: dict) -> dict:
-    values = dict(values)
-    for name, value in values.items():
-        if name == "dtype" and value is not None:
-            values[name] = dtype_of(value)
-        elif name == "eviction" and value is not None:
-            values[name] = _policy_from_json(value)
-        elif isinstance(value, dict):
-            values[name] = {int(layer): entry for layer, entry in value.items()}
-    return values
-
-
-def _policy_to_json(policy: EvictionPolicy) -> dict:
-    cls = type(policy)
-    fields = {field.name: getattr(policy, field.name) for field in dataclasses.fields(policy)}
-    try:
-        fields = json.loads(json.dumps(fields))
-    except TypeError as error:
-        raise ValueError(f"the eviction policy {cls.__name__} has a field JSON cannot hold ({error})") from None
-    return {"class": f"{cls.__module__}.{cls.__qualname__}", "fields": fields}
-
-
-def _policy_from_json(saved: dict) -> EvictionPolicy:
-    """The saved policy, built from its fields by a class found among the imported `EvictionPolicy`
-    subclasses (a name in a file never imports or runs anything)."""
-    classes, pending = {}, [EvictionPolicy]
-    while pending:
-        cls = pending.pop()
-        classes[f"{cls.__module__}.{cls.__qualname__}"] = cls
-        pending.extend(cls.__subclasses__())
-    cls = classes.get(saved["class"])
-    if cls is None:
-        raise CacheFileError(
-            f"the file's eviction policy is {saved['class']!r}, a class that is not imported: import the module that "
-            "defines it before loading, or pass the policy in the options (e.g. `eviction=...`)"
-        )
-    return cls(**saved["fields"])
-
-
-
-
-# ---------------------------------------------------------------------------------------------- loading
 def load_cache(
     cache_class: type[Cache], path: str | os.PathLike, config: PretrainedConfig,
     options: PagedCacheConfig | None = None, **overrides: Any,
@@ -321,8 +86,6 @@ def load_cache(
     return cache
 
 
-
-
 def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """The header and tensors of a file `save_cache` wrote, checked against each other, or a `CacheFileError`
     saying what is wrong."""
@@ -339,7 +102,7 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
             "`PagedCache.save`: save the cache again"
         ) from None
     text = metadata[FORMAT]
-    if metadata.get(DIGEST) != _digest(text, tensors):
+    if metadata.get(DIGEST) != digest(text, tensors):
         raise CacheFileError(
             "the file's checksum does not match its contents, so it was corrupted after it was written: save the "
             "cache again"
@@ -360,18 +123,6 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return header, tensors
 
 
-def _digest(header: str, tensors: dict[str, torch.Tensor]) -> str:
-    digest = hashlib.sha256(header.encode())
-    for name in sorted(tensors):
-        tensor = tensors[name]
-        digest.update(f"{name}:{dtype_name(tensor.dtype)}:{tuple(tensor.shape)};".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
-
-
-# ---------------------------------------------------------------------------------------------- checking a header
-
-
 def _resolve_options(header: dict, options: PagedCacheConfig | None, overrides: dict) -> PagedCacheConfig:
     """The loaded cache's options: the given ones, checked against the file's, or the file's with `overrides`."""
     saved = header["options"]
@@ -379,7 +130,7 @@ def _resolve_options(header: dict, options: PagedCacheConfig | None, overrides: 
         fields = saved["eviction"]["fields"]
         fields.update({name: value for name, value in POLICY_FIELDS_BEFORE.items() if name not in fields})
     try:  # the file's own options; its device is only parsed (it may be one this machine lacks)
-        own = PagedCacheConfig(**_options_from_json({name: value for name, value in saved.items() if name != "device"}))
+        own = PagedCacheConfig(**options_from_json({name: value for name, value in saved.items() if name != "device"}))
         if saved.get("device") is not None:
             torch.device(saved["device"])
     except (TypeError, ValueError, RuntimeError) as error:
@@ -389,13 +140,13 @@ def _resolve_options(header: dict, options: PagedCacheConfig | None, overrides: 
         options = dataclasses.replace(own, **{**placement, **overrides})
         if not set(overrides) & set(POOL_SIZE):
             _check_pool_size(header, options)
-    given = _options_to_json(options)
+    given = options_to_json(options)
     dtypes = {layer["dtype"] for layer in header["layers"] if layer is not None}
     for name, value in saved.items():
         if name in PLACEMENT or (name == "dtype" and (given[name] is None or {given[name]} >= dtypes)):
             continue
         if given[name] != value:
-            saved_text, given_text = _describe(name, value), _describe(name, given[name])
+            saved_text, given_text = describe_option(name, value), describe_option(name, given[name])
             raise CacheFileError(
                 f"the file was saved with {name}={saved_text} but the options give {name}={given_text}, and the "
                 f"cached contents depend on it: load with {name}={saved_text} (or give no options, to use the "
@@ -434,16 +185,6 @@ def _machine_memory() -> int | None:
     return host + sum(torch.cuda.get_device_properties(index).total_memory for index in devices)
 
 
-def _describe(name: str, value) -> str:
-    """An option's JSON form as the user writes it."""
-    if name == "dtype" and value is not None:
-        return f"torch.{value}"
-    if name == "eviction" and value is not None:
-        fields = ", ".join(f"{key}={field!r}" for key, field in value["fields"].items())
-        return f"{value['class'].rsplit('.', 1)[-1]}({fields})"
-    return repr(value)
-
-
 def _check_model(header: dict, tensors: dict[str, torch.Tensor], cache: Cache) -> None:
     """Raise if `cache` (built from the given config and options) cannot hold the file's groups and layers."""
     model, config = header["model"], cache.model_config
@@ -467,7 +208,7 @@ def _check_model(header: dict, tensors: dict[str, torch.Tensor], cache: Cache) -
     shapes = {shape.index: shape[2:] for shape in stored_kv_shapes(config, cache.tp_size)}
     filled = {group["name"] for group in header["groups"] if group["rows"]}
     for index, (layer, saved) in enumerate(zip(cache.layers, header["layers"])):
-        group = getattr(layer, "tables", None)
+        group = layer.tables if isinstance(layer, PagedLayer) else None
         if saved is None:
             if group is not None and group.name in filled:
                 raise CacheFileError(f"the header's `layers[{index}]` is null, but its group holds rows: {CRAFTED}")
@@ -511,7 +252,7 @@ def _check_evictor(saved: dict | None, tensors: dict[str, torch.Tensor], evictor
 def _check_format(index: int, layer, saved: dict) -> None:
     """A quantized layer's codes are read only in the format that wrote them: the same `quant` text whose meaning
     changed since the file was written (version 1 files predate rotated formats and record none) is refused.
-    Files record the format by name and fields (`kv_format_fields`); earlier version 2 files, by its repr."""
+    Version 3 files record the format by name and fields (`kv_format_fields`); version 2 files, by its repr."""
     if not isinstance(layer, QuantizedLayer):  # the options (compared before) decide which layers are quantized
         return
     fmt = layer.kv_format
@@ -539,8 +280,7 @@ def _check_format(index: int, layer, saved: dict) -> None:
 def _restore(cache: Cache, header: dict, tensors: dict[str, torch.Tensor]) -> None:
     """Fill the fresh `cache` with the file's groups, blocks and eviction state."""
     layers = [(index, saved) for index, saved in enumerate(header["layers"]) if saved is not None]
-    if layers and any(group.pool is None for group in cache.groups.values()):
-        # A `max_memory` cache sizes its pools at its first step, by the dtype of its K/V: the file's.
+    if layers:  # a `max_memory` cache sizes its pools at its first step, by the dtype of its K/V: the file's
         cache.ensure_storage(dtype_of(layers[0][1]["dtype"]))
     slots = {}  # group name -> (full-precision pool ids, quantized pool ids) of the file's blocks, by file index
     for index, saved in enumerate(header["groups"]):
@@ -554,6 +294,8 @@ def _restore(cache: Cache, header: dict, tensors: dict[str, torch.Tensor]) -> No
 
 
 def _restore_group(group: BlockTables, saved: dict, tensors: dict[str, torch.Tensor], prefix: str, growable: bool):
+    """Allocate the file's blocks in the group's pools and give it the saved rows on them (`load_state_dict`);
+    returns the pool ids of the file's blocks (full precision, quantized)."""
     rows = saved["rows"]
     quantized = saved["quantized_blocks"] is not None
     blocks = tensors[f"{prefix}.blocks"].tolist()  # tables, rows and tensors were checked with the header
@@ -565,14 +307,14 @@ def _restore_group(group: BlockTables, saved: dict, tensors: dict[str, torch.Ten
         qblocks = tensors[f"{prefix}.quantized"].tolist()
         qslots = _allocate(group.qpool, qblocks, count, f"{group.name} (quantized)", growable)
     kept = tensors.get(f"{prefix}.kept")
-    group.rows, fp_from, q_from, kept_from = [], 0, 0, 0
+    states, fp_from, q_from, kept_from = [], 0, 0, 0
     for row in rows:
-        fp = _block_list(group.pool, [slots[b] for b in blocks[fp_from : fp_from + row["blocks"]]], row["run_from"])
+        fp = {"ids": [slots[b] for b in blocks[fp_from : fp_from + row["blocks"]]], "run_from": row["run_from"]}
         fp_from += row["blocks"]
         sealed = None
         if quantized:
             ids = [qslots[b] for b in qblocks[q_from : q_from + row["quantized"]]]
-            sealed = _block_list(group.qpool, ids, row["quantized_run_from"])
+            sealed = {"ids": ids, "run_from": row["quantized_run_from"]}
             q_from += row["quantized"]
         positions = None
         if row["kept"] is not None:
@@ -580,17 +322,11 @@ def _restore_group(group: BlockTables, saved: dict, tensors: dict[str, torch.Ten
             positions = kept[kept_from : kept_from + row["kept"] * (heads or 1)].clone()
             positions = positions if heads is None else positions.view(heads, row["kept"])
             kept_from += positions.numel()
-        group.rows.append(Row(row["pads"], row["base"], fp, sealed, positions))
-    group.length, group.record_past, group.padding_exact = saved["length"], saved["record_past"], saved["padding_exact"]
+        states.append({"pads": row["pads"], "base": row["base"], "blocks": fp, "quantized": sealed,
+                       "kept_positions": positions})  # fmt: skip
+    group.load_state_dict({"name": saved["name"], "length": saved["length"], "record_past": saved["record_past"],
+                           "padding_exact": saved["padding_exact"], "rows": states})  # fmt: skip
     return slots, qslots
-
-
-def _block_list(pool, ids: list[int], run_from: int) -> BlockList:
-    """A table of `ids`; reads take the original's paths (views from `run_from` on) where the ids allow."""
-    blocks = BlockList(pool)
-    blocks.replace(ids)
-    blocks.run_from = max(blocks.run_from, run_from)
-    return blocks
 
 
 def _allocate(pool, references: list[int], count: int, name: str, growable: bool) -> list[int]:
@@ -612,22 +348,13 @@ def _restore_layer(layer: PagedLayer, saved: dict, slots: list[int], qslots: lis
     device = layer.options.device or _device(saved["device"], prefix)
     layer.options.check_backend(device)
     layer.lazy_initialization(*_empty_states(saved, device))
-    ids = torch.tensor(slots, dtype=torch.long, device=device)
-    for name, blocks in (("keys", _heads_first(layer.key_blocks)), ("values", _heads_first(layer.value_blocks))):
-        shape = (blocks.shape[0], len(slots), *blocks.shape[2:])
-        blocks.index_copy_(1, ids, checked_tensor(tensors, f"{prefix}.{name}", shape, blocks.dtype).to(device))
-    if isinstance(layer, QuantizedLayer):
-        ids = torch.tensor(qslots, dtype=torch.long, device=device)
-        for side, fields in (("qkey", layer.qkey), ("qvalue", layer.qvalue)):
-            for name, field in fields.items():
-                stored = checked_tensor(tensors, f"{prefix}.{side}.{name}", (len(qslots), *field.shape[1:]), field.dtype)
-                field.index_copy_(0, ids, stored.to(device))
-        layer.error_stats = saved["error_stats"]
-    layer.sync_length()
+    stored = {name: checked_tensor(tensors, f"{prefix}.{name}", shape, dtype)
+              for name, (shape, dtype) in layer.storage_shapes(len(slots), len(qslots)).items()}  # fmt: skip
+    layer.load_state_dict(saved, stored, slots, qslots)
 
 
 def _restore_evictor(evictor, saved: dict, tensors: dict[str, torch.Tensor]) -> None:
-    for index in saved["scored_layers"]:  # checked by `_check_header` and `_check_evictor`
+    for index in saved["scored_layers"]:  # checked by `check_header` and `_check_evictor`
         evictor.stats[index].scores = tensors[f"eviction.scores.{index}"].to(evictor.layers[index].device, copy=True)
     for name in saved["generators"]:
         getattr(evictor.policy, name).set_state(tensors[f"eviction.policy.{name}"])
@@ -651,5 +378,3 @@ def _device(name: str, prefix: str) -> torch.device:
             f"{prefix} was saved on {name}, which this machine lacks: load with device='cpu' (or another device)"
         ) from None
     return device
-
-

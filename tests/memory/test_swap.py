@@ -30,7 +30,7 @@ def _feed(model, cache: PagedCache, tokens: list[int]) -> torch.Tensor:
 def _scribble(cache: PagedCache) -> None:
     """Overwrite every free device block, so a swap in cannot lean on contents left behind."""
     for name, group in cache.groups.items():
-        for layer in cache._members[name]:
+        for layer in cache.group_layers(name):
             quantized = [*getattr(layer, "qkey", {}).values(), *getattr(layer, "qvalue", {}).values()]
             for pool, tensors in ((group.pool, [layer.key_blocks, layer.value_blocks]),
                                   (getattr(group, "qpool", None), quantized)):  # fmt: skip
