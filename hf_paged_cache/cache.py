@@ -23,8 +23,10 @@ from .attention.contract import (
     kv_sharing_sources,
     model_name,
 )
-from .blocks.pool import BlockPool
-from .blocks.tables import BlockTables, QuantizedBlockTables, StepPlan
+from .blocks.plan import StepPlan
+from .blocks.pool import GROWTH, BlockPool, grown_size
+from .blocks.sealing import QuantizedBlockTables
+from .blocks.tables import BlockTables
 from .config import PagedCacheConfig
 from .distributed import tensor_parallel_size
 from .errors import OutOfBlocksError, UnsupportedAttentionError
@@ -34,8 +36,6 @@ from .memory.accounting import SLIDING_TYPES, CacheMetrics, blocks_in_budget, co
 from .persistence.files import load_cache, save_cache
 from .quantization.formats import parse_kv_format
 from .layers.quantized import QuantizedLayer, QuantizedSlidingLayer
-
-GROWTH = 1.25  # a growable pool grows to this many times the blocks in use (storage included)
 
 
 class PagedCache(Cache):
@@ -124,22 +124,25 @@ class PagedCache(Cache):
         if options.eviction is not None:
             evicting = {i: layer for i, layer in enumerate(layers) if isinstance(layer, PagedLayer) and not layer.is_sliding}
             self.evictor = Evictor(options.eviction, evicting, options.block_size, options.evict_every,
-                                   options.evict_between_chunks, self.tp_size, options.growable)  # fmt: skip
+                                   options.evict_between_chunks, self.tp_size)  # fmt: skip
 
     def _group(self, name: str, window: int | None, quant: str | None = None) -> BlockTables:
         """The tables of layers of one kind (full, or sliding with one window) and one storage format."""
         if quant is not None:
             name = f"{name}/{quant.strip()}"
         if name not in self.groups:
-            pool = None if self.options.max_memory is not None else BlockPool(self._fixed_pool_size())
+            pool = None if self.options.max_memory is not None else self._new_pool(self._fixed_pool_size())
             if quant is None:
                 self.groups[name] = BlockTables(name, pool, self.options.block_size, window)
             else:
                 self.groups[name] = QuantizedBlockTables(
-                    name, pool, BlockPool(self._fixed_pool_size()), self.options.block_size, window,
+                    name, pool, self._new_pool(self._fixed_pool_size()), self.options.block_size, window,
                     parse_kv_format(quant), self.options.residual_length,
                 )  # fmt: skip
         return self.groups[name]
+
+    def _new_pool(self, num_blocks: int) -> BlockPool:
+        return BlockPool(num_blocks, growable=self.options.growable)
 
     def _fixed_pool_size(self) -> int:
         """Blocks a pool starts with; 0 when a growable pool is sized by the first step's demand."""
@@ -358,11 +361,7 @@ class PagedCache(Cache):
                 continue
             tables, bs = layer.tables, layer.tables.block_size
             needed = len(tables.rows[row].blocks) - (tables.stored_tokens(row) - plan.new_tokens[row]) // bs
-            if needed > tables.pool.num_free:
-                if not self.options.growable:
-                    raise OutOfBlocksError(tables.name, needed, tables.pool.num_free, tables.pool.num_blocks,
-                                           tables.block_size)  # fmt: skip
-                tables.pool.grow(_grown_size(tables.pool.num_used + needed) - tables.pool.num_blocks)
+            tables.pool.reserve(needed, group=tables.name, block_size=bs)
             plan = tables.unmirror(row, functools.partial(_copy_blocks, self._members[tables.name]))
         return plan
 
@@ -371,11 +370,12 @@ class PagedCache(Cache):
         growth = []
         for group in stepping:
             for pool, needed, freed, name in group.demands(q_len, pads, mirrors[group.name]):
-                available = pool.num_free + freed
-                if needed > available:
-                    if not self.options.growable:
-                        return [], OutOfBlocksError(name, needed, available, pool.num_blocks, group.block_size)
-                    growth.append((pool, _grown_size(pool.num_used - freed + needed) - pool.num_blocks))
+                try:
+                    extra = pool.check_reserve(needed, group=name, block_size=group.block_size, freed=freed)
+                except OutOfBlocksError as shortage:
+                    return [], shortage
+                if extra:
+                    growth.append((pool, extra))
         return growth, None
 
     def _ensure_pools(self, dtype: torch.dtype) -> None:
@@ -385,7 +385,7 @@ class PagedCache(Cache):
         num_blocks = blocks_in_budget(self.model_config, self.options.max_memory, self.options.block_size,
                                       self.options.dtype or dtype, self.tp_size)  # fmt: skip
         for group in self.groups.values():
-            group.pool = BlockPool(num_blocks)
+            group.pool = self._new_pool(num_blocks)
 
     def _after_attention(self, layer_idx: int, *attention) -> None:
         """After a layer's `"paged"` attention: the evictor records its statistics and may evict, and the storage
@@ -396,7 +396,7 @@ class PagedCache(Cache):
     def _trim(self, groups: list[BlockTables]) -> None:
         """Keep a growable pool's storage within `GROWTH` x its blocks in use after blocks were freed (a window moved
         on, an eviction, a crop; the rows a reorder let go at the next step): a pool holding more is packed to its
-        low ids and cut to `_grown_size` of them, never below `initial_blocks`, and its layers' storage with it.
+        low ids and cut to `grown_size` of them, never below `initial_blocks`, and its layers' storage with it.
         Packing keeps every row's read path, so no result changes. Fixed pools keep the size asked for.
         Only full-precision groups of a cache that shares its pools with no fork (forks, and the batch generator's
         requests, hold ids this cache cannot rewrite; `BatchGenerator.compact` packs those)."""
@@ -406,7 +406,7 @@ class PagedCache(Cache):
             pool = group.pool
             if pool is None or isinstance(group, QuantizedBlockTables):
                 continue
-            target = max(_grown_size(pool.num_used), self.options.initial_blocks or 0)
+            target = max(grown_size(pool.num_used), self.options.initial_blocks or 0)
             if pool.num_blocks + 1 <= GROWTH * pool.num_used or target >= pool.num_blocks:
                 continue
             members = self._members[group.name]
@@ -498,11 +498,11 @@ class PagedCache(Cache):
         references: dict[int, Counter] = {}
         for group in self.groups.values():
             for row in group.rows:
-                for pool, blocks in ((group.pool, row.blocks), (getattr(group, "qpool", None), row.quantized)):
+                for pool, blocks in ((group.pool, row.blocks), (group.quantized_pool, row.quantized)):
                     if blocks is not None:
                         references.setdefault(id(pool), Counter()).update(blocks.ids)
         for group in self.groups.values():
-            for pool in (group.pool, getattr(group, "qpool", None)):
+            for pool in (group.pool, group.quantized_pool):
                 if pool is not None:
                     pool.set_references(references.get(id(pool), Counter()))
 
@@ -563,13 +563,11 @@ class PagedCache(Cache):
             (group, *need) for group in stepped for need in group.unshare_demand(order)
         ]
         for group, pool, count in demand:  # sharing=False: the copies must fit before anything changes
-            if count > pool.num_free and not self.options.growable:
-                raise OutOfBlocksError(group.name, count, pool.num_free, pool.num_blocks, group.block_size)
+            pool.check_reserve(count, group=group.name, block_size=group.block_size)
         for group in stepped:
             group.reorder(order)
         for group, pool, count in demand:
-            if count > pool.num_free:
-                pool.grow(_grown_size(pool.num_used + count) - pool.num_blocks)
+            pool.reserve(count, group=group.name, block_size=group.block_size)
         if demand:
             self._unshare(stepped)
         if self.evictor is not None:
@@ -757,13 +755,6 @@ def _equal_rows(key_states: torch.Tensor, value_states: torch.Tensor) -> list[in
             bucket.append(row)
         same.append(row if match is None else match)
     return same
-
-
-def _grown_size(in_use: int) -> int:
-    """Blocks a growable pool holds after growing to fit `in_use` blocks: room for 1.25x them, counting the
-    null block every layer's storage adds, so storage is at most 1.25x the blocks in use right after a
-    growth (doubling, as vectors do, held up to 2x). Geometric, so a long generation grows O(log n) times."""
-    return max(in_use, int(GROWTH * in_use) - 1)
 
 
 def _check_layer_counts(options: PagedCacheConfig, num_layers: int) -> None:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..blocks.tables import BlockTables, StepPlan
+from ..blocks.plan import StepPlan
+from ..blocks.tables import BlockTables
 from ..distributed import reduce_scores
 from .compaction import check_compact, compact, unit_sizes
 from .policies import (EvictionPolicy, ScoreInputs, choose_kept, choose_kept_per_head, key_novelty,
@@ -31,9 +32,8 @@ class Evictor:
     under tensor parallelism (`tp_size` ranks) scores are averaged over the ranks, so all keep the same."""
 
     def __init__(self, policy: EvictionPolicy, layers: dict[int, PagedLayer], block_size: int,
-                 evict_every: int | None, between_chunks: bool, tp_size: int = 1, growable: bool = False):  # fmt: skip
+                 evict_every: int | None, between_chunks: bool, tp_size: int = 1):  # fmt: skip
         self.policy = policy
-        self.growable = growable  # whether compaction may grow a pool for the fresh blocks copy-on-write needs
         self.layers = layers
         self.block_size = block_size
         self.evict_every = evict_every
@@ -93,7 +93,7 @@ class Evictor:
                 if group.stored_count(row) > budget + slack:
                     keeps[row] = self._choose_kept(index, row, budget)
             if keeps:
-                check_compact(group, keeps, self.growable)
+                check_compact(group, keeps)
                 decisions.append((group, index, keeps))
         evicted = 0
         for group, index, keeps in decisions:

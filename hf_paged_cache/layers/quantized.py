@@ -20,7 +20,8 @@ import copy
 
 import torch
 
-from ..blocks.tables import QuantizedBlockTables, StepPlan
+from ..blocks.plan import StepPlan
+from ..blocks.sealing import QuantizedBlockTables
 from .paged import PagedLayer, PagedSlidingLayer, storage_field
 from ..quantization.formats import KVFormat, rotate_heads
 from ..attention.torch_path import OnlineSoftmax, causal_mask, visible_columns

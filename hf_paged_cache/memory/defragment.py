@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..blocks.pool import BlockPool
-from ..blocks.tables import QuantizedBlockTables
+from ..blocks.sealing import QuantizedBlockTables
 from ..cache import PagedCache
 from ..serving.prefix_cache import PrefixCache
 from .swap import KINDS, group_pool, storage_tensors

@@ -41,7 +41,7 @@ KINDS = ("blocks", "quantized")  # a row's block lists: full precision (`Row.blo
 
 def group_pool(group: BlockTables, kind: str) -> BlockPool | None:
     """The device pool of a group's `kind` of blocks (None: the group has no such blocks, or no pool yet)."""
-    return group.pool if kind == "blocks" else getattr(group, "qpool", None)
+    return group.pool if kind == "blocks" else group.quantized_pool
 
 
 @dataclass

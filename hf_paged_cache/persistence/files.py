@@ -35,7 +35,8 @@ from safetensors.torch import save_file
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from ..blocks.tables import BlockTables, QuantizedBlockTables
+from ..blocks.sealing import QuantizedBlockTables
+from ..blocks.tables import BlockTables
 from ..config import PagedCacheConfig, _check_device_exists
 from ..errors import CacheFileError
 from ..eviction import EvictionPolicy

@@ -18,7 +18,8 @@ import hashlib
 from array import array
 from dataclasses import dataclass
 
-from ..blocks.tables import BlockTables, QuantizedBlockTables
+from ..blocks.sealing import QuantizedBlockTables
+from ..blocks.tables import BlockTables
 from ..cache import PagedCache
 
 

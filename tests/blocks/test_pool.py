@@ -69,10 +69,10 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def free_unowned_is_rejected_and_changes_nothing(self, block):
         if block in self.refs:
             return
-        before = (self.pool.num_free, list(self.pool._next), list(self.pool._ref))
+        before = (self.pool.num_free, self.pool.free_ids(), self.pool.ref_counts())
         with pytest.raises(ValueError):
             self.pool.free([block])
-        assert before == (self.pool.num_free, list(self.pool._next), list(self.pool._ref))
+        assert before == (self.pool.num_free, self.pool.free_ids(), self.pool.ref_counts())
 
     @rule(block=st.integers(0, 20))
     def fork_unallocated_is_rejected(self, block):
@@ -100,11 +100,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def free_queue_holds_exactly_the_free_blocks(self):
-        queue, node = [], self.pool._next[NULL_BLOCK]
-        while node != NULL_BLOCK:
-            queue.append(node)
-            node = self.pool._next[node]
-            assert len(queue) <= self.pool.num_blocks, "cycle in the free queue"
+        queue = self.pool.free_ids()
+        assert len(queue) <= self.pool.num_blocks, "cycle in the free queue"
         assert sorted(queue) == [b for b in range(1, self.pool.num_blocks + 1) if b not in self.refs]
 
 
@@ -166,7 +163,7 @@ def test_allocate_more_than_free_changes_nothing():
 
 
 def _pool_state(pool: BlockPool) -> tuple:
-    return pool.num_blocks, pool.num_free, list(pool._next), list(pool._prev), list(pool._ref)
+    return pool.num_blocks, pool.num_free, pool.free_ids(), pool.ref_counts()
 
 
 @pytest.mark.parametrize("bad", [-2, -1, 1.5, True, "3"])
