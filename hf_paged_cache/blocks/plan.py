@@ -113,12 +113,12 @@ class StepPlan:
         the logical position of every slot of them `[rows, width * block_size]`; whether that slot is in
         the row's read range). Reading whole blocks copies `block_size` tokens per index, and rows need
         not line up by position: the mask goes by each slot's logical position instead."""
-        bs = self.tables.block_size
+        bs, rows = self.tables.block_size, self.tables.rows
         first = [start // bs for start in self.read_start]
         counts = [max(ceil_div(stop, bs) - block, 0) for block, stop in zip(first, self.read_stop)]
         width = max(max(counts, default=0), 1)
         ids = torch.tensor([row.blocks.ids[block : block + count] + [NULL_BLOCK] * (width - count)
-                            for row, block, count in zip(self.tables.rows, first, counts)], dtype=torch.long)  # fmt: skip
+                            for row, block, count in zip(rows, first, counts)], dtype=torch.long)  # fmt: skip
         stored = torch.tensor(first)[:, None] * bs + torch.arange(width * bs)[None, :]
         valid = (stored >= torch.tensor(self.read_start)[:, None]) & (stored < torch.tensor(self.read_stop)[:, None])
         return ids, torch.tensor(self.base)[:, None] + stored, valid

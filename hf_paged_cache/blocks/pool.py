@@ -59,6 +59,10 @@ class BlockPool:
         """Every block's reference count, index = block id (the null block's is always 1)."""
         return tuple(self._ref)
 
+    def used_ids(self) -> list[int]:
+        """The blocks some table references, in id order."""
+        return [block for block in range(1, self.num_blocks + 1) if self._ref[block]]
+
     def free_ids(self) -> list[int]:
         """The free queue, head (freed longest ago) first (a broken queue shows as more ids than the pool has)."""
         ids, block = [], self._next[NULL_BLOCK]
@@ -211,7 +215,7 @@ class BlockPool:
         """Move every referenced block to `mapping[block]` (a one-to-one map of all of them; pool compaction, which
         moves the contents). Every id starts a new lifetime (its epoch is bumped), so records of the old ids stop
         matching; the free queue is rebuilt in id order, low ids first."""
-        used = [block for block in range(1, self.num_blocks + 1) if self._ref[block]]
+        used = self.used_ids()
         targets = [mapping[block] for block in used if block in mapping]
         distinct = len(set(targets)) == len(used) and all(0 < target <= self.num_blocks for target in targets)
         if sorted(mapping) != used or not distinct:

@@ -159,6 +159,17 @@ class QuantizedBlockTables(BlockTables):
         del self.sealed_copies[block]  # the block or its copy was freed and reused since
         return None
 
+    def _crop_row(self, index: int, new_len: int) -> None:
+        """A crop into the sealed prefix keeps the whole sealed blocks before `new_len` and no full-precision one."""
+        row = self.rows[index]
+        if row.kept_positions is None and len(row.quantized) and new_len < row.base:
+            first = self.first_stored(index)
+            keep = max(new_len - first, 0) // self.block_size
+            row.quantized.truncate(keep)
+            row.blocks.free_all()
+            row.base = first + keep * self.block_size
+        super()._crop_row(index, new_len)
+
     def check_crop(self, new_len: int) -> None:
         """Cropping inside a row's quantized prefix is exact only at a block boundary (whole quantized
         blocks are dropped; none is re-quantized); anywhere else it raises, changing nothing."""

@@ -232,21 +232,11 @@ class BlockTables:
         kv_offset = self.read_offset(self.length - q_len)
         read_start = [max(kv_offset - row.base, 0) for row in self.rows]
         read_stop = [self.stored_tokens(index) for index in range(len(self.rows))]
-        return StepPlan(
-            q_len=q_len,
-            new_len=self.length,
-            kv_offset=kv_offset,
-            write_slots=slots,
-            write_tokens=None if tokens.numel() == q_len * len(self.rows) else tokens,
-            read_start=read_start,
-            read_stop=read_stop,
-            new_tokens=list(new_tokens),
-            padding_exact=self.padding_exact,
-            tables=self,
-            base=self.base,
-            quantized_tables=[list(table) for table in self.qtables],
-            mirrors=dict(mirrors),
-        )
+        return StepPlan(q_len=q_len, new_len=self.length, kv_offset=kv_offset, write_slots=slots,
+                        write_tokens=None if tokens.numel() == q_len * len(self.rows) else tokens,
+                        read_start=read_start, read_stop=read_stop, new_tokens=list(new_tokens),
+                        padding_exact=self.padding_exact, tables=self, base=self.base,
+                        quantized_tables=[list(table) for table in self.qtables], mirrors=dict(mirrors))  # fmt: skip
 
     def unmirror(self, row: int, copy_blocks: BlockCopier) -> StepPlan:
         """Row `row` turned out to differ from its mirror source in some layer: it gets its own copies of the
@@ -265,7 +255,7 @@ class BlockTables:
 
     # ------------------------------------------------------------------ sealing hooks
     # A full-precision group seals nothing; `QuantizedBlockTables` overrides these five, which are all the ways
-    # sealing enters the planning above (it also extends `demands`, `_make_plan` and `check_crop`).
+    # sealing enters the planning above (it also extends `demands`, `_make_plan`, `check_crop` and `_crop_row`).
     def _new_row(self, pad: int) -> Row:
         """An empty row (a quantized group's also has a table of sealed blocks)."""
         return Row(pads=pad, base=pad, blocks=BlockList(self.pool))
@@ -359,8 +349,8 @@ class BlockTables:
         """(pool, fresh blocks) that `unshare` takes after `reorder(order)`: one per reference beyond the first
         (computed before the reorder, so a shortage can be reported with nothing changed)."""
         def holders(rows: list[Row]) -> Counter:
-            return Counter((id(blocks.pool), block) for row in rows for blocks in (row.blocks, row.quantized)
-                           if blocks is not None for block in blocks.ids)  # fmt: skip
+            return Counter((id(blocks.pool), block) for row in rows for blocks in row.block_lists()
+                           for block in blocks.ids)  # fmt: skip
 
         pools = {id(pool): pool for pool in (self.pool, self.quantized_pool) if pool is not None}
         before, after = holders(self.rows), holders([self.rows[source] for source in order])
@@ -387,7 +377,7 @@ class BlockTables:
         self.plan = None
 
     def _block_lists(self) -> list[BlockList]:
-        return [blocks for row in self.rows for blocks in (row.blocks, row.quantized) if blocks is not None]
+        return [blocks for row in self.rows for blocks in row.block_lists()]
 
     def check_crop(self, new_len: int) -> None:
         """Raise (changing nothing) if cropping to `new_len` would need tokens that were already dropped."""
@@ -411,24 +401,19 @@ class BlockTables:
             self.release()
             return
         for index, row in enumerate(self.rows):
-            if row.kept_positions is not None:
-                self._crop_compacted(index, new_len)
-            elif row.quantized is not None and len(row.quantized) and new_len < row.base:  # into the sealed prefix
-                first = self.first_stored(index)
-                keep = max(new_len - first, 0) // self.block_size
-                row.quantized.truncate(keep)
-                row.blocks.free_all()
-                row.base = first + keep * self.block_size
+            self._crop_row(index, new_len)
             row.blocks.truncate(ceil_div(max(new_len - row.base, 0), self.block_size))
         self.length = new_len
         self.plan = None
 
-    def _crop_compacted(self, index: int, new_len: int) -> None:
-        """Crop a compacted row: its survivors up to `new_len`, by stored index (`base` is virtual)."""
+    def _crop_row(self, index: int, new_len: int) -> None:
+        """Before the row's full-precision blocks are cut at `new_len`: a compacted row keeps its survivors up to
+        `new_len`, by stored index (`base` is virtual)."""
         row = self.rows[index]
-        positions, keep = self.stored_positions(index), self.stored_before(index, new_len)
-        row.kept_positions = positions[..., : min(keep, row.kept_positions.shape[-1])]
-        row.base = new_len - (keep - self.stored_count(index) + self.stored_tokens(index))
+        if row.kept_positions is not None:
+            positions, keep = self.stored_positions(index), self.stored_before(index, new_len)
+            row.kept_positions = positions[..., : min(keep, row.kept_positions.shape[-1])]
+            row.base = new_len - (keep - self.stored_count(index) + self.stored_tokens(index))
 
     def release(self) -> None:
         """Return every block to the pool and forget all rows."""
@@ -444,8 +429,7 @@ class BlockTables:
         Only for a pool whose every reference is a row of this group (a cache without forks, full precision):
         nothing else learns the new ids. The plan of the step just applied is made again on them."""
         pool = self.pool
-        used = [block for block in range(1, pool.num_blocks + 1) if pool.ref_count(block)]
-        mapping = {block: new for new, block in enumerate(used, start=1)}
+        mapping = {block: new for new, block in enumerate(pool.used_ids(), start=1)}
         moved = {old: new for old, new in mapping.items() if old != new}
         if moved:
             copy_blocks(list(moved), list(moved.values()))

@@ -64,7 +64,7 @@ def fragmentation(template: PagedCache) -> dict[str, Fragmentation]:
             pool = group_pool(group, kind)
             if pool is None:
                 continue
-            high = max(_used(pool), default=0)
+            high = max(pool.used_ids(), default=0)
             breaks = sum(1 for ids in _tables(caches, pool, kind) for a, b in zip(ids, ids[1:]) if b != a + 1)
             result[name if kind == "blocks" else f"{name}/quantized"] = Fragmentation(pool.num_blocks, pool.num_used,
                                                                                       high, breaks)  # fmt: skip
@@ -82,7 +82,7 @@ def compact(template: PagedCache, prefix_cache: PrefixCache | None = None, keep_
     for cache in caches:
         cache._check_between_steps("compact the pools of")
     pools = device_pools(template)
-    mappings = {id(pool): {block: new for new, block in enumerate(_used(pool), start=1)} for pool, _kind in pools}
+    mappings = {id(pool): {block: new for new, block in enumerate(pool.used_ids(), start=1)} for pool, _kind in pools}
     entries = _live_prefix_entries(template, prefix_cache, mappings)
     sealed = _live_sealed_copies(template, mappings)
     for pool, kind in pools:
@@ -113,10 +113,6 @@ def compact(template: PagedCache, prefix_cache: PrefixCache | None = None, keep_
     if keep_free is not None and template.options.growable:  # a fixed pool keeps the size it was given
         for pool, kind in pools:
             _shrink(template, pool, kind, min(pool.num_used + keep_free, pool.num_blocks))
-
-
-def _used(pool: BlockPool) -> list[int]:
-    return [block for block in range(1, pool.num_blocks + 1) if pool.ref_count(block)]
 
 
 def _tables(caches: list[PagedCache], pool: BlockPool, kind: str) -> list[list[int]]:
