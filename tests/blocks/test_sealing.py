@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from hf_paged_cache.blocks.pool import BlockPool
 from hf_paged_cache.blocks.sealing import QuantizedBlockTables
+from hf_paged_cache.errors import OutOfBlocksError
 
 BS = 4
 
@@ -82,3 +83,27 @@ def test_forks_share_one_sealed_copy_of_a_shared_block():
     assert twin_calls == [], "the twin takes a reference to the copy, sealing nothing"
     assert twin.qtables[0] == tables.qtables[0] == targets and tables.qpool.ref_count(targets[0]) == 2
     assert tables.pool.num_used == 2  # block 1 went back: each side holds only its new block
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.tuples(st.integers(0, 8), st.integers(0, 8)),
+    residual=st.sampled_from([1, 4, 6]),
+    steps=st.lists(st.integers(1, 12), min_size=1, max_size=8),
+)
+def test_both_pools_either_fit_the_demand_or_the_step_raises_having_changed_nothing(sizes, residual, steps):
+    tables = QuantizedBlockTables("full/int8", BlockPool(sizes[0]), BlockPool(sizes[1]), BS, None, None, residual)
+
+    def state():
+        rows = [(row.base, list(row.blocks.ids), list(row.quantized.ids)) for row in tables.rows]
+        return tables.length, rows, tables.pool.free_ids(), tables.qpool.free_ids()
+
+    for q_len in steps:
+        before = state()
+        try:
+            for pool, needed, freed, name in tables.demands(q_len, [0, 0], {}):
+                pool.check_reserve(needed, group=name, block_size=BS, freed=freed)
+        except OutOfBlocksError:
+            assert state() == before
+            continue
+        tables.apply_step(q_len, [0, 0], _no_copy, _seals([]))  # a demand met never runs a pool dry

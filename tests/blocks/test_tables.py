@@ -170,3 +170,26 @@ def test_reorder_shares_blocks_by_reference_and_unshare_takes_what_unshare_deman
     assert tables.pool.num_used == used + sum(count for _pool, count in demand)
     assert tables.pool.num_used == sum(len(table) for table in tables.tables)
     assert all(tables.pool.ref_count(block) == 1 for table in tables.tables for block in table)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_blocks=st.integers(0, 12),
+    window=st.sampled_from([None, 5]),
+    batch=st.integers(1, 3),
+    steps=st.lists(st.integers(1, 9), min_size=1, max_size=10),
+)
+def test_a_fixed_pool_either_fits_the_whole_demand_or_the_step_raises_having_changed_nothing(
+    num_blocks, window, batch, steps
+):
+    tables = BlockTables("full", BlockPool(num_blocks), block_size=4, sliding_window=window)
+    for q_len in steps:
+        before = _state(tables)
+        try:
+            for pool, needed, freed, name in tables.demands(q_len, [0] * batch, {}):
+                pool.check_reserve(needed, group=name, block_size=4, freed=freed)
+        except OutOfBlocksError:
+            assert _state(tables) == before
+            continue
+        tables.apply_step(q_len, [0] * batch, _no_copy, _no_copy)  # a demand met never runs the pool dry
+        assert tables.pool.num_used <= num_blocks
