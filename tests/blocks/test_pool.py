@@ -250,9 +250,9 @@ def test_a_growable_pool_grows_to_the_grown_size_of_what_it_will_hold(in_use):
 
 def test_free_ids_and_ref_counts_are_read_only_views():
     pool = BlockPool(4)
-    a, b, c, _d = pool.allocate(4)
+    a, b, c, d = pool.allocate(4)
     pool.fork([b])
     pool.free([c, a])
     assert pool.free_ids() == [c, a] and pool.ref_counts() == (1, 0, 2, 0, 1)
     pool.free_ids().clear()
-    assert pool.free_ids() == [c, a]
+    assert pool.free_ids() == [c, a] and pool.used_ids() == [b, d]
