@@ -65,7 +65,7 @@ def fragmentation(template: PagedCache) -> dict[str, Fragmentation]:
             if pool is None:
                 continue
             high = max(pool.used_ids(), default=0)
-            breaks = sum(1 for ids in _tables(caches, pool, kind) for a, b in zip(ids, ids[1:]) if b != a + 1)
+            breaks = sum(1 for ids in _tables(caches, pool) for a, b in zip(ids, ids[1:]) if b != a + 1)
             result[name if kind == "blocks" else f"{name}/quantized"] = Fragmentation(pool.num_blocks, pool.num_used,
                                                                                       high, breaks)  # fmt: skip
     return result
@@ -97,10 +97,8 @@ def compact(template: PagedCache, prefix_cache: PrefixCache | None = None, keep_
         for cache in caches:
             for group in cache.groups.values():
                 group.plan = None
-                for row in group.rows:
-                    blocks = getattr(row, kind)
-                    if blocks is not None and blocks.pool is pool:
-                        blocks.replace([mapping[block] for block in blocks.ids])
+                for blocks in (blocks for row in group.rows for blocks in row.block_lists() if blocks.pool is pool):
+                    blocks.replace([mapping[block] for block in blocks.ids])
     if prefix_cache is not None:
         prefix_cache.entries = {
             key: {name: (block, template.groups[name].pool.epoch(block)) for name, block in entry.items()}
@@ -115,9 +113,9 @@ def compact(template: PagedCache, prefix_cache: PrefixCache | None = None, keep_
             _shrink(template, pool, kind, min(pool.num_used + keep_free, pool.num_blocks))
 
 
-def _tables(caches: list[PagedCache], pool: BlockPool, kind: str) -> list[list[int]]:
+def _tables(caches: list[PagedCache], pool: BlockPool) -> list[list[int]]:
     return [blocks.ids for cache in caches for group in cache.groups.values() for row in group.rows
-            if (blocks := getattr(row, kind)) is not None and blocks.pool is pool]  # fmt: skip
+            for blocks in row.block_lists() if blocks.pool is pool]  # fmt: skip
 
 
 def _live_prefix_entries(template: PagedCache, prefix_cache: PrefixCache | None,
