@@ -18,9 +18,11 @@ from .attention.contract import (
     check_model_features,
     model_name,
 )
+from .blocks.plan import StepPlan
 from .blocks.pool import BlockPool
-from .blocks.tables import BlockTables, QuantizedBlockTables, StepPlan
-from .cache_step import CacheStep, copy_blocks, copy_quantized, grown_size
+from .blocks.sealing import QuantizedBlockTables
+from .blocks.tables import BlockTables
+from .cache_step import CacheStep, copy_blocks, copy_quantized
 from .config import PagedCacheConfig
 from .distributed import tensor_parallel_size
 from .errors import OutOfBlocksError, UnsupportedAttentionError
@@ -86,22 +88,25 @@ class PagedCache(ForkingCache, Cache):
             evicting = {i: layer for i, (layer, layer_type) in enumerate(zip(layers, self.layer_types))
                         if isinstance(layer, PagedLayer) and layer_type.evictable}  # fmt: skip
             self.evictor = Evictor(options.eviction, evicting, options.block_size, options.evict_every,
-                                   options.evict_between_chunks, self.tp_size, options.growable)  # fmt: skip
+                                   options.evict_between_chunks, self.tp_size)  # fmt: skip
 
     def _group(self, name: str, window: int | None, quant: str | None = None) -> BlockTables:
         """The tables of layers of one kind (full, or sliding with one window) and one storage format."""
         if quant is not None:
             name = f"{name}/{quant.strip()}"
         if name not in self.groups:
-            pool = None if self.options.max_memory is not None else BlockPool(self._fixed_pool_size())
+            pool = None if self.options.max_memory is not None else self._new_pool(self._fixed_pool_size())
             if quant is None:
                 self.groups[name] = BlockTables(name, pool, self.options.block_size, window)
             else:
                 self.groups[name] = QuantizedBlockTables(
-                    name, pool, BlockPool(self._fixed_pool_size()), self.options.block_size, window,
+                    name, pool, self._new_pool(self._fixed_pool_size()), self.options.block_size, window,
                     format_from_spec(quant), self.options.residual_length,
                 )  # fmt: skip
         return self.groups[name]
+
+    def _new_pool(self, num_blocks: int) -> BlockPool:
+        return BlockPool(num_blocks, growable=self.options.growable)
 
     def _fixed_pool_size(self) -> int:
         """Blocks a pool starts with; 0 when a growable pool is sized by the first step's demand."""
@@ -203,7 +208,7 @@ class PagedCache(ForkingCache, Cache):
         num_blocks = blocks_in_budget(self.model_config, self.options.max_memory, self.options.block_size,
                                       self.options.dtype or dtype, self.tp_size)  # fmt: skip
         for group in self.groups.values():
-            group.pool = BlockPool(num_blocks)
+            group.pool = self._new_pool(num_blocks)
 
     def step_demand(self, q_len: int) -> dict[BlockPool, int]:
         """Free blocks per pool that this cache's next step of `q_len` tokens per row takes (what it allocates
@@ -266,13 +271,11 @@ class PagedCache(ForkingCache, Cache):
             (group, *need) for group in stepped for need in group.unshare_demand(order)
         ]
         for group, pool, count in demand:  # sharing=False: the copies must fit before anything changes
-            if count > pool.num_free and not self.options.growable:
-                raise OutOfBlocksError(group.name, count, pool.num_free, pool.num_blocks, group.block_size)
+            pool.check_reserve(count, group=group.name, block_size=group.block_size)
         for group in stepped:
             group.reorder(order)
         for group, pool, count in demand:
-            if count > pool.num_free:
-                pool.grow(grown_size(pool.num_used + count) - pool.num_blocks)
+            pool.reserve(count, group=group.name, block_size=group.block_size)
         if demand:
             self._unshare(stepped)
         if self.evictor is not None:

@@ -9,14 +9,15 @@ import functools
 import torch
 from transformers.cache_utils import Cache
 
-from .blocks.pool import BlockPool
-from .blocks.tables import BlockTables, QuantizedBlockTables, StepPlan
+from .blocks.plan import StepPlan
+from .blocks.pool import GROWTH, BlockPool, grown_size
+from .blocks.sealing import QuantizedBlockTables
+from .blocks.tables import BlockTables
 from .errors import OutOfBlocksError
 from .layers.paged import PagedLayer
 from .layers.quantized import QuantizedLayer
 from .layers.shared import SharedKVLayer
 
-GROWTH = 1.25  # a growable pool grows to this many times the blocks in use (storage included)
 
 
 class CacheStep:
@@ -137,11 +138,7 @@ class CacheStep:
                 continue
             tables, bs = layer.tables, layer.tables.block_size
             needed = len(tables.rows[row].blocks) - (tables.stored_tokens(row) - plan.new_tokens[row]) // bs
-            if needed > tables.pool.num_free:
-                if not cache.options.growable:
-                    raise OutOfBlocksError(tables.name, needed, tables.pool.num_free, tables.pool.num_blocks,
-                                           tables.block_size)  # fmt: skip
-                tables.pool.grow(grown_size(tables.pool.num_used + needed) - tables.pool.num_blocks)
+            tables.pool.reserve(needed, group=tables.name, block_size=bs)
             plan = tables.unmirror(row, functools.partial(copy_blocks, cache.group_layers(tables.name)))
         return plan
 
@@ -151,11 +148,12 @@ class CacheStep:
         growth = []
         for group in stepping:
             for pool, needed, freed, name in group.demands(q_len, pads, mirrors[group.name]):
-                available = pool.num_free + freed
-                if needed > available:
-                    if not cache.options.growable:
-                        return [], OutOfBlocksError(name, needed, available, pool.num_blocks, group.block_size)
-                    growth.append((pool, grown_size(pool.num_used - freed + needed) - pool.num_blocks))
+                try:
+                    extra = pool.check_reserve(needed, group=name, block_size=group.block_size, freed=freed)
+                except OutOfBlocksError as shortage:
+                    return [], shortage
+                if extra:
+                    growth.append((pool, extra))
         return growth, None
 
     def trim(self, cache: Cache, groups: list[BlockTables]) -> None:
@@ -241,10 +239,3 @@ def equal_rows(key_states: torch.Tensor, value_states: torch.Tensor) -> list[int
             bucket.append(row)
         same.append(row if match is None else match)
     return same
-
-
-def grown_size(in_use: int) -> int:
-    """Blocks a growable pool holds after growing to fit `in_use` blocks: room for 1.25x them, counting the
-    null block every layer's storage adds, so storage is at most 1.25x the blocks in use right after a
-    growth (doubling, as vectors do, held up to 2x). Geometric, so a long generation grows O(log n) times."""
-    return max(in_use, int(GROWTH * in_use) - 1)

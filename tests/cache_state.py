@@ -24,7 +24,7 @@ def cache_state(cache: PagedCache) -> dict:
                  None if row.kept_positions is None else row.kept_positions.tolist())
                 for row in group.rows
             ],  # fmt: skip
-            "pools": [_pool(group.pool), _pool(getattr(group, "qpool", None))],
+            "pools": [_pool(group.pool), _pool(group.quantized_pool)],
         }
     layers = []
     for layer in cache.layers:
@@ -81,7 +81,7 @@ def stored_blocks(cache: PagedCache) -> list[torch.Tensor]:
 
 
 def _pool(pool) -> tuple | None:
-    return None if pool is None else (pool.num_blocks, pool.num_free, list(pool._ref), list(pool._next))
+    return None if pool is None else (pool.num_blocks, pool.num_free, pool.ref_counts(), pool.free_ids())
 
 
 def _tensor(tensor: torch.Tensor | None):

@@ -41,7 +41,7 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
 
 def test_the_import_graph_walk_sees_type_checking_imports():
     modules = _modules()
-    assert "hf_paged_cache.blocks.tables" in _imports("hf_paged_cache.eviction.attention_stats",
+    assert "hf_paged_cache.blocks.plan" in _imports("hf_paged_cache.eviction.attention_stats",
                                                      modules["hf_paged_cache.eviction.attention_stats"], modules)
 
 

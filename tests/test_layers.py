@@ -39,7 +39,7 @@ def test_rows_cut_into_runs_read_like_dynamic_cache(attn, max_runs, monkeypatch)
     for want, got in zip(expected.logits, actual.logits):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     tables = cache.layers[0].tables
-    assert max(len(runs) for runs in tables.read_runs(tables.plan)) > 1
+    assert max(len(runs) for runs in tables.plan.runs()) > 1
 
 
 def test_a_gathered_batch_is_contiguous_like_dynamic_cache():

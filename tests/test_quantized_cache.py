@@ -17,7 +17,8 @@ import transformers
 from tiny_models import MODELS, MODELS_BY_NAME, PAD_ID, VOCAB, _common, _make, padded_batch
 
 from hf_paged_cache import OutOfBlocksError, PagedCache, PagedCacheConfig, estimate_kv_bytes
-from hf_paged_cache.blocks.tables import BlockTables, QuantizedBlockTables
+from hf_paged_cache.blocks.sealing import QuantizedBlockTables
+from hf_paged_cache.blocks.tables import BlockTables
 from hf_paged_cache.quantization import format_from_spec
 from hf_paged_cache.layers import quantized as quantized_layers
 from hf_paged_cache.layers.quantized import QuantizedLayer

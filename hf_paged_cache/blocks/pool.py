@@ -2,7 +2,7 @@
 
 Storage tensors live in the cache layers; this class only decides which block ids are in use.
 
-Invariants (checked by the hypothesis state machine in `tests/test_block_pool.py`):
+Invariants (checked by the hypothesis state machine in `tests/blocks/test_pool.py`):
 - ids run from 1 to `num_blocks`; id 0 is the null block (always zeros, never handed out) and doubles
   as the sentinel node of the free queue;
 - a block is in the free queue exactly when its reference count is 0;
@@ -14,7 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from ..errors import OutOfBlocksError
+
 NULL_BLOCK = 0
+GROWTH = 1.25  # a growable pool grows to this many times the blocks in use (storage included)
+
+
+def grown_size(in_use: int) -> int:
+    """Blocks a growable pool holds after growing to fit `in_use` blocks: room for 1.25x them, counting the
+    null block every layer's storage adds, so storage is at most 1.25x the blocks in use right after a
+    growth (doubling, as vectors do, held up to 2x). Geometric, so a long generation grows O(log n) times."""
+    return max(in_use, int(GROWTH * in_use) - 1)
 
 
 class BlockPool:
@@ -22,11 +32,13 @@ class BlockPool:
 
     Freed blocks go to the tail, so the head holds the blocks freed longest ago. `allocate` prefers
     the block right after a given one when it is free, so a row's blocks form contiguous runs that
-    readers can view without copying.
+    readers can view without copying. A `growable` pool grows when a reservation does not fit (to
+    `grown_size` of the blocks then in use); a fixed one raises `OutOfBlocksError` (`reserve`).
     """
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, growable: bool = False):
         _check_count(num_blocks, "num_blocks")
+        self.growable = growable
         self.num_blocks = 0
         self.num_free = 0
         # Node 0 is the sentinel: _next[0] is the queue's head, _prev[0] its tail.
@@ -43,6 +55,22 @@ class BlockPool:
     def ref_count(self, block: int) -> int:
         return self._ref[block]
 
+    def ref_counts(self) -> tuple[int, ...]:
+        """Every block's reference count, index = block id (the null block's is always 1)."""
+        return tuple(self._ref)
+
+    def used_ids(self) -> list[int]:
+        """The blocks some table references, in id order."""
+        return [block for block in range(1, self.num_blocks + 1) if self._ref[block]]
+
+    def free_ids(self) -> list[int]:
+        """The free queue, head (freed longest ago) first (a broken queue shows as more ids than the pool has)."""
+        ids, block = [], self._next[NULL_BLOCK]
+        while block != NULL_BLOCK and len(ids) <= self.num_blocks:
+            ids.append(block)
+            block = self._next[block]
+        return ids
+
     def epoch(self, block: int) -> int:
         """How many times `block` was allocated: a block id with the same epoch still holds the same contents'
         lifetime (it was not freed and handed out again in between)."""
@@ -56,6 +84,23 @@ class BlockPool:
         is the blocks that sharing saves."""
         shared = [count for count in self._ref[1:] if count > 1]
         return len(shared), sum(shared) - len(shared)
+
+    def shortfall(self, count: int, freed: int = 0) -> int:
+        """Blocks missing for `count` allocations once `freed` blocks came back (0: they fit as the pool is)."""
+        return max(count - self.num_free - freed, 0)
+
+    def check_reserve(self, count: int, *, group: str, block_size: int, freed: int = 0) -> int:
+        """The blocks `reserve` would add, changing nothing: 0 when the blocks fit, else the growth of a growable
+        pool; a fixed pool that is short raises `OutOfBlocksError` naming `group`."""
+        if not self.shortfall(count, freed):
+            return 0
+        if not self.growable:
+            raise OutOfBlocksError(group, count, self.num_free + freed, self.num_blocks, block_size)
+        return grown_size(self.num_used - freed + count) - self.num_blocks
+
+    def reserve(self, count: int, *, group: str, block_size: int, freed: int = 0) -> None:
+        """Make room for `count` allocations (after `freed` blocks come back): the one grow-or-raise rule."""
+        self.grow(self.check_reserve(count, group=group, block_size=block_size, freed=freed))
 
     def grow(self, extra_blocks: int) -> None:
         """Append `extra_blocks` (>= 0) new free ids at the end of the id range (and of the free queue)."""
@@ -170,7 +215,7 @@ class BlockPool:
         """Move every referenced block to `mapping[block]` (a one-to-one map of all of them; pool compaction, which
         moves the contents). Every id starts a new lifetime (its epoch is bumped), so records of the old ids stop
         matching; the free queue is rebuilt in id order, low ids first."""
-        used = list(self.packing())
+        used = self.used_ids()
         targets = [mapping[block] for block in used if block in mapping]
         distinct = len(set(targets)) == len(used) and all(0 < target <= self.num_blocks for target in targets)
         if sorted(mapping) != used or not distinct:
@@ -186,8 +231,7 @@ class BlockPool:
 
     def packing(self) -> dict[int, int]:
         """The `remap` that packs the blocks in use to ids 1..n, in id order (consecutive ids stay consecutive)."""
-        used = [block for block in range(1, self.num_blocks + 1) if self._ref[block]]
-        return {block: new for new, block in enumerate(used, start=1)}
+        return {block: new for new, block in enumerate(self.used_ids(), start=1)}
 
     def remapped_epoch(self, block: int) -> int:
         """The epoch `block` has once the next `remap` started its new lifetime: what a record renumbered ahead

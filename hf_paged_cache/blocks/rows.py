@@ -147,19 +147,18 @@ class Row:
     quantized: BlockList | None = None
     kept_positions: torch.Tensor | None = None
 
+    def block_lists(self) -> list[BlockList]:
+        """The row's tables: its full-precision blocks, then its sealed ones if it has a table of them."""
+        return [self.blocks] if self.quantized is None else [self.blocks, self.quantized]
+
     def fork(self) -> Row:
         """A row with the same contents, sharing every block by reference (copy-on-write on first write)."""
         quantized = self.quantized.fork() if self.quantized is not None else None
         return Row(self.pads, self.base, self.blocks.fork(), quantized, self.kept_positions)
 
     def release(self) -> None:
-        self.blocks.free_all()
-        if self.quantized is not None:
-            self.quantized.free_all()
-
-    def block_lists(self) -> list[BlockList]:
-        """The row's tables: full precision, then sealed (quantized groups only)."""
-        return [self.blocks] if self.quantized is None else [self.blocks, self.quantized]
+        for blocks in self.block_lists():
+            blocks.free_all()
 
     def remap(self, old_to_new: Mapping[BlockPool, Mapping[int, int]], keep_runs: bool = True) -> None:
         """Renumber the tables in the packed pools (`BlockList.remap`); tables in other pools stay."""

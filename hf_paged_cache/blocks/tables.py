@@ -13,103 +13,25 @@ import copy
 import functools
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from .packing import BlockCopier, Renumbering, pack
-from .pool import NULL_BLOCK, BlockPool
+from .plan import StepPlan, ceil_div
+from .pool import BlockPool
 from .rows import BlockList, Row, blocks_freed
 
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclass
-class StepPlan:
-    """What one forward step writes and reads for a group; computed once, used by each of its layers.
-
-    Stored indices count a row's full-precision tokens from slot 0 of its first block.
-    """
-
-    q_len: int
-    new_len: int  # logical length after the step
-    kv_offset: int  # first logical position attention reads
-    write_slots: torch.Tensor  # int64 [stored new tokens]: destination slot of each, row-major
-    write_tokens: torch.Tensor | None  # int64: which of the B*q new tokens are stored (None: all of them)
-    read_start: list[int]  # per row: first stored index to read
-    read_stop: list[int]  # per row: stored tokens after the step (exclusive end of the read)
-    new_tokens: list[int]  # per row: stored new tokens of this step
-    padding_exact: bool  # every stored token is a real one (no padding was stored)
-    tables: BlockTables
-    # Per row, the logical position of slot 0 of the first full-precision block (virtual after an
-    # eviction compacted the row: see `Row.base`).
-    base: list[int] = field(default_factory=list)
-    # Per row, the sealed (quantized) block ids that precede the full-precision blocks (empty lists
-    # in a full-precision group).
-    quantized_tables: list[list[int]] = field(default_factory=list)
-    # Rows that store nothing of their own this step: row -> the earlier row whose blocks it shares and whose
-    # new K/V it repeats exactly (identical rows, e.g. `num_return_sequences`); each layer checks before writing.
-    mirrors: dict[int, int] = field(default_factory=dict)
-    # Blocks each layer seals from this step's own tokens before it reads (quantized groups, steps longer than
-    # the residual window): (row, index of its first new token in the step, the full-precision blocks holding
-    # the stored tokens among them, how many those are, the sealed block ids).
-    arrivals: list[tuple[int, int, list[int], int, list[int]]] = field(default_factory=list)
-    # Per row, the blocks that some of this step's tokens read quantized and the others in full precision (see
-    # `QuantizedBlockTables`): the last ones of `quantized_tables` when the step sealed them as they arrived,
-    # else the first full-precision ones.
-    transition: list[int] = field(default_factory=list)
-    _memo: dict = field(default_factory=dict, repr=False)
-
-    def cached(self, key, build: Callable[[], object]):
-        """`build()`, computed once per step and shared by the group's layers."""
-        if key not in self._memo:
-            self._memo[key] = build()
-        return self._memo[key]
-
-    def tensor(self, name: str, device: torch.device) -> torch.Tensor:
-        """A plan tensor on `device`, built and moved once per step (each layer may live elsewhere)."""
-        return self.cached((name, device), lambda: self._build(name).to(device))
-
-    def slots(self, row: int, first: int, count: int) -> torch.Tensor:
-        """Slots of the row's stored tokens [first, first + count)."""
-        return self.tables.slots(row, first, count)
-
-    def runs(self) -> list[list[tuple[int, int, int]]]:
-        """Per row, its read range cut where the block ids stop being consecutive: (first column of the
-        logical read range, first slot, tokens), in order (see `BlockTables.read_runs`)."""
-        return self.cached("runs", lambda: self.tables.read_runs(self))
-
-    def _build(self, name: str) -> torch.Tensor:
-        if name in ("write_slots", "write_tokens"):
-            return getattr(self, name)
-        if name == "slot_mapping":  # every new token's slot, -1 for padding that is not stored
-            slots = torch.full((self.q_len * len(self.read_start),), -1, dtype=torch.long)
-            tokens = slice(None) if self.write_tokens is None else self.write_tokens
-            slots[tokens] = self.write_slots
-            return slots
-        if name == "read_slots":
-            return self.tables.gather_slots(self.kv_offset, self.new_len)
-        if name == "block_tables":
-            return self.tables.table_tensor().to(torch.int32)
-        bs = self.tables.block_size
-        if name == "seq_lens":  # every stored token the kernels read: a quantized prefix, then full precision
-            return torch.tensor([len(q) * bs + stop for q, stop in zip(self.quantized_tables, self.read_stop)],
-                                dtype=torch.int32)  # fmt: skip
-        if name == "quantized_lens":
-            return torch.tensor([len(table) * bs for table in self.quantized_tables], dtype=torch.int32)
-        if name == "quantized_block_tables":
-            width = max((len(table) for table in self.quantized_tables), default=0)
-            rows = [table + [NULL_BLOCK] * (width - len(table)) for table in self.quantized_tables]
-            return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width)
-        if name == "query_lens":
-            return torch.tensor(self.new_tokens, dtype=torch.int32)
-        raise KeyError(name)
+# (full-precision ids, sealed ids, full-precision ids to keep a copy of for the step): quantize in every layer
+BlockSealer = Callable[[list[int], list[int], list[int]], None]
 
 
 class BlockTables:
-    """The rows of one layer group, their logical length, and the planning of each step."""
+    """The rows of one layer group, their logical length, and the planning of each step.
+
+    Planning is check-before-act: `demands` says what a step takes from each pool without changing anything,
+    and `apply_step` (called once the caller reserved the blocks) changes the rows and returns the plan.
+    Quantized groups (`QuantizedBlockTables`, sealing.py) change the plan only through the sealing hooks below.
+    """
 
     def __init__(self, name: str, pool: BlockPool | None, block_size: int, sliding_window: int | None = None):
         self.name = name
@@ -132,6 +54,11 @@ class BlockTables:
     def qtables(self) -> list[list[int]]:
         """Sealed (quantized) block ids per row."""
         return [row.quantized.ids if row.quantized is not None else [] for row in self.rows]
+
+    @property
+    def quantized_pool(self) -> BlockPool | None:
+        """The pool of the sealed blocks (None: this group seals nothing)."""
+        return None
 
     @property
     def pads(self) -> list[int]:
@@ -244,17 +171,20 @@ class BlockTables:
             drops.append((quantized, max(keep_from - row.base, 0) // bs))
         return drops
 
-    def _seal_counts(self, q_len: int, fp_drops: list[int]) -> list[int]:
-        """Full-precision blocks per row (after `fp_drops`) that a step seals: none without quantization."""
-        return [0] * len(self.rows)
-
     def _step_drops(self, q_len: int) -> list[int]:
         """Leading full-precision blocks per row that leave the tables at a step (window, then sealing)."""
         window = [fp for _quantized, fp in self._window_drops()]
         return [drop + seal for drop, seal in zip(window, self._seal_counts(q_len, window))]
 
     def _row_growth(self, q_len: int, pads: list[int], drops: list[int]):
-        """Per row: (stored tokens after drops, blocks held after drops, new stored tokens)."""
+        """Per row: (stored tokens after drops, blocks held after drops, new stored tokens), the blocks that the
+        step seals as they arrive (`_arrival`) taken out."""
+        for stored, held, new in self._stored_growth(q_len, pads, drops):
+            sealed, older, blocks = self._arrival(q_len, stored, new)
+            yield stored - older, held - blocks, new - (sealed * self.block_size - older)
+
+    def _stored_growth(self, q_len: int, pads: list[int], drops: list[int]):
+        """As `_row_growth`, counting every new token as stored in full precision."""
         if self.length == 0:
             for pad in pads:
                 yield 0, 0, q_len - pad
@@ -263,11 +193,11 @@ class BlockTables:
             stored = self.stored_tokens(index) - drops[index] * self.block_size
             yield stored, len(row.blocks) - drops[index], q_len
 
-    def apply_step(self, q_len: int, pads: list[int], copy_blocks: BlockCopier, seal_blocks: BlockCopier,
+    def apply_step(self, q_len: int, pads: list[int], copy_blocks: BlockCopier, seal_blocks: BlockSealer,
                    mirrors: dict[int, int] | None = None) -> StepPlan:  # fmt: skip
         """Drop, seal, copy-on-write and allocate for a step of `q_len` tokens (the caller checked the free
         blocks), and return its plan. `copy_blocks(src, dst)` copies block contents in every layer of the
-        group (copy-on-write); `seal_blocks(src, dst)` quantizes them (quantized groups). `mirrors` (row ->
+        group (copy-on-write); `seal_blocks(src, dst, keep)` quantizes them (quantized groups). `mirrors` (row ->
         earlier row with the same state and, as far as the caller saw, the same new K/V) take their source's
         blocks instead of their own."""
         mirrors = mirrors or {}
@@ -303,21 +233,11 @@ class BlockTables:
         kv_offset = self.read_offset(self.length - q_len)
         read_start = [max(kv_offset - row.base, 0) for row in self.rows]
         read_stop = [self.stored_tokens(index) for index in range(len(self.rows))]
-        return StepPlan(
-            q_len=q_len,
-            new_len=self.length,
-            kv_offset=kv_offset,
-            write_slots=slots,
-            write_tokens=None if tokens.numel() == q_len * len(self.rows) else tokens,
-            read_start=read_start,
-            read_stop=read_stop,
-            new_tokens=list(new_tokens),
-            padding_exact=self.padding_exact,
-            tables=self,
-            base=self.base,
-            quantized_tables=[list(table) for table in self.qtables],
-            mirrors=dict(mirrors),
-        )
+        return StepPlan(q_len=q_len, new_len=self.length, kv_offset=kv_offset, write_slots=slots,
+                        write_tokens=None if tokens.numel() == q_len * len(self.rows) else tokens,
+                        read_start=read_start, read_stop=read_stop, new_tokens=list(new_tokens),
+                        padding_exact=self.padding_exact, tables=self, base=self.base,
+                        quantized_tables=[list(table) for table in self.qtables], mirrors=dict(mirrors))  # fmt: skip
 
     def unmirror(self, row: int, copy_blocks: BlockCopier) -> StepPlan:
         """Row `row` turned out to differ from its mirror source in some layer: it gets its own copies of the
@@ -334,14 +254,27 @@ class BlockTables:
         self.plan = self._make_plan(plan.q_len, plan.new_tokens, mirrors)
         return self.plan
 
+    # ------------------------------------------------------------------ sealing hooks
+    # A full-precision group seals nothing; `QuantizedBlockTables` overrides these five, which are all the ways
+    # sealing enters the planning above (it also extends `demands`, `_make_plan`, `check_crop` and `_crop_row`).
     def _new_row(self, pad: int) -> Row:
+        """An empty row (a quantized group's also has a table of sealed blocks)."""
         return Row(pads=pad, base=pad, blocks=BlockList(self.pool))
 
-    def _take_arrivals(self, q_len: int, pads: list[int], mirrors: dict[int, int]) -> None:
-        """After a step's drops: take out of the rows the blocks its layers seal as they write (quantized groups)."""
+    def _seal_counts(self, q_len: int, fp_drops: list[int]) -> list[int]:
+        """Full-precision blocks per row (after `fp_drops`) that a step seals from tokens stored before it."""
+        return [0] * len(self.rows)
 
-    def _seal(self, q_len: int, seal_blocks: BlockCopier) -> None:
-        """Quantize the blocks a step seals (quantized groups)."""
+    def _arrival(self, q_len: int, stored: int, new: int) -> tuple[int, int, int]:
+        """(blocks, of their tokens the stored ones, full-precision blocks holding those) that a step seals from
+        its own tokens as its layers write, for a row of `stored` tokens (after the drops) and `new` ones."""
+        return 0, 0, 0
+
+    def _seal(self, q_len: int, seal_blocks: BlockSealer) -> None:
+        """Before the step's drops: quantize the blocks `_seal_counts` names."""
+
+    def _take_arrivals(self, q_len: int, pads: list[int], mirrors: dict[int, int]) -> None:
+        """After the step's drops: take out of the rows the blocks `_arrival` names."""
 
     def _allocate(self, q_len: int, pads: list[int], copy_blocks: BlockCopier, mirrors: dict[int, int]) -> None:
         """Drop leading blocks, copy-on-write shared last blocks and allocate new ones (mirror rows, released
@@ -368,7 +301,7 @@ class BlockTables:
     def _extend_rows(self, extras: list[int]) -> None:
         """Give each row its `extras` new blocks. A row whose next block is free continues its run; the rows
         that cannot (every row of a new batch) start runs spread over the longest free stretch, so that rows
-        growing together keep out of each other's way and stay readable as views (`read_runs`)."""
+        growing together keep out of each other's way and stay readable as views (`StepPlan.runs`)."""
         starting = [index for index, (row, extra) in enumerate(zip(self.rows, extras))
                     if extra > 0 and not row.blocks.can_continue()]  # fmt: skip
         for index, extra in enumerate(extras):
@@ -387,61 +320,6 @@ class BlockTables:
         """The first block id when all of the row's full-precision blocks form one run, else None."""
         blocks = self.rows[row].blocks
         return blocks.ids[0] if blocks.ids and blocks.run_from == 0 else None
-
-    # ------------------------------------------------------------------ reading
-    def read_runs(self, plan: StepPlan) -> list[list[tuple[int, int, int]]]:
-        """Per row, the stored range [read_start, read_stop) as runs of consecutive slots: (column in the
-        logical read range [kv_offset, new_len), first slot, tokens). Each run is one contiguous stretch
-        per head of the head-major storage, so a reader takes views of it instead of gathering slots.
-        Stored index `s` stands at column `base + s - kv_offset` (virtual after a compaction)."""
-        bs, runs = self.block_size, []
-        for row, start, stop, base in zip(self.rows, plan.read_start, plan.read_stop, plan.base):
-            ids, row_runs, index = row.blocks.ids, [], start
-            while index < stop:
-                block = end = index // bs
-                if block >= row.blocks.run_from:  # consecutive from here to the end
-                    end = ceil_div(stop, bs) - 1
-                while (end + 1) * bs < stop and ids[end + 1] == ids[end] + 1:
-                    end += 1
-                count = min((end + 1) * bs, stop) - index
-                row_runs.append((base + index - plan.kv_offset, ids[block] * bs + index % bs, count))
-                index += count
-            runs.append(row_runs)
-        return runs
-
-    def block_read(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each row's read range as whole blocks, in stored order: (block ids `[rows, width]`, null-padded;
-        the logical position of every slot of them `[rows, width * block_size]`; whether that slot is in
-        the row's read range). Reading whole blocks copies `block_size` tokens per index, and rows need
-        not line up by position: the mask goes by each slot's logical position instead."""
-        bs = self.block_size
-        first = [start // bs for start in plan.read_start]
-        counts = [max(ceil_div(stop, bs) - block, 0) for block, stop in zip(first, plan.read_stop)]
-        width = max(max(counts, default=0), 1)
-        ids = torch.tensor([row.blocks.ids[block : block + count] + [NULL_BLOCK] * (width - count)
-                            for row, block, count in zip(self.rows, first, counts)], dtype=torch.long)  # fmt: skip
-        stored = torch.tensor(first)[:, None] * bs + torch.arange(width * bs)[None, :]
-        valid = (stored >= torch.tensor(plan.read_start)[:, None]) & (stored < torch.tensor(plan.read_stop)[:, None])
-        return ids, torch.tensor(plan.base)[:, None] + stored, valid
-
-    def table_tensor(self) -> torch.Tensor:
-        """Block tables as one int64 tensor `[rows, max blocks]`, short rows padded with the null block."""
-        tables = self.tables
-        width = max((len(table) for table in tables), default=0)
-        return torch.tensor([table + [NULL_BLOCK] * (width - len(table)) for table in tables], dtype=torch.long)
-
-    def gather_slots(self, kv_offset: int, new_len: int) -> torch.Tensor:
-        """Slot of every logical position in [kv_offset, new_len) per row; unstored ones map to the null slot."""
-        positions = torch.arange(kv_offset, new_len)
-        stored = positions[None, :] - torch.tensor(self.base)[:, None]
-        valid = stored >= 0
-        stored = stored.clamp(min=0)
-        table = self.table_tensor()
-        if table.shape[1] == 0:
-            return torch.zeros(stored.shape, dtype=torch.long)
-        blocks = table.gather(1, (stored // self.block_size).clamp(max=table.shape[1] - 1))
-        slots = blocks * self.block_size + stored % self.block_size
-        return torch.where(valid, slots, NULL_BLOCK * self.block_size)
 
     def adopt(self, base: int, blocks: list[int], length: int) -> None:
         """Become one row of `length` tokens whose blocks (already referenced for it) hold positions from `base`
@@ -472,8 +350,8 @@ class BlockTables:
         """(pool, fresh blocks) that `unshare` takes after `reorder(order)`: one per reference beyond the first
         (computed before the reorder, so a shortage can be reported with nothing changed)."""
         def holders(rows: list[Row]) -> Counter:
-            return Counter((id(blocks.pool), block) for row in rows for blocks in (row.blocks, row.quantized)
-                           if blocks is not None for block in blocks.ids)  # fmt: skip
+            return Counter((id(blocks.pool), block) for row in rows for blocks in row.block_lists()
+                           for block in blocks.ids)  # fmt: skip
 
         pools = {id(pool): pool for pool in self.pools() if pool is not None}
         before, after = holders(self.rows), holders([self.rows[source] for source in order])
@@ -524,24 +402,19 @@ class BlockTables:
             self.release()
             return
         for index, row in enumerate(self.rows):
-            if row.kept_positions is not None:
-                self._crop_compacted(index, new_len)
-            elif row.quantized is not None and len(row.quantized) and new_len < row.base:  # into the sealed prefix
-                first = self.first_stored(index)
-                keep = max(new_len - first, 0) // self.block_size
-                row.quantized.truncate(keep)
-                row.blocks.free_all()
-                row.base = first + keep * self.block_size
+            self._crop_row(index, new_len)
             row.blocks.truncate(ceil_div(max(new_len - row.base, 0), self.block_size))
         self.length = new_len
         self.plan = None
 
-    def _crop_compacted(self, index: int, new_len: int) -> None:
-        """Crop a compacted row: its survivors up to `new_len`, by stored index (`base` is virtual)."""
+    def _crop_row(self, index: int, new_len: int) -> None:
+        """Before the row's full-precision blocks are cut at `new_len`: a compacted row keeps its survivors up to
+        `new_len`, by stored index (`base` is virtual)."""
         row = self.rows[index]
-        positions, keep = self.stored_positions(index), self.stored_before(index, new_len)
-        row.kept_positions = positions[..., : min(keep, row.kept_positions.shape[-1])]
-        row.base = new_len - (keep - self.stored_count(index) + self.stored_tokens(index))
+        if row.kept_positions is not None:
+            positions, keep = self.stored_positions(index), self.stored_before(index, new_len)
+            row.kept_positions = positions[..., : min(keep, row.kept_positions.shape[-1])]
+            row.base = new_len - (keep - self.stored_count(index) + self.stored_tokens(index))
 
     def release(self) -> None:
         """Return every block to the pool and forget all rows."""
@@ -576,7 +449,7 @@ class BlockTables:
     # ------------------------------------------------------------------ state
     def pools(self) -> tuple[BlockPool | None, BlockPool | None]:
         """(full-precision pool, quantized pool): None where the group has none (yet)."""
-        return self.pool, None
+        return self.pool, self.quantized_pool
 
     def drop_plan(self) -> None:
         """Forget the step plan after the rows' tables moved (a swap, a packing): the next step makes its own."""
@@ -609,192 +482,3 @@ class BlockTables:
         self.length, self.record_past = state["length"], state["record_past"]
         self.padding_exact = state["padding_exact"]
         self.plan = None
-
-class QuantizedBlockTables(BlockTables):
-    """Block tables whose rows start with sealed quantized blocks (ids of a second pool, `qpool`).
-
-    Sealing follows positions, not step sizes. A token at position p reads quantized every block that ends
-    at least `R = max(residual_length, 1)` positions before p + 1, as in token-by-token decoding; a step
-    seals what its first new token reads that way (blocks of tokens stored before the step: a quantized
-    block is allocated, every layer of the group quantizes the block into it, the full-precision block
-    goes back to its pool). A step of at most R tokens seals nothing more, so a crop back to any of its
-    tokens (assisted decoding) finds exactly the blocks a cache grown to that length would have sealed.
-    A longer step (a prompt chunk) leaves the row as token-by-token growth would: each layer quantizes the
-    blocks its new tokens complete up to R positions before the step's end straight from the new K/V
-    (`StepPlan.arrivals`), so they never take a full-precision block. History is quantized exactly once;
-    quantized blocks are always full, so rows share them without copy-on-write.
-    """
-
-    def __init__(self, name: str, pool: BlockPool | None, qpool: BlockPool, block_size: int,
-                 sliding_window: int | None, kv_format, residual_length: int):  # fmt: skip
-        super().__init__(name, pool, block_size, sliding_window)
-        self.qpool = qpool
-        self.kv_format = kv_format
-        self.residual_length = residual_length
-        # Shared full-precision block -> (its epoch, its sealed copy, that copy's epoch), shared by the forks of
-        # the cache: the first table to seal a shared block seals it, the others take a reference to the copy.
-        self.sealed_copies: dict[int, tuple[int, int, int]] = {}
-        self._arrivals: list[tuple[int, int, list[int], int, list[int]]] = []  # this step's (`StepPlan.arrivals`)
-
-    @property
-    def window(self) -> int:
-        """R: a token reads quantized the blocks that end at least R positions before it + 1."""
-        return max(self.residual_length, 1)
-
-    def _new_row(self, pad: int) -> Row:
-        return Row(pads=pad, base=pad, blocks=BlockList(self.pool), quantized=BlockList(self.qpool))
-
-    def _seal_counts(self, q_len: int, fp_drops: list[int]) -> list[int]:
-        if self.length == 0:
-            return [0] * len(self.rows)
-        horizon = self.length + 1 - self.window  # what the step's first token reads quantized
-        return [
-            max(min(max(horizon - row.base, 0) // self.block_size, len(row.blocks)) - drop, 0)
-            for row, drop in zip(self.rows, fp_drops)
-        ]
-
-    def _transition(self, q_len: int, stored: int, new: int) -> int:
-        """Blocks from the start of a row's full-precision tokens (`stored` of them after the step's drops, then
-        `new`) that some but not all of the step's tokens read quantized: those ending R positions or more
-        before the step's end."""
-        return max((stored + new - self.window) // self.block_size, 0) if q_len > 1 else 0
-
-    def _arrival(self, q_len: int, stored: int, new: int) -> tuple[int, int, int]:
-        """(blocks, of their tokens the stored ones, full-precision blocks holding those) that a step seals
-        as its layers write: the transition blocks of a step longer than R, none otherwise."""
-        sealed = self._transition(q_len, stored, new) if q_len > self.window else 0
-        older = min(stored, sealed * self.block_size)
-        return sealed, older, ceil_div(older, self.block_size)
-
-    def _row_growth(self, q_len: int, pads: list[int], drops: list[int]):
-        """As `BlockTables._row_growth`, with the blocks sealed as they arrive taken out."""
-        for stored, held, new in super()._row_growth(q_len, pads, drops):
-            sealed, older, blocks = self._arrival(q_len, stored, new)
-            yield stored - older, held - blocks, new - (sealed * self.block_size - older)
-
-    def _take_arrivals(self, q_len: int, pads: list[int], mirrors: dict[int, int]) -> None:
-        self._arrivals = []
-        for index, row in enumerate(self.rows):
-            new = q_len if self.length else q_len - pads[index]
-            sealed, older, blocks = self._arrival(q_len, self.stored_tokens(index), new)
-            if not sealed or index in mirrors:
-                continue
-            sources = row.blocks.ids[:blocks]  # every layer kept a copy of their tokens (`_seal`)
-            row.blocks.drop_front(blocks)
-            last = row.quantized.ids[-1] if len(row.quantized) else None
-            fresh = self.qpool.allocate(sealed, after=last)
-            row.quantized.append_fresh(fresh)
-            row.base += sealed * self.block_size
-            self._arrivals.append((index, q_len - new, sources, older, fresh))
-
-    def _make_plan(self, q_len: int, new_tokens: list[int], mirrors: dict[int, int]) -> StepPlan:
-        plan = super()._make_plan(q_len, new_tokens, mirrors)
-        plan.arrivals = self._arrivals
-        if q_len > self.window:
-            sealed = {row: len(fresh) for row, _first, _sources, _older, fresh in self._arrivals}
-            plan.transition = [sealed.get(mirrors.get(row, row), 0) for row in range(len(self.rows))]
-        else:
-            plan.transition = [self._transition(q_len, self.stored_tokens(row), 0) for row in range(len(self.rows))]
-        plan.transition = [0 if row.kept_positions is not None else count
-                           for row, count in zip(self.rows, plan.transition)]  # fmt: skip
-        return plan
-
-    def _sealed_blocks(self, q_len: int) -> list[list[int]]:
-        """Per row, the full-precision block ids a step of `q_len` tokens seals."""
-        window = [fp for _quantized, fp in self._window_drops()]
-        seals = self._seal_counts(q_len, window)
-        return [row.blocks.ids[drop : drop + seal] for row, drop, seal in zip(self.rows, window, seals)]
-
-    def demands(self, q_len: int, pads: list[int], mirrors: dict[int, int]) -> list[tuple[BlockPool, int, int, str]]:
-        sealed = {block for blocks in self._sealed_blocks(q_len) for block in blocks}
-        quantized_drops = [(row.quantized, drop) for row, (drop, _fp) in zip(self.rows, self._window_drops())]
-        freed = blocks_freed(quantized_drops) if self.rows else 0
-        drops = self._step_drops(q_len)
-        arrivals = [self._arrival(q_len, stored, new)
-                    for stored, _held, new in BlockTables._row_growth(self, q_len, pads, drops)]  # fmt: skip
-        needed = len(sealed) + sum(sealed for row, (sealed, _, _) in enumerate(arrivals) if row not in mirrors)
-        ((pool, fp_needed, _freed, name),) = super().demands(q_len, pads, mirrors)
-        # The full-precision blocks sealed with new tokens follow the drops, and go back to the pool with them.
-        leading = [(row.blocks, drop + blocks) for row, drop, (_, _, blocks) in zip(self.rows, drops, arrivals)]
-        fp_freed = blocks_freed(leading)
-        return [(pool, fp_needed, fp_freed if self.rows else 0, name),
-                (self.qpool, needed, freed, f"{self.name} (quantized)")]  # fmt: skip
-
-    def _seal(self, q_len: int, seal_blocks: BlockCopier) -> None:
-        sealed: dict[int, int] = {}  # fp block -> its quantized block (rows sharing a block share its copy)
-        for row, blocks in zip(self.rows, self._sealed_blocks(q_len)):
-            for block in blocks:
-                copy = self._sealed_copy(block)
-                if copy is not None:
-                    row.quantized.append_shared(copy, fresh=False)
-                    continue
-                fresh = block not in sealed
-                if fresh:
-                    last = row.quantized.ids[-1] if len(row.quantized) else None
-                    (sealed[block],) = self.qpool.allocate(1, after=last)
-                row.quantized.append_shared(sealed[block], fresh)
-        for block, copy in sealed.items():
-            if self.pool.ref_count(block) > sum(block in ids for ids in self.tables):  # a fork holds it too
-                self.sealed_copies[block] = (self.pool.epoch(block), copy, self.qpool.epoch(copy))
-        keep = self._kept_blocks(q_len)
-        if sealed or keep:
-            seal_blocks(list(sealed), list(sealed.values()), keep)
-
-    def _kept_blocks(self, q_len: int) -> list[int]:
-        """The full-precision blocks whose tokens a step seals along with new ones: each layer keeps a copy of
-        them when the step is planned, before any block the step frees can be handed out again."""
-        drops, keep = self._step_drops(q_len), {}
-        for index, (stored, _held, new) in enumerate(BlockTables._row_growth(self, q_len, [], drops)):
-            blocks = self._arrival(q_len, stored, new)[2]
-            keep.update(dict.fromkeys(self.rows[index].blocks.ids[drops[index] : drops[index] + blocks]))
-        return list(keep)
-
-    def _sealed_copy(self, block: int) -> int | None:
-        """The sealed copy a fork already made of `block`, if both are still the blocks they were."""
-        entry = self.sealed_copies.get(block)
-        if entry is None:
-            return None
-        epoch, copy, copy_epoch = entry
-        if self.pool.epoch(block) == epoch and self.qpool.ref_count(copy) and self.qpool.epoch(copy) == copy_epoch:
-            return copy
-        del self.sealed_copies[block]  # the block or its copy was freed and reused since
-        return None
-
-    def check_crop(self, new_len: int) -> None:
-        """Cropping inside a row's quantized prefix is exact only at a block boundary (whole quantized
-        blocks are dropped; none is re-quantized); anywhere else it raises, changing nothing."""
-        for index, row in enumerate(self.rows):
-            if row.kept_positions is not None and new_len > 0:
-                if self.stored_before(index, new_len) < self.quantized_tokens(index):
-                    raise RuntimeError(
-                        f"Cannot crop the {self.name} layers to {new_len} tokens: row {index} was compacted by "
-                        "eviction and the crop would reach into its quantized blocks; crop fewer tokens."
-                    )
-                continue
-            offset = new_len - self.first_stored(index)
-            if new_len > 0 and len(row.quantized) and new_len < row.base and offset > 0 and offset % self.block_size:
-                lower = new_len - offset % self.block_size
-                raise RuntimeError(
-                    f"Cannot crop the {self.name} layers to {new_len} tokens: position {new_len} lies inside a "
-                    f"quantized block (row {index}), and a quantized block is never re-quantized or split. Crop to "
-                    f"a block boundary ({lower} or {lower + self.block_size}) or into the full-precision tokens "
-                    f"(>= {row.base}), or raise `residual_length` (now {self.residual_length}) so that more "
-                    "recent tokens stay in full precision."
-                )
-        super().check_crop(new_len)
-
-    def remap_sealed_copies(self, old_to_new: Renumbering) -> None:
-        """Renumber the sealed-copy records, shared by the forks (so once per family), ahead of the pools' remap:
-        records of stale or unreferenced blocks are forgotten."""
-        fp, quantized = old_to_new[self.pool], old_to_new[self.qpool]
-        live = {
-            fp[block]: quantized[copy] for block, (epoch, copy, copy_epoch) in self.sealed_copies.items()
-            if block in fp and copy in quantized and self.pool.epoch(block) == epoch
-            and self.qpool.epoch(copy) == copy_epoch
-        }  # fmt: skip
-        self.sealed_copies.clear()
-        self.sealed_copies.update({block: (self.pool.remapped_epoch(block), copy, self.qpool.remapped_epoch(copy))
-                                   for block, copy in live.items()})  # fmt: skip
-
-    def pools(self) -> tuple[BlockPool | None, BlockPool | None]:
-        return self.pool, self.qpool

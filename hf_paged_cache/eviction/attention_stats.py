@@ -18,7 +18,7 @@ from ..attention.torch_path import attention_mass
 from .statistics import Statistic
 
 if TYPE_CHECKING:
-    from ..blocks.tables import StepPlan
+    from ..blocks.plan import StepPlan
     from ..layers.paged import PagedLayer
 
 QUERY_CHUNK = 256  # queries per pass when the torch path computes attention statistics

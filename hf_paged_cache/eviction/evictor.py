@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..blocks.tables import BlockTables, StepPlan
+from ..blocks.plan import StepPlan
+from ..blocks.tables import BlockTables
 from .attention_stats import AttentionStats
 from .policies.base import EvictionPolicy
 from .removal import check_evict, evict_tokens, unit_sizes
@@ -31,10 +32,9 @@ class Evictor:
     The policy's variant keywords are resolved once, into `selector` (`EvictionPolicy.composed()`)."""
 
     def __init__(self, policy: EvictionPolicy, layers: dict[int, PagedLayer], block_size: int,
-                 evict_every: int | None, between_chunks: bool, tp_size: int = 1, growable: bool = False):  # fmt: skip
+                 evict_every: int | None, between_chunks: bool, tp_size: int = 1):  # fmt: skip
         self.policy = policy
         self.selector = policy.composed()
-        self.growable = growable  # whether eviction may grow a pool for the fresh blocks copy-on-write needs
         self.layers = layers
         self.block_size = block_size
         self.evict_every = evict_every
@@ -94,7 +94,7 @@ class Evictor:
                 if group.stored_count(row) > budget + slack:
                     keeps[row] = self._choose_kept(index, row, budget)
             if keeps:
-                check_evict(group, keeps, self.growable)
+                check_evict(group, keeps)
                 decisions.append((group, index, keeps))
         evicted = 0
         for group, index, keeps in decisions:

@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..blocks.tables import BlockTables, ceil_div
-from ..errors import OutOfBlocksError
+from ..blocks.plan import ceil_div
+from ..blocks.tables import BlockTables
 
 # (source slots `[1 or kv_heads, k]`, target slots `[k]`): every head's token k moves to target k, all reads first
 TokenMover = Callable[[torch.Tensor, torch.Tensor], None]
@@ -30,18 +30,15 @@ def unit_sizes(group: BlockTables, row: int) -> list[int]:
     return [group.block_size] * (group.quantized_tokens(row) // group.block_size) + [1] * group.stored_tokens(row)
 
 
-def check_evict(group: BlockTables, keeps: dict[int, torch.Tensor], growable: bool) -> None:
+def check_evict(group: BlockTables, keeps: dict[int, torch.Tensor]) -> None:
     """Make sure evicting from rows `keeps` finds the fresh blocks it needs: a row's shared (copy-on-write)
-    blocks cannot be written, so its survivors go to fresh ones. A growable pool grows by the shortfall;
-    a fixed one raises, changing nothing."""
+    blocks cannot be written, so its survivors go to fresh ones. The pool reserves them (`BlockPool.reserve`:
+    a growable pool grows, a fixed one raises, changing nothing)."""
     fresh = 0
     for row, keep in keeps.items():
         needed = ceil_div(kept_per_head(keep[..., group.quantized_tokens(row) :]), group.block_size)
         fresh += sum(1 for block in group.rows[row].blocks.ids[:needed] if group.pool.ref_count(block) > 1)
-    if fresh > group.pool.num_free:
-        if not growable:
-            raise OutOfBlocksError(group.name, fresh, group.pool.num_free, group.pool.num_blocks, group.block_size)
-        group.pool.grow(fresh - group.pool.num_free)
+    group.pool.reserve(fresh, group=group.name, block_size=group.block_size)
 
 
 def kept_per_head(keep: torch.Tensor) -> int:

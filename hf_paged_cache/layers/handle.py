@@ -14,7 +14,7 @@ from ..attention.torch_path import causal_mask
 if TYPE_CHECKING:
     from transformers.cache_utils import CacheLayerMixin
 
-    from ..blocks.tables import StepPlan
+    from ..blocks.plan import StepPlan
 
 PAGED_KV_KWARG = "paged_kv"
 # (plan, query, mask, scale, softcap, sinks): what runs after a layer's attention (eviction), bound by the cache.

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..blocks.tables import BlockTables, StepPlan
+from ..blocks.plan import StepPlan
+from ..blocks.tables import BlockTables
 from ..kernels.layout import allocate_kv_blocks
 from ..attention.paged_states import paged_only
 from ..attention.torch_path import attend, attention, causal_mask, zero_unattended
@@ -317,13 +318,13 @@ class PagedLayer(CacheLayerMixin):
     def read_with_mask(
         self, plan: StepPlan, mask: torch.Tensor | None, q_len: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """K/V of the step's read range as whole blocks in stored order (`BlockTables.block_read`) and the
+        """K/V of the step's read range as whole blocks in stored order (`StepPlan.block_read`) and the
         boolean mask `[b, 1, q, n]` that goes with them: the model's mask taken at each slot's logical
         position, hiding slots outside the row's range. A compacted row stores its survivors in front of
         its virtual `base` (`Row.base`), so they stand at positions the model's mask shows.
         """
         ids, positions, valid = plan.cached(("block_read", self.device),
-                                            lambda: tuple(t.to(self.device) for t in plan.tables.block_read(plan)))
+                                            lambda: tuple(t.to(self.device) for t in plan.block_read()))
         keys, values = (_gather_blocks(blocks, ids) for blocks in (self.key_blocks, self.value_blocks))
         total = plan.new_len - plan.kv_offset
         if mask is None:

@@ -20,7 +20,8 @@ import copy
 
 import torch
 
-from ..blocks.tables import QuantizedBlockTables, StepPlan
+from ..blocks.plan import StepPlan
+from ..blocks.sealing import QuantizedBlockTables
 from .paged import PagedLayer, storage_field
 from ..quantization.base import KVFormat
 from ..quantization.registry import kv_format_fields

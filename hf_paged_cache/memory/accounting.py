@@ -11,7 +11,8 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..attention.contract import latent_key_shape
-from ..blocks.tables import BlockTables, QuantizedBlockTables
+from ..blocks.sealing import QuantizedBlockTables
+from ..blocks.tables import BlockTables
 from ..config import PagedCacheConfig, parse_bytes
 from ..layer_types.registry import layer_type_for
 

@@ -21,7 +21,7 @@ import torch
 
 from ..blocks.packing import pack
 from ..blocks.pool import BlockPool
-from ..blocks.tables import QuantizedBlockTables
+from ..blocks.sealing import QuantizedBlockTables
 from ..cache import PagedCache
 from ..serving.prefix_cache import PrefixCache
 from .swap import KINDS, group_pool, storage_tensors
@@ -66,7 +66,7 @@ def fragmentation(template: PagedCache) -> dict[str, Fragmentation]:
             pool = group_pool(group, kind)
             if pool is None:
                 continue
-            high = max(pool.packing(), default=0)
+            high = max(pool.used_ids(), default=0)
             breaks = sum(1 for ids in _tables(caches, pool, kind) for a, b in zip(ids, ids[1:]) if b != a + 1)
             result[name if kind == "blocks" else f"{name}/quantized"] = Fragmentation(pool.num_blocks, pool.num_used,
                                                                                       high, breaks)  # fmt: skip
@@ -100,7 +100,7 @@ def defragment(template: PagedCache, prefix_cache: PrefixCache | None = None, ke
 
 def _tables(caches: list[PagedCache], pool: BlockPool, kind: str) -> list[list[int]]:
     return [blocks.ids for cache in caches for group in cache.groups.values() for row in group.rows
-            if (blocks := getattr(row, kind)) is not None and blocks.pool is pool]  # fmt: skip
+            for blocks in row.block_lists() if blocks.pool is pool]  # fmt: skip
 
 
 def _copy(tensors: list[torch.Tensor], sources: list[int], targets: list[int]) -> None:

@@ -26,7 +26,8 @@ from safetensors import SafetensorError, safe_open
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from ..blocks.tables import BlockTables, QuantizedBlockTables
+from ..blocks.sealing import QuantizedBlockTables
+from ..blocks.tables import BlockTables
 from ..config import PagedCacheConfig, _check_device_exists
 from ..errors import CacheFileError
 from ..layers.paged import PagedLayer

@@ -22,7 +22,9 @@ import torch
 from safetensors.torch import save_file
 from transformers.cache_utils import Cache
 
-from ..blocks.tables import BlockTables, QuantizedBlockTables
+from ..blocks.sealing import QuantizedBlockTables
+
+from ..blocks.tables import BlockTables
 from ..layers.paged import PagedLayer
 from .header import dtype_name
 from .options import options_to_json, policy_state

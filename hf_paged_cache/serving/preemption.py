@@ -77,7 +77,7 @@ def check_weights(decay: float, size_weight: float) -> None:
 def held_blocks(cache: PagedCache) -> int:
     """Blocks the rows of `cache` hold (full-precision and quantized; shared ones counted once per holder)."""
     return sum(len(blocks) for group in cache.groups.values() for row in group.rows
-               for blocks in (row.blocks, row.quantized) if blocks is not None)  # fmt: skip
+               for blocks in row.block_lists())
 
 
 # ---------------------------------------------------------------------- preemption

@@ -19,7 +19,8 @@ from array import array
 from dataclasses import dataclass
 
 from ..blocks.packing import Renumbering
-from ..blocks.tables import BlockTables, QuantizedBlockTables
+from ..blocks.sealing import QuantizedBlockTables
+from ..blocks.tables import BlockTables
 from ..cache import PagedCache
 
 

@@ -11,7 +11,8 @@ import torch
 from hf_paged_cache.blocks.packing import pack
 from hf_paged_cache.blocks.pool import BlockPool
 from hf_paged_cache.blocks.rows import BlockList, Row
-from hf_paged_cache.blocks.tables import BlockTables, QuantizedBlockTables
+from hf_paged_cache.blocks.sealing import QuantizedBlockTables
+from hf_paged_cache.blocks.tables import BlockTables
 from hf_paged_cache.serving.prefix_cache import PrefixCache
 
 

@@ -28,7 +28,7 @@ def test_survivors_move_to_the_front_and_the_freed_blocks_return():
 
     keep = torch.tensor([True, True, False, False, True, False, True, False, True, True])
     assert unit_sizes(tables, 0) == [1] * 10
-    check_evict(tables, {0: keep}, growable=False)  # no shared block: nothing fresh is needed
+    check_evict(tables, {0: keep})  # no shared block: nothing fresh is needed
     assert evict_tokens(tables, 0, keep, move) == 4
     assert pool.num_used == used - 1 and tables.stored_count(0) == 6 and tables.length == 10
     survivors = [0, 1, 4, 6, 8, 9]

@@ -72,6 +72,14 @@ def test_row_fork_shares_both_tables_and_release_returns_them():
     assert pool.num_used == 0 and qpool.num_used == 0
 
 
+def test_block_lists_are_the_full_precision_table_then_the_sealed_one_if_any():
+    pool, qpool = BlockPool(4), BlockPool(4)
+    plain = Row(pads=0, base=0, blocks=BlockList(pool))
+    sealed = Row(pads=0, base=0, blocks=BlockList(pool), quantized=BlockList(qpool))
+    assert plain.block_lists() == [plain.blocks]
+    assert [blocks.pool for blocks in sealed.block_lists()] == [pool, qpool]
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["extend", "fork", "cow", "drop", "truncate", "free"]),
                           st.integers(0, 3), st.integers(0, 4)), max_size=40))  # fmt: skip

@@ -5,7 +5,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hf_paged_cache.blocks.pool import NULL_BLOCK, BlockPool
+from hf_paged_cache.blocks.pool import GROWTH, NULL_BLOCK, BlockPool, grown_size
+from hf_paged_cache.errors import OutOfBlocksError
 
 
 class BlockPoolMachine(RuleBasedStateMachine):
@@ -69,10 +70,10 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def free_unowned_is_rejected_and_changes_nothing(self, block):
         if block in self.refs:
             return
-        before = (self.pool.num_free, list(self.pool._next), list(self.pool._ref))
+        before = (self.pool.num_free, self.pool.free_ids(), self.pool.ref_counts())
         with pytest.raises(ValueError):
             self.pool.free([block])
-        assert before == (self.pool.num_free, list(self.pool._next), list(self.pool._ref))
+        assert before == (self.pool.num_free, self.pool.free_ids(), self.pool.ref_counts())
 
     @rule(block=st.integers(0, 20))
     def fork_unallocated_is_rejected(self, block):
@@ -100,11 +101,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def free_queue_holds_exactly_the_free_blocks(self):
-        queue, node = [], self.pool._next[NULL_BLOCK]
-        while node != NULL_BLOCK:
-            queue.append(node)
-            node = self.pool._next[node]
-            assert len(queue) <= self.pool.num_blocks, "cycle in the free queue"
+        queue = self.pool.free_ids()
+        assert len(queue) <= self.pool.num_blocks, "cycle in the free queue"
         assert sorted(queue) == [b for b in range(1, self.pool.num_blocks + 1) if b not in self.refs]
 
 
@@ -166,7 +164,7 @@ def test_allocate_more_than_free_changes_nothing():
 
 
 def _pool_state(pool: BlockPool) -> tuple:
-    return pool.num_blocks, pool.num_free, list(pool._next), list(pool._prev), list(pool._ref)
+    return pool.num_blocks, pool.num_free, pool.free_ids(), pool.ref_counts()
 
 
 @pytest.mark.parametrize("bad", [-2, -1, 1.5, True, "3"])
@@ -223,3 +221,38 @@ def test_every_way_of_allocating_bumps_the_epoch():
     taken = [*pool.allocate(2), *(block for run in pool.allocate_runs([2, 3]) for block in run)]
     assert all(pool.epoch(block) == before[block] + 1 for block in taken)
     assert all(pool.epoch(block) == before[block] for block in range(1, 13) if block not in taken)
+
+
+def test_a_fixed_pool_raises_naming_the_group_and_changes_nothing():
+    pool = BlockPool(4)
+    pool.allocate(3)
+    before = _pool_state(pool)
+    assert pool.shortfall(1) == 0 and pool.shortfall(3) == 2 and pool.shortfall(3, freed=2) == 0
+    assert pool.check_reserve(1, group="full", block_size=16) == 0
+    pool.reserve(3, group="full", block_size=16, freed=2)  # fits once the step's freed blocks are back
+    for call in (pool.check_reserve, pool.reserve):
+        with pytest.raises(OutOfBlocksError, match="its full layers: this step needs 3 blocks but only 2 of 4 "):
+            call(3, group="full", block_size=16, freed=1)
+    assert _pool_state(pool) == before
+
+
+@pytest.mark.parametrize("in_use", [0, 1, 4, 10, 100])
+def test_a_growable_pool_grows_to_the_grown_size_of_what_it_will_hold(in_use):
+    pool = BlockPool(in_use, growable=True)
+    pool.allocate(in_use)
+    assert pool.check_reserve(0, group="g", block_size=4) == 0
+    extra = pool.check_reserve(3, group="g", block_size=4, freed=1)
+    assert extra == grown_size(in_use - 1 + 3) - in_use and pool.num_blocks == in_use  # the check changes nothing
+    pool.reserve(3, group="g", block_size=4, freed=1)
+    assert pool.num_blocks == grown_size(in_use + 2)
+    assert grown_size(in_use) == max(in_use, int(GROWTH * in_use) - 1)
+
+
+def test_free_ids_and_ref_counts_are_read_only_views():
+    pool = BlockPool(4)
+    a, b, c, d = pool.allocate(4)
+    pool.fork([b])
+    pool.free([c, a])
+    assert pool.free_ids() == [c, a] and pool.ref_counts() == (1, 0, 2, 0, 1)
+    pool.free_ids().clear()
+    assert pool.free_ids() == [c, a] and pool.used_ids() == [b, d]
