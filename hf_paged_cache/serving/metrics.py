@@ -57,6 +57,15 @@ class BatchMetrics:
     def usage_ratio(self) -> float:
         return self.blocks_used / self.blocks_total if self.blocks_total else 0.0
 
+    def as_dict(self) -> dict:
+        """One flat record (a row of a table of `BatchGenerator.history`): the fields, each mechanism's preemptions
+        as `preempted_<mechanism>` (swap and recompute always), and the derived ratios."""
+        record = {name: value for name, value in vars(self).items() if name != "preempted"}
+        counts = {"swap": 0, "recompute": 0, **self.preempted}
+        record.update({f"preempted_{mechanism}": count for mechanism, count in counts.items()})
+        return {**record, "usage_ratio": self.usage_ratio, "batch_efficiency": self.batch_efficiency,
+                "prefix_hit_rate": self.prefix_hit_rate}  # fmt: skip
+
     @property
     def batch_efficiency(self) -> float:
         """Tokens computed per token of budget."""

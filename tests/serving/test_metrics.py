@@ -46,3 +46,12 @@ def test_a_snapshot_without_preemptions_or_a_prefix_cache_reads_zero():
 def test_the_compute_rate_is_measured_tokens_per_second():
     counters = ServingCounters(forward_seconds=2.0, forward_tokens=100)
     assert counters.compute_rate == 50.0 and ServingCounters().compute_rate == 0.0
+
+
+def test_a_flat_record_names_every_mechanism_and_the_ratios():
+    metrics = ServingCounters().snapshot(0, 0.0, (1, 0, 0), 6, 8, _cache_metrics(blocks_used=1, blocks_total=4), None,
+                                         SwapStats(), CopyStats(), 0.0)  # fmt: skip
+    record = dataclasses.replace(metrics, preempted={"swap": 1, "spill": 2}).as_dict()
+    assert (record["preempted_swap"], record["preempted_recompute"], record["preempted_spill"]) == (1, 0, 2)
+    assert "preempted" not in record and record["running"] == 1
+    assert (record["usage_ratio"], record["batch_efficiency"], record["prefix_hit_rate"]) == (0.25, 0.75, 0.0)
