@@ -11,13 +11,8 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from .attention.dispatch import ATTENTION_NAME
-from .attention.contract import (
-    caches_latents,
-    check_attention_kwargs,
-    check_model_features,
-    model_name,
-)
+from .accounting import CacheMetrics, blocks_in_budget, collect_metrics
+from .attention.contract import caches_latents, check_attention_kwargs, model_name
 from .blocks.plan import StepPlan
 from .blocks.pool import BlockPool
 from .blocks.sealing import QuantizedBlockTables
@@ -33,7 +28,7 @@ from .layers.handle import PAGED_KV_KWARG, PagedKV
 from .layers.paged import PagedLayer
 from .layers.quantized import QuantizedLayer
 from .layers.shared import SharedKVLayer
-from .memory.accounting import CacheMetrics, blocks_in_budget, collect_metrics
+from .paged_attention import ATTENTION_NAME, check_model_features
 from .persistence.load import load_cache
 from .persistence.save import save_cache
 from .quantization.registry import format_from_spec

@@ -13,7 +13,8 @@ from tiny_models import MODELS_BY_NAME, VOCAB, ProducerlessGemma3nConfig
 from transformers import DynamicCache
 
 from hf_paged_cache import PagedCache, UnsupportedAttentionError
-from hf_paged_cache.attention.contract import HONOURED, REFUSED, caches_latents, check_model_features, latent_key_shape
+from hf_paged_cache.attention.contract import HONOURED, REFUSED, caches_latents, latent_key_shape
+from hf_paged_cache.paged_attention import check_model_features
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # The attention function's own parameters: a call may name them, they never reach its `**kwargs`.

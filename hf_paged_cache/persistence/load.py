@@ -33,7 +33,7 @@ from ..errors import CacheFileError
 from ..layers.paged import PagedLayer
 from ..layers.quantized import QuantizedLayer
 from ..quantization.registry import kv_format_from_fields
-from ..memory.accounting import stored_kv_shapes
+from ..accounting import stored_kv_shapes
 from .header import CRAFTED, check_header, checked_tensor, dtype_of, malformed_header, show_value
 from .options import describe_option, options_from_json, options_to_json
 from .save import DIGEST, FORMAT, digest

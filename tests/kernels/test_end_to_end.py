@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from hf_paged_cache import PagedCache
-from hf_paged_cache.attention import dispatch as attention
+from hf_paged_cache import paged_attention as attention
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, pad_token_id=0)  # fmt: skip
