@@ -16,12 +16,19 @@ import torch
 from transformers import AttentionInterface, PretrainedConfig
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention.contract import check_attention_kwargs, kv_sharing_sources, model_name, refuse, sink_logits
+from .attention.contract import (
+    PAGED_KV_KWARG,
+    check_attention_kwargs,
+    kv_sharing_sources,
+    model_name,
+    refuse,
+    sink_logits,
+)
 from .attention.paged_states import reused_paged_kv
 from .attention.torch_path import attend
 from .errors import UnsupportedAttentionError
 from .layer_types.registry import is_known, layer_type_for
-from .layers.handle import PAGED_KV_KWARG, PackedPagedKV, PagedKV
+from .layers.handle import PackedPagedKV, PagedKV
 
 ATTENTION_NAME = "paged"
 

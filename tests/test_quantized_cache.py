@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 import transformers
-from tiny_models import MODELS, MODELS_BY_NAME, PAD_ID, VOCAB, _common, _make, padded_batch
+from tiny_models import MODELS, MODELS_BY_NAME, PAD_ID, VOCAB, tiny_config, make_model, padded_batch
 
 from hf_paged_cache import OutOfBlocksError, PagedCache, PagedCacheConfig, estimate_kv_bytes
 from hf_paged_cache.blocks.sealing import QuantizedBlockTables
@@ -168,7 +168,7 @@ def test_rotated_blocks_read_like_attention_over_their_round_trip(spec, attn):
     """A decode step over sealed blocks gives the logits of a DynamicCache whose K/V of the same blocks went
     through the format's own quantize / dequantize (rotated back, for Hadamard-rotated sides): the
     rotation is undone exactly where the cache reads. One layer, so the prompt's K/V are the same in both."""
-    model, config = _make(transformers.LlamaForCausalLM, transformers.LlamaConfig(**_common(num_hidden_layers=1)))
+    model, config = make_model(transformers.LlamaForCausalLM, transformers.LlamaConfig(**tiny_config(num_hidden_layers=1)))
     prompt = torch.randint(3, VOCAB, (1, 13), generator=torch.Generator().manual_seed(0))
     cache = PagedCache(config, block_size=BLOCK, quant=spec, residual_length=RESIDUAL)
     model.set_attn_implementation(attn)

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..attention.contract import PAGED_KV_KWARG
 from ..attention.torch_path import causal_mask
 
 if TYPE_CHECKING:

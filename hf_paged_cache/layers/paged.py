@@ -16,9 +16,10 @@ from transformers.cache_utils import CacheLayerMixin
 from ..blocks.plan import StepPlan
 from ..blocks.tables import BlockTables
 from ..kernels.layout import allocate_kv_blocks
+from ..attention.contract import PAGED_KV_KWARG
 from ..attention.paged_states import paged_only
 from ..attention.torch_path import attend, attention, causal_mask, zero_unattended
-from .handle import PAGED_KV_KWARG, AfterAttention, PagedKV
+from .handle import AfterAttention, PagedKV
 from .interfaces import ReadRules, StorageOptions
 
 MAX_RUNS = 8  # a row's read cut into more runs of blocks than this is gathered slot by slot

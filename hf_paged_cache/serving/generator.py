@@ -23,7 +23,6 @@ until its forward and sampling succeed, and is rolled back (its requests recompu
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from collections import deque
