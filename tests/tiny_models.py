@@ -8,6 +8,7 @@ choices are not near-ties.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -252,6 +253,17 @@ MODELS: list[TinyModel] = [
 MODELS_BY_NAME = {entry.name: entry for entry in MODELS}
 
 
+def feed_chunks(model, cache, tokens, chunks):
+    """Feed `tokens` [1, n] in chunks of the given sizes; the logits of every position."""
+    logits, start = [], 0
+    with torch.no_grad():
+        for size in chunks:
+            chunk = tokens[:, start : start + size]
+            logits.append(model(input_ids=chunk, past_key_values=cache, use_cache=True).logits)
+            start += size
+    return torch.cat(logits, dim=1)
+
+
 def padded_batch(pads: tuple[int, ...], length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Random prompts of `length` tokens, row `i` left-padded with `pads[i]` pad tokens, and their mask."""
     generator = torch.Generator().manual_seed(seed)
@@ -261,3 +273,9 @@ def padded_batch(pads: tuple[int, ...], length: int, seed: int = 0) -> tuple[tor
         input_ids[row, :pad] = PAD_ID
         attention_mask[row, :pad] = 0
     return input_ids, attention_mask
+
+
+@functools.lru_cache(maxsize=None)
+def shared_model(name: str) -> PreTrainedModel:
+    """The model of `MODELS_BY_NAME[name]`, built once per test process, for tests that only run it."""
+    return MODELS_BY_NAME[name].build()[0]
