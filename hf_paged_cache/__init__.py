@@ -3,7 +3,7 @@
 Importing the package registers the `"paged"` attention with transformers (`register_paged_attention`).
 """
 
-from .attention.dispatch import ATTENTION_NAME, register_paged_attention
+from .paged_attention import ATTENTION_NAME, register_paged_attention
 from .serving.generator import BatchConfig, BatchGenerator, BatchMetrics, GenerationOutput, generate_batch
 from .blocks.pool import BlockPool
 from .cache import PagedCache
@@ -23,7 +23,7 @@ from .eviction import (
     pyramid_budgets,
 )
 from .inspection import GroupLayout, block_layout, cache_bytes, kept_positions
-from .memory.accounting import CacheMetrics, estimate_kv_bytes, kv_bytes_per_token
+from .accounting import CacheMetrics, estimate_kv_bytes, kv_bytes_per_token
 from .memory.defragment import Fragmentation
 from .scoring import perplexity
 from .memory.swap import SwapSpace, SwapStats

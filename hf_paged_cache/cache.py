@@ -11,29 +11,25 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from .attention.dispatch import ATTENTION_NAME
-from .attention.contract import (
-    caches_latents,
-    check_attention_kwargs,
-    check_model_features,
-    model_name,
-)
+from .accounting import CacheMetrics, blocks_in_budget, collect_metrics
+from .attention.contract import PAGED_KV_KWARG, caches_latents, check_attention_kwargs, model_name
 from .blocks.plan import StepPlan
 from .blocks.pool import BlockPool
 from .blocks.sealing import QuantizedBlockTables
 from .blocks.tables import BlockTables
+from .blocks.unsharing import unshare, unshare_demand
 from .cache_step import CacheStep, copy_blocks, copy_quantized
 from .config import PagedCacheConfig
 from .distributed import tensor_parallel_size
-from .errors import OutOfBlocksError, UnsupportedAttentionError
+from .errors import UnsupportedAttentionError
 from .eviction import Evictor
 from .forks import ForkingCache, Forks
 from .layer_types.builder import build_layers
-from .layers.handle import PAGED_KV_KWARG, PagedKV
+from .layers.handle import PagedKV
 from .layers.paged import PagedLayer
 from .layers.quantized import QuantizedLayer
 from .layers.shared import SharedKVLayer
-from .memory.accounting import CacheMetrics, blocks_in_budget, collect_metrics
+from .paged_attention import ATTENTION_NAME, check_model_features
 from .persistence.load import load_cache
 from .persistence.save import save_cache
 from .quantization.registry import format_from_spec
@@ -268,7 +264,7 @@ class PagedCache(ForkingCache, Cache):
             )
         stepped = [group for group in self.groups.values() if group.length > 0]
         demand = [] if self.options.sharing else [
-            (group, *need) for group in stepped for need in group.unshare_demand(order)
+            (group, *need) for group in stepped for need in unshare_demand(group, order)
         ]
         for group, pool, count in demand:  # sharing=False: the copies must fit before anything changes
             pool.check_reserve(count, group=group.name, block_size=group.block_size)
@@ -287,7 +283,7 @@ class PagedCache(ForkingCache, Cache):
         for group in groups:
             members = self._members[group.name]
             quantized = [layer for layer in members if isinstance(layer, QuantizedLayer)]
-            group.unshare(functools.partial(copy_blocks, members), functools.partial(copy_quantized, quantized))
+            unshare(group, functools.partial(copy_blocks, members), functools.partial(copy_quantized, quantized))
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (assisted and prompt-lookup decoding roll back this way)."""

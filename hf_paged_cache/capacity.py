@@ -15,7 +15,7 @@ import argparse
 import torch
 from transformers import AutoConfig
 
-from .memory.accounting import estimate_kv_bytes, max_sequences
+from .accounting import estimate_kv_bytes, max_sequences
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -149,7 +149,7 @@ class PagedCacheConfig:
                 object.__setattr__(self, "device", torch.device(self.device))
             except (RuntimeError, TypeError) as error:
                 raise ValueError(f"`device`={self.device!r} is not a torch device: {error}") from None
-            _check_device_exists(self.device)
+            check_device_exists(self.device)
         if self.initial_blocks is not None and (
             isinstance(self.initial_blocks, bool) or not isinstance(self.initial_blocks, int) or self.initial_blocks < 1
         ):
@@ -270,7 +270,7 @@ class PagedCacheConfig:
         return self.num_blocks is None and self.max_memory is None
 
 
-def _check_device_exists(device: torch.device) -> None:
+def check_device_exists(device: torch.device) -> None:
     """Raise if this machine has no `device` (e.g. "cuda:7" with one GPU, or any "cuda" without CUDA)."""
     if device.type == "cpu":
         return

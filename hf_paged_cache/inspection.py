@@ -35,17 +35,16 @@ def block_layout(cache: PagedCache) -> dict[str, GroupLayout]:
     """Every layer group's block tables, by group name (e.g. `"full_attention"`)."""
     layouts = {}
     for name, group in cache.groups.items():
-        rows = range(len(group.tables))
-        quantized = getattr(group, "qtables", None)
         layouts[name] = GroupLayout(
             name=name,
-            layers=[index for index, layer in enumerate(cache.layers) if getattr(layer, "tables", None) is group],
+            layers=[index for index, layer in enumerate(cache.layers)
+                    if isinstance(layer, PagedLayer) and layer.tables is group],  # fmt: skip
             block_size=group.block_size,
             num_blocks=group.pool.num_blocks if group.pool is not None else 0,
             tables=[list(table) for table in group.tables],
-            quantized_tables=[list(table) for table in quantized] if quantized is not None else [[] for _ in rows],
+            quantized_tables=[list(table) for table in group.qtables],  # empty per row in a group that seals nothing
             pads=list(group.pads),
-            stored_tokens=[group.stored_count(row) for row in rows],
+            stored_tokens=[group.stored_count(row) for row in range(len(group.tables))],
         )
     return layouts
 

@@ -29,21 +29,16 @@ import triton
 import triton.language as tl
 
 from .common import (
-    Launch,
-    check_paged_kv,
-    dot_dtype,
     first_visible_key,
-    is_interpreted,
-    last_dim_contiguous,
     load_kv_tile,
     paged_offsets,
     row_max,
     row_sum,
-    sink_logits,
     softcap_logits,
     softmax_start,
     visible,
 )
+from .launch import Launch, check_paged_kv, dot_dtype, is_interpreted, last_dim_contiguous, sink_logits
 from .paged_prefill import prefill_meta
 
 

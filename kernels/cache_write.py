@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import Launch, block_d, check_paged_kv, last_dim_contiguous
+from .launch import Launch, block_d, check_paged_kv, last_dim_contiguous
 
 FORMATS = ("plain",)
 

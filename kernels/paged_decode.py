@@ -29,19 +29,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (
+from .common import attend_stored_keys, first_visible_key, normalize, softmax_start
+from .launch import (
     MIN_DOT,
     Launch,
-    attend_stored_keys,
     block_d,
     check_paged_kv,
     dot_dtype,
-    first_visible_key,
     is_interpreted,
     last_dim_contiguous,
-    normalize,
     sink_logits,
-    softmax_start,
 )
 from .quantized import QuantizedKV, attention_args
 

@@ -34,7 +34,7 @@ import torch
 
 from hf_paged_cache.quantization import KernelFormat, QuantFormat
 
-# The smallest head a kernel tile holds unpadded (common.MIN_DOT): rotated heads must fill their tile.
+# The smallest head a kernel tile holds unpadded (launch.MIN_DOT): rotated heads must fill their tile.
 _MIN_ROTATED_HEAD_DIM = 16
 
 # The constexpr of each KernelFormat field: its name upper-cased.

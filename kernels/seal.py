@@ -45,7 +45,7 @@ import triton.language as tl
 
 from hf_paged_cache.quantization import QuantFormat
 
-from .common import Launch, block_d, check_paged_kv
+from .launch import Launch, block_d, check_paged_kv
 from .dequantize import hadamard
 from .quantized import check_fields, side_args
 

@@ -20,7 +20,7 @@ from hf_paged_cache.quantization import format_from_spec
 
 from .attention_mass import plan_paged_attention_mass
 from .cache_write import plan_write_kv
-from .common import Launch
+from .launch import Launch
 from .layout import allocate_kv_blocks
 from .paged_decode import plan_paged_decode
 from .paged_prefill import plan_paged_prefill

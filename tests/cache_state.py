@@ -11,6 +11,12 @@ import torch
 
 from hf_paged_cache import PagedCache
 from hf_paged_cache.layers.paged import PagedLayer
+from hf_paged_cache.layers.quantized import QuantizedLayer
+
+
+def quantized_fields(layer: PagedLayer) -> list[torch.Tensor]:
+    """The storage of a quantized layer's sealed blocks (its key fields, then its value fields); none otherwise."""
+    return [*layer.qkey.values(), *layer.qvalue.values()] if isinstance(layer, QuantizedLayer) else []
 
 
 def cache_state(cache: PagedCache) -> dict:
@@ -29,7 +35,7 @@ def cache_state(cache: PagedCache) -> dict:
     layers = []
     for layer in cache.layers:
         if isinstance(layer, PagedLayer):
-            fields = [*getattr(layer, "qkey", {}).values(), *getattr(layer, "qvalue", {}).values()]
+            fields = quantized_fields(layer)
             tensors = [layer.key_blocks, layer.value_blocks, *fields]
             layers.append((layer.seq_len, [_tensor(tensor) for tensor in tensors]))
         else:
@@ -61,7 +67,7 @@ def row_state(cache: PagedCache) -> dict:
         ids = torch.tensor(sorted({block for row in rows for block in row.blocks.ids}), dtype=torch.long)
         qids = torch.tensor(sorted({block for row in rows for block in (row.quantized.ids if row.quantized else [])}),
                             dtype=torch.long)  # fmt: skip
-        fields = [*getattr(layer, "qkey", {}).values(), *getattr(layer, "qvalue", {}).values()]
+        fields = quantized_fields(layer)
         tensors = [layer.key_blocks[ids], layer.value_blocks[ids], *(field[qids] for field in fields)]
         contents.append((layer.seq_len, [_tensor(tensor) for tensor in tensors]))
     return {"groups": state, "layers": contents, "eviction": cache_state(cache)["eviction"]}

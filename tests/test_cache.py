@@ -13,7 +13,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import hf_paged_cache
 from hf_paged_cache import H2O, TOVA, OutOfBlocksError, PagedCache, StreamingLLM, estimate_kv_bytes, kv_bytes_per_token
-from hf_paged_cache.attention.dispatch import paged_attention_forward
+from hf_paged_cache.paged_attention import paged_attention_forward
 
 
 def tiny_llama(layers=2, kv_heads=2):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from tiny_models import MODELS_BY_NAME
 
 from hf_paged_cache.capacity import main
-from hf_paged_cache.memory.accounting import estimate_kv_bytes, max_sequences
+from hf_paged_cache.accounting import estimate_kv_bytes, max_sequences
 
 
 def test_sequences_that_fit_follow_the_estimate_linearly(tmp_path):

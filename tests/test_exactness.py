@@ -23,7 +23,7 @@ from tiny_models import MODELS, MODELS_BY_NAME, PAD_ID, VOCAB, padded_batch
 from transformers import DynamicCache
 
 from hf_paged_cache import PagedCache
-from hf_paged_cache.layers.handle import PAGED_KV_KWARG
+from hf_paged_cache.attention.contract import PAGED_KV_KWARG
 
 ATOL = 1e-4
 BLOCK_SIZES = (1, 4, 16)

@@ -1,5 +1,11 @@
 """The package's modules import one another without a circle, counting imports under TYPE_CHECKING: a type
-hint that needs a higher module is a back-reference all the same."""
+hint that needs a higher module is a back-reference all the same.
+
+Its sub-packages (and top-level modules) form a stack, each importing only what lies below it. Bottom to top:
+errors, distributed, quantization, kernels, blocks, attention (the attention math and the keyword contract),
+layers, eviction, config, layer_types, accounting, paged_attention (the function transformers calls), cache_step,
+forks, persistence, cache, memory, inspection, serving, then the leaves (scoring, smollm2, capacity, demo).
+"""
 
 from __future__ import annotations
 
@@ -7,15 +13,22 @@ import ast
 from pathlib import Path
 
 import hf_paged_cache
+import hf_paged_cache.kernels
 
 PACKAGE = Path(hf_paged_cache.__file__).parent
+KERNELS = Path(hf_paged_cache.kernels.__file__).parent
+LAYERS = ["errors", "distributed", "quantization", "kernels", "blocks", "attention", "layers", "eviction", "config",
+          "layer_types", "accounting", "paged_attention", "cache_step", "forks", "persistence", "cache", "memory",
+          "inspection", "serving", "scoring", "smollm2", "capacity", "demo"]  # fmt: skip
 
 
 def _modules() -> dict[str, Path]:
+    """Every module of the package, the kernels (installed as `hf_paged_cache.kernels`) among them."""
     modules = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = ("hf_paged_cache", *path.relative_to(PACKAGE).with_suffix("").parts)
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for root, prefix in ((PACKAGE, ("hf_paged_cache",)), (KERNELS, ("hf_paged_cache", "kernels"))):
+        for path in root.rglob("*.py"):
+            parts = (*prefix, *path.relative_to(root).with_suffix("").parts)
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return modules
 
 
@@ -60,3 +73,47 @@ def test_no_module_imports_itself_through_a_circle():
                     seen.add(target)
                     stack.append((target, trail + [target]))
     assert not circles, "import circles:\n" + "\n".join(sorted(set(circles)))
+
+
+def _unit(module: str) -> str:
+    """The sub-package (or top-level module) a module belongs to."""
+    return module.split(".")[1]
+
+
+def _unit_imports() -> dict[str, dict[str, list[str]]]:
+    """{unit: {unit it imports: the module imports that make the edge}}, between different units only."""
+    modules = _modules()
+    edges: dict[str, dict[str, list[str]]] = {}
+    for module, path in modules.items():
+        if module == "hf_paged_cache":
+            continue
+        for target in _imports(module, path, modules):
+            if _unit(target) != _unit(module):
+                edges.setdefault(_unit(module), {}).setdefault(_unit(target), []).append(f"{module} -> {target}")
+    return edges
+
+
+def test_the_sub_packages_form_a_stack():
+    edges = _unit_imports()
+    units = {_unit(module) for module in _modules() if module != "hf_paged_cache"}
+    assert units <= set(LAYERS), f"place these in LAYERS (and the docstring): {sorted(units - set(LAYERS))}"
+    upward = [line for unit, targets in edges.items() for target, lines in targets.items()
+              if LAYERS.index(target) > LAYERS.index(unit) for line in lines]  # fmt: skip
+    assert not upward, "imports of a package above the importer:\n" + "\n".join(sorted(upward))
+
+
+def test_the_sub_package_graph_has_no_circle():
+    edges = _unit_imports()
+    state: dict[str, str] = {}
+
+    def visit(unit: str, trail: list[str]) -> None:
+        if state.get(unit) == "done":
+            return
+        assert state.get(unit) != "open", "sub-package circle: " + " -> ".join([*trail, unit])
+        state[unit] = "open"
+        for target in sorted(edges.get(unit, {})):
+            visit(target, [*trail, unit])
+        state[unit] = "done"
+
+    for unit in sorted(edges):
+        visit(unit, [])

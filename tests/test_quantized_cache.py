@@ -14,13 +14,12 @@ import os
 import pytest
 import torch
 import transformers
-from tiny_models import MODELS, MODELS_BY_NAME, PAD_ID, VOCAB, _common, _make, padded_batch
+from tiny_models import MODELS, MODELS_BY_NAME, PAD_ID, VOCAB, feed_chunks, make_model, padded_batch, tiny_config
 
 from hf_paged_cache import OutOfBlocksError, PagedCache, PagedCacheConfig, estimate_kv_bytes
 from hf_paged_cache.blocks.sealing import QuantizedBlockTables
 from hf_paged_cache.blocks.tables import BlockTables
 from hf_paged_cache.quantization import format_from_spec
-from hf_paged_cache.layers import quantized as quantized_layers
 from hf_paged_cache.layers.quantized import QuantizedLayer
 
 FORMATS = ("int8", "int4", "int2", "fp8_e4m3", "K4V2")
@@ -168,7 +167,7 @@ def test_rotated_blocks_read_like_attention_over_their_round_trip(spec, attn):
     """A decode step over sealed blocks gives the logits of a DynamicCache whose K/V of the same blocks went
     through the format's own quantize / dequantize (rotated back, for Hadamard-rotated sides): the
     rotation is undone exactly where the cache reads. One layer, so the prompt's K/V are the same in both."""
-    model, config = _make(transformers.LlamaForCausalLM, transformers.LlamaConfig(**_common(num_hidden_layers=1)))
+    model, config = make_model(transformers.LlamaForCausalLM, transformers.LlamaConfig(**tiny_config(num_hidden_layers=1)))
     prompt = torch.randint(3, VOCAB, (1, 13), generator=torch.Generator().manual_seed(0))
     cache = PagedCache(config, block_size=BLOCK, quant=spec, residual_length=RESIDUAL)
     model.set_attn_implementation(attn)
@@ -406,72 +405,6 @@ def test_smollm2_int8_greedy_tokens_match_fp32():
 
 
 # ---------------------------------------------------------------------------------------------- sealing by position
-def _feed(model, cache, tokens, chunks):
-    """Feed `tokens` [1, n] in chunks of the given sizes; the logits of every position."""
-    logits, start = [], 0
-    with torch.no_grad():
-        for size in chunks:
-            chunk = tokens[:, start : start + size]
-            logits.append(model(input_ids=chunk, past_key_values=cache, use_cache=True).logits)
-            start += size
-    return torch.cat(logits, dim=1)
-
-
-@pytest.mark.parametrize("spec", ["int8", "int4"])
-def test_contents_and_logits_follow_positions_not_step_sizes(spec):
-    """Token by token, in one chunk, or in chunks shorter and longer than the residual window: every position
-    is read as one token at a time reads it, so the same blocks are sealed with the same codes, and every
-    logit (the prompt's and the next tokens') is the same. Only float rounding differs between a chunk's
-    matmuls and single tokens', and it can tip a code over a rounding boundary: one code step (3e-4 in the
-    logits here) is allowed; sealing by step size differed by 1e-2 to 2e-1."""
-    model = _model("llama_gqa")
-    model.set_attn_implementation("paged")
-    tokens = torch.randint(3, VOCAB, (1, 33), generator=torch.Generator().manual_seed(1))
-    results = []
-    for chunks in ([1] * 30, [30], [3, 9, 2, 16], [5, 25], [13, 17]):
-        cache = PagedCache(model.config, block_size=BLOCK, quant=spec, residual_length=RESIDUAL + 1)
-        logits = _feed(model, cache, tokens, chunks + [1, 1, 1])  # then three tokens one at a time
-        (group,) = cache.groups.values()
-        keys = [layer.stored_keys(0) for layer in cache.layers]
-        results.append((logits, list(group.qtables[0]), group.base[0], keys))  # a cache let go frees its rows
-    reference_logits, sealed, base, reference_keys = results[0]
-    assert len(sealed) == (33 - RESIDUAL - 1) // BLOCK and base == len(sealed) * BLOCK
-    for logits, other_sealed, other_base, keys in results[1:]:
-        assert (len(other_sealed), other_base) == (len(sealed), base)
-        torch.testing.assert_close(logits, reference_logits, atol=1e-3, rtol=0)
-        for got, want in zip(keys, reference_keys):
-            assert (got - want).abs().mean() < 1e-4
-
-
-@pytest.mark.parametrize("spec", ["int8", "int4"])
-def test_a_long_chunk_read_in_query_tiles_gives_the_untiled_logits(spec, monkeypatch):
-    """A long step's queries are attended `QUERY_TILE` at a time (bounded transients on long prompts): with tiles
-    of 5 queries the prompt's and the next tokens' logits are the untiled read's, whose transition blocks, prefix
-    and suffix reads each query sees the same way."""
-    model = _model("llama_gqa")
-    model.set_attn_implementation("paged")
-    tokens = torch.randint(3, VOCAB, (1, 45), generator=torch.Generator().manual_seed(3))
-    results = []
-    for tile in (10**6, 5):
-        monkeypatch.setattr(quantized_layers, "QUERY_TILE", tile)
-        cache = PagedCache(model.config, block_size=BLOCK, quant=spec, residual_length=RESIDUAL)
-        results.append(_feed(model, cache, tokens, [7, 30, 1, 1]))  # a warm chunk over a quantized prefix too
-    torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=0)
-
-
-def test_a_long_chunk_seals_its_own_blocks_as_they_arrive():
-    """A chunk longer than the residual window takes full-precision blocks only for its last R tokens (and
-    what is left of a partial block), and the sealed blocks read back what one token at a time reads."""
-    model = _model("llama_gqa")
-    model.set_attn_implementation("paged")
-    tokens = torch.randint(3, VOCAB, (1, 42), generator=torch.Generator().manual_seed(2))
-    cache = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=RESIDUAL)
-    _feed(model, cache, tokens, [2, 40])
-    (group,) = cache.groups.values()
-    assert len(group.qtables[0]) == (42 - RESIDUAL) // BLOCK and group.pool.num_used == 2  # [36, 42): 6 tokens
-    assert group.pool.num_blocks <= 3  # the pool never staged the chunk's sealed blocks in full precision
-
-
 @pytest.mark.parametrize("spec", ["int8", "int4"])
 def test_pool_holds_at_most_125_percent_of_what_a_long_chunked_prefill_uses(spec):
     """Seal as chunks arrive: after each chunk of a long prefill (and a few decode steps) every group's storage
@@ -482,7 +415,7 @@ def test_pool_holds_at_most_125_percent_of_what_a_long_chunked_prefill_uses(spec
     cache = PagedCache(model.config, block_size=BLOCK, quant=spec, residual_length=32)  # 8+ blocks: a null block
     start = 0
     for size in [100, 150, 147, 1, 1, 1]:
-        _feed(model, cache, tokens[:, start : start + size], [size])
+        feed_chunks(model, cache, tokens[:, start : start + size], [size])
         start += size
         for name, stats in cache.metrics().groups.items():
             assert stats["pool_bytes"] <= 1.25 * stats["used_bytes"], (name, start, stats)
@@ -496,7 +429,7 @@ def test_crop_keeps_the_blocks_it_sealed():
     model.set_attn_implementation("paged")
     tokens = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(4))
     cache = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=RESIDUAL)
-    _feed(model, cache, tokens, [30])
+    feed_chunks(model, cache, tokens, [30])
     (group,) = cache.groups.values()
     before = [layer.stored_keys(0)[:, : 4 * BLOCK] for layer in cache.layers]
     cache.crop(4 * BLOCK - 30)
@@ -504,10 +437,10 @@ def test_crop_keeps_the_blocks_it_sealed():
     for layer, keys in zip(cache.layers, before):
         assert torch.equal(layer.stored_keys(0), keys)
     grown = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=RESIDUAL)
-    _feed(model, grown, tokens[:, : 4 * BLOCK], [4 * BLOCK])
+    feed_chunks(model, grown, tokens[:, : 4 * BLOCK], [4 * BLOCK])
     assert len(grown.groups[group.name].qtables[0]) == (4 * BLOCK - RESIDUAL) // BLOCK
-    _feed(model, cache, tokens[:, 4 * BLOCK :], [1] * 14)
-    _feed(model, grown, tokens[:, 4 * BLOCK :], [1] * 14)
+    feed_chunks(model, cache, tokens[:, 4 * BLOCK :], [1] * 14)
+    feed_chunks(model, grown, tokens[:, 4 * BLOCK :], [1] * 14)
     assert len(group.qtables[0]) == len(grown.groups[group.name].qtables[0]) == (30 - RESIDUAL) // BLOCK
 
 
@@ -529,20 +462,6 @@ def test_assisted_decoding_equals_greedy(spec):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_a_share_with_reader_reads_a_long_chunk_as_its_source_does():
-    """A `share_with` layer attends over its source's step after the source: the full-precision copy of the
-    blocks the step sealed as they arrived is still there for it, so a chunk reads as token by token."""
-    model = _model("llama_gqa")
-    model.set_attn_implementation("paged")
-    tokens = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(6))
-    logits = [
-        _feed(model, PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=RESIDUAL,
-                                share_with={1: 0}), tokens, chunks)
-        for chunks in ([1] * 30, [30])
-    ]  # fmt: skip
-    torch.testing.assert_close(logits[1], logits[0], atol=1e-3, rtol=0)
-
-
 @pytest.mark.parametrize("residual", [0, 1, 4])
 def test_estimate_matches_what_positional_sealing_holds(residual):
     """`estimate_kv_bytes` counts the blocks sealing by position leaves (a zero residual keeps the newest token's
@@ -551,6 +470,6 @@ def test_estimate_matches_what_positional_sealing_holds(residual):
     model.set_attn_implementation("paged")
     tokens = torch.randint(3, VOCAB, (1, 24), generator=torch.Generator().manual_seed(7))
     cache = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=residual)
-    _feed(model, cache, tokens, [24])
+    feed_chunks(model, cache, tokens, [24])
     estimate = estimate_kv_bytes(model.config, 1, 24, BLOCK, torch.float32, quant="int8", residual_length=residual)
     assert cache.metrics().used_bytes == estimate

@@ -8,6 +8,7 @@ choices are not near-ties.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,7 +35,7 @@ class TinyModel:
     caches_latents: bool = False  # multi-head latent attention: "paged" is handed the gathered history; no eviction
 
 
-def _make(model_class, config: PretrainedConfig, seed: int = 0) -> tuple[PreTrainedModel, PretrainedConfig]:
+def make_model(model_class, config: PretrainedConfig, seed: int = 0) -> tuple[PreTrainedModel, PretrainedConfig]:
     torch.manual_seed(seed)
     model = model_class(config).eval()
     # Generation is not stopped at EOS, so every row has the same length and second generate() calls
@@ -44,7 +45,7 @@ def _make(model_class, config: PretrainedConfig, seed: int = 0) -> tuple[PreTrai
     return model, config
 
 
-def _common(**overrides) -> dict:
+def tiny_config(**overrides) -> dict:
     base = dict(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
@@ -64,35 +65,35 @@ def _common(**overrides) -> dict:
 
 
 def llama_gqa():
-    return _make(transformers.LlamaForCausalLM, transformers.LlamaConfig(**_common()))
+    return make_model(transformers.LlamaForCausalLM, transformers.LlamaConfig(**tiny_config()))
 
 
 def llama_mqa():
-    return _make(transformers.LlamaForCausalLM, transformers.LlamaConfig(**_common(num_key_value_heads=1)))
+    return make_model(transformers.LlamaForCausalLM, transformers.LlamaConfig(**tiny_config(num_key_value_heads=1)))
 
 
 def qwen2_sliding():
     config = transformers.Qwen2Config(
-        **_common(num_hidden_layers=3),
+        **tiny_config(num_hidden_layers=3),
         use_sliding_window=True,
         sliding_window=8,
         max_window_layers=3,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     )
-    return _make(transformers.Qwen2ForCausalLM, config)
+    return make_model(transformers.Qwen2ForCausalLM, config)
 
 
 def qwen3():
-    return _make(transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**_common(), head_dim=16))
+    return make_model(transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**tiny_config(), head_dim=16))
 
 
 def mistral_sliding():
-    return _make(transformers.MistralForCausalLM, transformers.MistralConfig(**_common(), sliding_window=8))
+    return make_model(transformers.MistralForCausalLM, transformers.MistralConfig(**tiny_config(), sliding_window=8))
 
 
 def gemma2():
     config = transformers.Gemma2Config(
-        **_common(num_hidden_layers=4),
+        **tiny_config(num_hidden_layers=4),
         head_dim=16,
         query_pre_attn_scalar=16,
         sliding_window=8,
@@ -100,22 +101,22 @@ def gemma2():
         attn_logit_softcapping=50.0,
         final_logit_softcapping=30.0,
     )
-    return _make(transformers.Gemma2ForCausalLM, config)
+    return make_model(transformers.Gemma2ForCausalLM, config)
 
 
 def gemma3():
     config = transformers.Gemma3TextConfig(
-        **_common(num_hidden_layers=4),
+        **tiny_config(num_hidden_layers=4),
         head_dim=16,
         query_pre_attn_scalar=16,
         sliding_window=8,
         layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
     )
-    return _make(transformers.Gemma3ForCausalLM, config)
+    return make_model(transformers.Gemma3ForCausalLM, config)
 
 
 def phi3():
-    return _make(transformers.Phi3ForCausalLM, transformers.Phi3Config(**_common()))
+    return make_model(transformers.Phi3ForCausalLM, transformers.Phi3Config(**tiny_config()))
 
 
 def gpt2():
@@ -130,13 +131,13 @@ def gpt2():
         eos_token_id=2,
         initializer_range=INIT_RANGE,
     )
-    return _make(transformers.GPT2LMHeadModel, config)
+    return make_model(transformers.GPT2LMHeadModel, config)
 
 
 def gpt_neox():
-    shared = {key: value for key, value in _common().items() if key != "num_key_value_heads"}  # MHA only
+    shared = {key: value for key, value in tiny_config().items() if key != "num_key_value_heads"}  # MHA only
     config = transformers.GPTNeoXConfig(**shared)
-    return _make(transformers.GPTNeoXForCausalLM, config)
+    return make_model(transformers.GPTNeoXForCausalLM, config)
 
 
 def _spread_sinks(built: tuple[PreTrainedModel, PretrainedConfig]) -> tuple[PreTrainedModel, PretrainedConfig]:
@@ -154,25 +155,25 @@ def _spread_sinks(built: tuple[PreTrainedModel, PretrainedConfig]) -> tuple[PreT
 def gpt_oss():
     """Learned attention sinks (`s_aux`), sliding and full layers; no SDPA support in transformers."""
     config = transformers.GptOssConfig(
-        **_common(num_local_experts=2, num_experts_per_tok=1, head_dim=16),
+        **tiny_config(num_local_experts=2, num_experts_per_tok=1, head_dim=16),
         sliding_window=8,
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
-    return _spread_sinks(_make(transformers.GptOssForCausalLM, config))
+    return _spread_sinks(make_model(transformers.GptOssForCausalLM, config))
 
 
 def granitemoe_swa():
     """Granite-MoE with sliding-window layers: learned attention sinks (`s_aux`) too."""
-    config = transformers.GraniteMoeSWAConfig(**_common(num_local_experts=2, num_experts_per_tok=1, sliding_window=8,
+    config = transformers.GraniteMoeSWAConfig(**tiny_config(num_local_experts=2, num_experts_per_tok=1, sliding_window=8,
                                                         layer_types=["sliding_attention", "full_attention"]))
-    return _spread_sinks(_make(transformers.GraniteMoeSWAForCausalLM, config))
+    return _spread_sinks(make_model(transformers.GraniteMoeSWAForCausalLM, config))
 
 
 def gemma3n():
     """KV-shared layers: the last two layers reuse the K/V of the last earlier layer of their type."""
     config = transformers.Gemma3nTextConfig(
-        **_common(num_hidden_layers=4, head_dim=16, intermediate_size=[2 * HIDDEN] * 4),
+        **tiny_config(num_hidden_layers=4, head_dim=16, intermediate_size=[2 * HIDDEN] * 4),
         sliding_window=8,
         num_kv_shared_layers=2,
         layer_types=["sliding_attention", "full_attention"] * 2,
@@ -182,7 +183,7 @@ def gemma3n():
         altup_num_inputs=2,
         activation_sparsity_pattern=[0.0] * 4,
     )
-    return _make(transformers.Gemma3nForCausalLM, config)
+    return make_model(transformers.Gemma3nForCausalLM, config)
 
 
 class ProducerlessGemma3nConfig(transformers.Gemma3nTextConfig):
@@ -195,25 +196,25 @@ class ProducerlessGemma3nConfig(transformers.Gemma3nTextConfig):
 
 def deepseek_v3():
     """Multi-head latent attention: compressed latents are cached; values (8) narrower than keys (16 + 8)."""
-    config = transformers.DeepseekV3Config(**_common(num_key_value_heads=4), **_latent_attention(),
+    config = transformers.DeepseekV3Config(**tiny_config(num_key_value_heads=4), **_latent_attention(),
                                            n_group=1, topk_group=1)  # fmt: skip
-    return _make(transformers.DeepseekV3ForCausalLM, config)
+    return make_model(transformers.DeepseekV3ForCausalLM, config)
 
 
 def deepseek_v2():
     """DeepSeek-V2's latent attention (complex-number RoPE, its own MoE), with a low-rank query projection."""
-    config = transformers.DeepseekV2Config(**_common(num_key_value_heads=4), **_latent_attention(q_lora_rank=12),
+    config = transformers.DeepseekV2Config(**tiny_config(num_key_value_heads=4), **_latent_attention(q_lora_rank=12),
                                            n_shared_experts=1)  # fmt: skip
-    return _make(transformers.DeepseekV2ForCausalLM, config)
+    return make_model(transformers.DeepseekV2ForCausalLM, config)
 
 
 def mimo_v2_flash():
     """Per-head keys (24) wider than values (8), cached as they are (no latents); a sliding and a full layer."""
     config = transformers.MiMoV2FlashConfig(
-        **_common(), head_dim=24, v_head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        **tiny_config(), head_dim=24, v_head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
         mlp_layer_types=["dense", "dense"],
     )  # fmt: skip
-    return _make(transformers.MiMoV2FlashForCausalLM, config)
+    return make_model(transformers.MiMoV2FlashForCausalLM, config)
 
 
 def _latent_attention(q_lora_rank: int | None = None) -> dict:
@@ -252,6 +253,17 @@ MODELS: list[TinyModel] = [
 MODELS_BY_NAME = {entry.name: entry for entry in MODELS}
 
 
+def feed_chunks(model, cache, tokens, chunks):
+    """Feed `tokens` [1, n] in chunks of the given sizes; the logits of every position."""
+    logits, start = [], 0
+    with torch.no_grad():
+        for size in chunks:
+            chunk = tokens[:, start : start + size]
+            logits.append(model(input_ids=chunk, past_key_values=cache, use_cache=True).logits)
+            start += size
+    return torch.cat(logits, dim=1)
+
+
 def padded_batch(pads: tuple[int, ...], length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Random prompts of `length` tokens, row `i` left-padded with `pads[i]` pad tokens, and their mask."""
     generator = torch.Generator().manual_seed(seed)
@@ -261,3 +273,9 @@ def padded_batch(pads: tuple[int, ...], length: int, seed: int = 0) -> tuple[tor
         input_ids[row, :pad] = PAD_ID
         attention_mask[row, :pad] = 0
     return input_ids, attention_mask
+
+
+@functools.lru_cache(maxsize=None)
+def shared_model(name: str) -> PreTrainedModel:
+    """The model of `MODELS_BY_NAME[name]`, built once per test process, for tests that only run it."""
+    return MODELS_BY_NAME[name].build()[0]

@@ -16,8 +16,9 @@ import torch
 from transformers import PretrainedConfig
 
 from ..errors import UnsupportedAttentionError
-from ..layer_types.registry import is_known, layer_type_for
-from ..layers.handle import PAGED_KV_KWARG
+
+# The keyword `update()` leaves its handle under (`layers/handle.py`): where the step's history lives.
+PAGED_KV_KWARG = "paged_kv"
 
 # Keywords the paged attention receives and honours, each with the reason it is safe.
 HONOURED: dict[str, str] = {
@@ -69,25 +70,6 @@ def check_attention_kwargs(model: str, kwargs: dict, dropout: float = 0.0) -> No
         if name in HONOURED or value is None or any(value is harmless for harmless in _HARMLESS.get(name, ())):
             continue
         refuse(model, f"`{name}`", REFUSED.get(name, "a keyword the paged attention does not know"))
-
-
-def check_model_features(config: PretrainedConfig) -> None:
-    """Refuse, from the config alone, models whose attention the paged attention cannot read from blocks."""
-    model = model_name(config)
-    # Layer types whose attention also reads K/V entries made after `update()` (DeepSeek-V4's compressors).
-    compressed = sorted(name for name in set(getattr(config, "layer_types", None) or [])
-                        if is_known(name) and not layer_type_for(name).paged_readable)  # fmt: skip
-    if compressed:
-        refuse(model, f"compressed attention layers ({', '.join(compressed)})",
-               "the model appends its compressor's K/V entries (and their mask) to what `update()` returns, but the "
-               "paged attention reads the history from the blocks and would never see them")  # fmt: skip
-    sources = kv_sharing_sources(config)
-    unread = [index for index, mode in enumerate(getattr(config, "kv_sharing_modes", None) or [])
-              if mode not in (None, "store") and index not in sources]  # fmt: skip
-    if unread:
-        refuse(model, "KV-shared layers",
-               f"layers {unread} reuse K/V without an earlier \"store\" layer of their own layer type to read them "
-               "from, so the paged attention cannot tell which layer's blocks hold their history")  # fmt: skip
 
 
 def caches_latents(config: PretrainedConfig) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -346,40 +345,6 @@ class BlockTables:
         self.rows = rows
         self.plan = None
 
-    def unshare_demand(self, order: list[int]) -> list[tuple[BlockPool, int]]:
-        """(pool, fresh blocks) that `unshare` takes after `reorder(order)`: one per reference beyond the first
-        (computed before the reorder, so a shortage can be reported with nothing changed)."""
-        def holders(rows: list[Row]) -> Counter:
-            return Counter((id(blocks.pool), block) for row in rows for blocks in row.block_lists()
-                           for block in blocks.ids)  # fmt: skip
-
-        pools = {id(pool): pool for pool in self.pools() if pool is not None}
-        before, after = holders(self.rows), holders([self.rows[source] for source in order])
-        demand = Counter()
-        for (pool, block), count in after.items():
-            demand[pool] += max(pools[pool].ref_count(block) - before[(pool, block)] + count - 1, 0)
-        return [(pools[pool], count) for pool, count in demand.items() if count]
-
-    def unshare(self, copy_blocks: BlockCopier, copy_quantized: BlockCopier) -> None:
-        """Give every row its own copy of each block another table also holds (`sharing=False`); the caller
-        checked `unshare_demand` against the free blocks."""
-        for blocks in self._block_lists():
-            shared = [index for index, block in enumerate(blocks.ids) if blocks.pool.ref_count(block) > 1]
-            if not shared:
-                continue
-            sources = [blocks.ids[index] for index in shared]
-            fresh = blocks.pool.allocate(len(shared))
-            (copy_blocks if blocks.pool is self.pool else copy_quantized)(sources, fresh)
-            blocks.pool.free(sources)
-            ids = list(blocks.ids)
-            for index, block in zip(shared, fresh):
-                ids[index] = block
-            blocks.replace(ids)
-        self.plan = None
-
-    def _block_lists(self) -> list[BlockList]:
-        return [blocks for row in self.rows for blocks in row.block_lists()]
-
     def check_crop(self, new_len: int) -> None:
         """Raise (changing nothing) if cropping to `new_len` would need tokens that were already dropped."""
         needed_from = self.read_offset(new_len)
@@ -444,7 +409,6 @@ class BlockTables:
                 row.blocks.drop_front(fp)
                 row.base += fp * self.block_size
         self.plan = None
-
 
     # ------------------------------------------------------------------ state
     def pools(self) -> tuple[BlockPool | None, BlockPool | None]:

@@ -16,7 +16,6 @@ if TYPE_CHECKING:
 
     from ..blocks.plan import StepPlan
 
-PAGED_KV_KWARG = "paged_kv"
 # (plan, query, mask, scale, softcap, sinks): what runs after a layer's attention (eviction), bound by the cache.
 AfterAttention = Callable[["StepPlan", torch.Tensor, "torch.Tensor | None", float, "float | None",
                            "torch.Tensor | None"], None]  # fmt: skip

@@ -10,21 +10,17 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..blocks.plan import StepPlan
 from ..blocks.tables import BlockTables
 from ..kernels.layout import allocate_kv_blocks
+from ..attention.contract import PAGED_KV_KWARG
 from ..attention.paged_states import paged_only
 from ..attention.torch_path import attend, attention, causal_mask, zero_unattended
-from .handle import PAGED_KV_KWARG, AfterAttention, PagedKV
-
-if TYPE_CHECKING:
-    from ..config import PagedCacheConfig
-    from ..layer_types.base import LayerType
+from .handle import AfterAttention, PagedKV
+from .interfaces import ReadRules, StorageOptions
 
 MAX_RUNS = 8  # a row's read cut into more runs of blocks than this is gathered slot by slot
 
@@ -53,7 +49,7 @@ class PagedLayer(CacheLayerMixin):
     key_blocks = storage_field("key_blocks")
     value_blocks = storage_field("value_blocks")
 
-    def __init__(self, tables: BlockTables, options: PagedCacheConfig, layer_type: LayerType):
+    def __init__(self, tables: BlockTables, options: StorageOptions, layer_type: ReadRules):
         self.storage = LayerStorage()
         super().__init__()
         self.tables = tables

@@ -4,7 +4,8 @@ After many requests come and go, the blocks in use are scattered over the whole 
 shrink (a layer's storage is indexed by id), and a row's blocks rarely form runs a read can view. `defragment`
 moves every referenced block of a family of caches (a template and its forks, which share pools and storage)
 to ids 1..n, in id order, copying the contents in every layer (`blocks/packing.py`); every table of every fork,
-the prefix cache's entries and the quantized groups' sealed-copy records renumber themselves (`remap`). Every
+the quantized groups' sealed-copy records and what the caller holds besides (the batch generator's prefix cache,
+passed as `holders` so this module needs nothing of serving's) renumber themselves (`remap`). Every
 id then starts a new lifetime (`BlockPool.remap` bumps its epoch): blocks no one references are forgotten,
 including unreferenced prefix-cached ones. With `keep_free`, each pool of a growable family then shrinks to its
 blocks in use plus that many, and the storage with it (it grows again on demand); a fixed pool never shrinks
@@ -15,15 +16,15 @@ hold host blocks and are left as they are.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ..blocks.packing import pack
+from ..blocks.packing import Holder, pack
 from ..blocks.pool import BlockPool
 from ..blocks.sealing import QuantizedBlockTables
 from ..cache import PagedCache
-from ..serving.prefix_cache import PrefixCache
 from .swap import KINDS, group_pool, storage_tensors
 
 
@@ -74,22 +75,20 @@ def fragmentation(template: PagedCache) -> dict[str, Fragmentation]:
 
 
 @torch.no_grad()
-def defragment(template: PagedCache, prefix_cache: PrefixCache | None = None, keep_free: int | None = None) -> None:
-    """Pack the blocks in use of every pool of `template`'s family to ids 1..n (see the module docstring); with
-    `keep_free`, shrink each pool of a growable family to n + `keep_free` blocks (fixed pools keep their size).
-    Call it between steps."""
+def defragment(template: PagedCache, holders: Sequence[Holder] = (), keep_free: int | None = None) -> None:
+    """Pack the blocks in use of every pool of `template`'s family to ids 1..n (see the module docstring), also
+    renumbering what `holders` (`remap`s beyond the family's own tables) hold; with `keep_free`, shrink each pool
+    of a growable family to n + `keep_free` blocks (fixed pools keep their size). Call it between steps."""
     if keep_free is not None and (isinstance(keep_free, bool) or not isinstance(keep_free, int) or keep_free < 0):
         raise ValueError(f"`keep_free` must be an int >= 0 (free blocks each pool keeps) or None, got {keep_free!r}")
     caches = template.caches_sharing_pools()
     for cache in caches:
         cache.check_between_steps("compact the pools of")
     pools = device_pools(template)
-    holders = [group.remap for cache in caches for group in cache.groups.values()]
-    holders += [group.remap_sealed_copies for group in template.groups.values()
-                if isinstance(group, QuantizedBlockTables)]  # fmt: skip
-    if prefix_cache is not None:
-        holders.append(functools.partial(prefix_cache.remap, groups=template.groups))
-    pack([(pool, functools.partial(_copy, storage_tensors(template, pool, kind))) for pool, kind in pools], holders)
+    own = [group.remap for cache in caches for group in cache.groups.values()]
+    own += [group.remap_sealed_copies for group in template.groups.values() if isinstance(group, QuantizedBlockTables)]
+    pack([(pool, functools.partial(_copy, storage_tensors(template, pool, kind))) for pool, kind in pools],
+         [*own, *holders])  # fmt: skip
     if keep_free is not None and template.options.growable:  # a fixed pool keeps the size it was given
         for pool, _kind in pools:
             pool.shrink(min(pool.num_used + keep_free, pool.num_blocks))

@@ -34,7 +34,6 @@ from ..cache import PagedCache
 from .copy_stream import CopyStream, Transfer
 from ..quantization.base import QuantFormat
 from ..quantization.registry import format_from_spec
-from ..blocks.rows import BlockList
 
 
 KINDS = ("blocks", "quantized")  # a row's block lists: full precision (`Row.blocks`), sealed (`Row.quantized`)
@@ -265,12 +264,10 @@ class SwapSpace:
         """Per (device pool, "blocks" / "quantized"): the distinct block ids the cache's rows hold, in order."""
         found: dict[tuple[BlockPool, str], dict[int, None]] = {}
         for group in cache.groups.values():
-            for kind in KINDS:
-                pool = group_pool(group, kind)
-                for row in group.rows:
-                    blocks = getattr(row, kind)
-                    if blocks is not None and blocks.ids:
-                        found.setdefault((pool, kind), {}).update(dict.fromkeys(blocks.ids))
+            for row in group.rows:
+                for kind, blocks in zip(KINDS, row.block_lists()):
+                    if blocks.ids:
+                        found.setdefault((group_pool(group, kind), kind), {}).update(dict.fromkeys(blocks.ids))
         return {key: list(ids) for key, ids in found.items()}
 
     def _fields(self, cache: PagedCache):
@@ -299,15 +296,13 @@ class SwapSpace:
         each list drops its references to the old blocks and holds one to the new (each new block was allocated
         once, so the lists after the first that hold it take one more reference)."""
         holders = Counter()
-        for group in cache.groups.values():
-            for row in group.rows:
-                blocks: BlockList | None = getattr(row, kind)
-                if blocks is None or blocks.pool is not source:
-                    continue
-                fresh = [mapping[block] for block in blocks.ids]
-                target.fork([block for block in fresh if holders[block]])
-                holders.update(fresh)
-                blocks.repoint(target, fresh)
+        lists = [blocks for group in cache.groups.values() for row in group.rows
+                 for listed, blocks in zip(KINDS, row.block_lists()) if listed == kind and blocks.pool is source]
+        for blocks in lists:
+            fresh = [mapping[block] for block in blocks.ids]
+            target.fork([block for block in fresh if holders[block]])
+            holders.update(fresh)
+            blocks.repoint(target, fresh)
 
 
 def storage_tensors(cache: PagedCache, pool: BlockPool, kind: str) -> list[torch.Tensor]:

@@ -28,12 +28,12 @@ from transformers.cache_utils import Cache
 
 from ..blocks.sealing import QuantizedBlockTables
 from ..blocks.tables import BlockTables
-from ..config import PagedCacheConfig, _check_device_exists
+from ..config import PagedCacheConfig, check_device_exists
 from ..errors import CacheFileError
 from ..layers.paged import PagedLayer
 from ..layers.quantized import QuantizedLayer
 from ..quantization.registry import kv_format_from_fields
-from ..memory.accounting import stored_kv_shapes
+from ..accounting import stored_kv_shapes
 from .header import CRAFTED, check_header, checked_tensor, dtype_of, malformed_header, show_value
 from .options import describe_option, options_from_json, options_to_json
 from .save import DIGEST, FORMAT, digest
@@ -373,7 +373,7 @@ def _empty_states(saved: dict, device: torch.device) -> tuple[torch.Tensor, torc
 def _device(name: str, prefix: str) -> torch.device:
     device = torch.device(name)
     try:
-        _check_device_exists(device)
+        check_device_exists(device)
     except ValueError:
         raise CacheFileError(
             f"{prefix} was saved on {name}, which this machine lacks: load with device='cpu' (or another device)"

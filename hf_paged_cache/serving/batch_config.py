@@ -16,7 +16,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from ..config import PagedCacheConfig
 from ..distributed import tensor_parallel_size
-from ..memory.accounting import blocks_in_budget
+from ..accounting import blocks_in_budget
 from ..memory.copy_stream import COPY_MODES
 from .preemption import Auto, LRUVictims, Preemption, Recompute, Swap, VictimPolicy, WeightedVictims, check_weights
 from .scheduler import FIFO, DecodeFirst, Scheduler

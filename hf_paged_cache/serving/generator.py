@@ -23,7 +23,7 @@ until its forward and sampling succeed, and is rolled back (its requests recompu
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -31,13 +31,12 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from ..attention.contract import check_model_features
-from ..attention.dispatch import ATTENTION_NAME
 from ..blocks.pool import BlockPool
 from ..cache import PagedCache
 from ..config import PagedCacheConfig
 from ..errors import UnsupportedAttentionError
 from ..memory.defragment import Fragmentation, defragment, fragmentation
+from ..paged_attention import ATTENTION_NAME, check_model_features
 from .batch_config import BatchConfig, pools_up_front, split_options
 from .metrics import BatchMetrics, ServingCounters
 from .packed_cache import packed_logits
@@ -387,7 +386,9 @@ class BatchGenerator:
         fragmentation before and after."""
         self.swap.copies.fence()  # a pending copy in writes the ids it was given, which compaction moves
         before = fragmentation(self.template)
-        defragment(self.template, self.prefix_cache, keep_free)
+        prefix = self.prefix_cache  # its entries hold block ids too
+        held = [] if prefix is None else [functools.partial(prefix.remap, groups=self.template.groups)]
+        defragment(self.template, held, keep_free)
         self.counters.compactions += 1
         return before, fragmentation(self.template)
 

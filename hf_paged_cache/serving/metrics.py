@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..memory.accounting import CacheMetrics
+from ..accounting import CacheMetrics
 from ..memory.copy_stream import CopyStats
 from ..memory.swap import SwapStats
 from .prefix_cache import PrefixStats

@@ -15,7 +15,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache import PagedCache
-from ..layers.handle import PAGED_KV_KWARG, PackedPagedKV
+from ..attention.contract import PAGED_KV_KWARG
+from ..layers.handle import PackedPagedKV
 from ..attention.paged_states import paged_only
 
 

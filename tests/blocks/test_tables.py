@@ -3,7 +3,6 @@ what it changes, and what windows, forks, crops and reorders do to the rows."""
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 
 import pytest
@@ -148,28 +147,6 @@ def test_crop_frees_the_blocks_after_the_new_end_and_growth_resumes_there():
     assert len(tables.tables[0]) == 3 and plan.read_stop == [9]
     tables.crop(0)
     assert tables.rows == [] and tables.length == 0 and tables.pool.num_used == 0
-
-
-@settings(max_examples=40, deadline=None)
-@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=4), data=st.data())
-def test_reorder_shares_blocks_by_reference_and_unshare_takes_what_unshare_demand_said(lengths, data):
-    tables = BlockTables("full", BlockPool(100), block_size=4)
-    longest = max(lengths)
-    tables.apply_step(longest, [longest - length for length in lengths], _no_copy, _no_copy)
-    order = data.draw(st.lists(st.integers(0, len(lengths) - 1), min_size=1, max_size=5))
-    expected = [list(tables.tables[source]) for source in order]
-    demand = tables.unshare_demand(order)
-    tables.reorder(order)
-    assert tables.tables == expected
-    holders = Counter(block for table in tables.tables for block in table)
-    assert all(tables.pool.ref_count(block) == count for block, count in holders.items())
-    assert tables.pool.num_used == len(holders)
-    used = tables.pool.num_used
-    copies = []
-    tables.unshare(_record(copies), _no_copy)
-    assert tables.pool.num_used == used + sum(count for _pool, count in demand)
-    assert tables.pool.num_used == sum(len(table) for table in tables.tables)
-    assert all(tables.pool.ref_count(block) == 1 for table in tables.tables for block in table)
 
 
 @settings(max_examples=60, deadline=None)

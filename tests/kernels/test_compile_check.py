@@ -10,7 +10,7 @@ import sys
 import pytest
 
 
-def _ptxas_available() -> bool:
+def ptxas_available() -> bool:
     try:
         from triton import knobs
 
@@ -19,7 +19,7 @@ def _ptxas_available() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _ptxas_available(), reason="triton's CUDA backend / ptxas is unavailable")
+@pytest.mark.skipif(not ptxas_available(), reason="triton's CUDA backend / ptxas is unavailable")
 def test_compile_check_subset():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # whatever made hf_paged_cache importable here

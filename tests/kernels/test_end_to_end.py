@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from hf_paged_cache import PagedCache
-from hf_paged_cache.attention import dispatch as attention
+from hf_paged_cache import kernels
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, pad_token_id=0)  # fmt: skip
@@ -69,11 +69,12 @@ def test_generate_through_kernels_matches_dynamic_cache(name, chunked, monkeypat
     model.set_attn_implementation("eager")
     expected = model.generate(**settings, cache=DynamicCache(config=model.config))
 
-    kernel_calls = []
-    kernel_attention = attention._kernel_attention
-    monkeypatch.setattr(
-        attention, "_kernel_attention", lambda query, *args: kernel_calls.append(query.shape[2]) or kernel_attention(query, *args)
-    )
+    kernel_calls = []  # the query length of each kernel call: 1 for decode
+    decode, prefill = kernels.paged_decode_attention, kernels.paged_prefill_attention
+    monkeypatch.setattr(kernels, "paged_decode_attention",
+                        lambda *args, **kw: kernel_calls.append(1) or decode(*args, **kw))  # fmt: skip
+    monkeypatch.setattr(kernels, "paged_prefill_attention",
+                        lambda query, *args, **kw: kernel_calls.append(query.shape[1]) or prefill(query, *args, **kw))  # fmt: skip
     model.set_attn_implementation("paged")
     actual = model.generate(**settings, cache=PagedCache(model.config, block_size=4, backend="triton"))
     assert 1 in kernel_calls and any(q > 1 for q in kernel_calls), "decode and prefill kernels were not both used"
@@ -99,13 +100,17 @@ def test_quantized_generate_through_kernels_matches_the_torch_path(name, quant, 
     options = dict(block_size=4, quant=quant, residual_length=4)
     model.set_attn_implementation("paged")
     expected = model.generate(**settings, cache=PagedCache(model.config, backend="torch", **options))
-    calls = []
-    kernel_attention = attention._kernel_attention
-    monkeypatch.setattr(
-        attention, "_kernel_attention", lambda query, paged_kv, *args: calls.append(
-            int(paged_kv.plan.tensor("quantized_lens", query.device).sum())
-        ) or kernel_attention(query, paged_kv, *args)
-    )  # fmt: skip
+    calls = []  # the quantized tokens each kernel call read
+
+    def spy(kernel):
+        def call(*args, quantized=None, **kw):
+            calls.append(0 if quantized is None else int(quantized.lens.sum()))
+            return kernel(*args, quantized=quantized, **kw)
+
+        return call
+
+    for name in ("paged_decode_attention", "paged_prefill_attention"):
+        monkeypatch.setattr(kernels, name, spy(getattr(kernels, name)))
     cache = PagedCache(model.config, backend="triton", **options)
     actual = model.generate(**settings, cache=cache)
     assert any(calls), "no kernel call read a quantized prefix"

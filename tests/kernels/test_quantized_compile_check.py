@@ -9,12 +9,12 @@ import subprocess
 import sys
 
 import pytest
-from test_compile_check import _ptxas_available
+from test_compile_check import ptxas_available
 
 from hf_paged_cache.kernels import variants
 
 
-@pytest.mark.skipif(not _ptxas_available(), reason="triton's CUDA backend / ptxas is unavailable")
+@pytest.mark.skipif(not ptxas_available(), reason="triton's CUDA backend / ptxas is unavailable")
 def test_quantized_compile_check_subset():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)

@@ -6,7 +6,7 @@ import functools
 
 import pytest
 import torch
-from cache_state import stored_blocks
+from cache_state import quantized_fields, stored_blocks
 from tiny_models import MODELS_BY_NAME, VOCAB
 
 from hf_paged_cache import PagedCache
@@ -31,7 +31,7 @@ def _scribble(cache: PagedCache) -> None:
     """Overwrite every free device block, so a swap in cannot lean on contents left behind."""
     for name, group in cache.groups.items():
         for layer in cache.group_layers(name):
-            quantized = [*getattr(layer, "qkey", {}).values(), *getattr(layer, "qvalue", {}).values()]
+            quantized = quantized_fields(layer)
             for pool, tensors in ((group.pool, [layer.key_blocks, layer.value_blocks]),
                                   (group.quantized_pool, quantized)):  # fmt: skip
                 free = [block for block in range(1, pool.num_blocks + 1) if pool.is_free(block)] if pool else []

@@ -80,7 +80,7 @@ def _comparable(cache: PagedCache) -> dict:
     return metrics
 
 
-def _prefilled(case: str) -> tuple:
+def prefilled_cache(case: str) -> tuple:
     name, attention, options = CASES[case]
     model = _model(name)
     model.set_attn_implementation(attention)
@@ -92,7 +92,7 @@ def _prefilled(case: str) -> tuple:
 
 @pytest.mark.parametrize("case", CASES)
 def test_save_load_continues_exactly(case, tmp_path):
-    model, original, ids = _prefilled(case)
+    model, original, ids = prefilled_cache(case)
     if "eviction" in CASES[case][2]:
         assert original.metrics().evicted_tokens > 0  # the file holds an evicted cache
     before = cache_state(original)
@@ -190,7 +190,7 @@ def test_a_scattered_row_reads_as_it_did(tmp_path):
 
 def test_generate_on_a_loaded_prompt_cache(tmp_path):
     """The prompt-cache recipe across processes: prefill, save; later load and `generate()` the full prompt."""
-    model, original, ids = _prefilled("int4_paged")
+    model, original, ids = prefilled_cache("int4_paged")
     original.save(tmp_path / "prompt.safetensors")
 
     def generate(cache):
@@ -202,7 +202,7 @@ def test_generate_on_a_loaded_prompt_cache(tmp_path):
 
 
 def test_pool_options_size_the_loaded_pool(tmp_path):
-    model, original, ids = _prefilled("int8")
+    model, original, ids = prefilled_cache("int8")
     path = tmp_path / "cache.safetensors"
     original.save(path)
     used = original.metrics().blocks_used
@@ -250,7 +250,7 @@ def test_empty_caches_round_trip(when, options, tmp_path):
 @pytest.fixture
 def saved(tmp_path):
     """A saved int8 cache with eviction: (model, path, the file's bytes)."""
-    model, cache, _ids = _prefilled("h2o_int8")
+    model, cache, _ids = prefilled_cache("h2o_int8")
     path = tmp_path / "cache.safetensors"
     cache.save(path)
     return model, path, path.read_bytes()
@@ -458,7 +458,7 @@ def test_bad_load_arguments(saved):
 @pytest.fixture
 def plain(tmp_path):
     """A saved full-precision cache of 10 tokens in blocks of 4 (3 blocks): (model, path, the file's bytes)."""
-    model, cache, _ids = _prefilled("plain")
+    model, cache, _ids = prefilled_cache("plain")
     path = tmp_path / "plain.safetensors"
     cache.save(path)
     return model, path, path.read_bytes()

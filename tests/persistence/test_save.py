@@ -9,7 +9,7 @@ import stat
 import pytest
 import torch
 from cache_state import cache_state
-from test_load import _prefilled, plain  # noqa: F401  (`plain` is a fixture)
+from test_load import prefilled_cache, plain  # noqa: F401  (`plain` is a fixture)
 
 from hf_paged_cache import PagedCache
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_saving_mid_step_is_refused_and_writes_nothing(tmp_path):
-    model, cache, _ids = _prefilled("plain")
+    model, cache, _ids = prefilled_cache("plain")
     states = torch.zeros(1, 2, 1, 16)
     cache.update(states, states, 0)  # layer 0 wrote the next step, layer 1 has not: a forward in progress
     before = cache_state(cache)
@@ -27,7 +27,7 @@ def test_saving_mid_step_is_refused_and_writes_nothing(tmp_path):
 
 
 def test_a_failed_save_keeps_the_earlier_file(tmp_path, monkeypatch):
-    model, cache, _ids = _prefilled("plain")
+    model, cache, _ids = prefilled_cache("plain")
     path = tmp_path / "cache.safetensors"
     cache.save(path)
     data = path.read_bytes()
@@ -45,7 +45,7 @@ def test_a_write_protected_file_is_replaced_only_with_overwrite(plain, tmp_path)
     """The atomic rename would replace a read-only file in a writable directory: `save` refuses unless
     `overwrite=True`. A writable file is still replaced without it."""
     model, path, data = plain
-    _model_, cache, _ids = _prefilled("int8")
+    _model_, cache, _ids = prefilled_cache("int8")
     path.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
     with pytest.raises(PermissionError, match="exists and is write-protected; pass `overwrite=True`"):
         cache.save(path)

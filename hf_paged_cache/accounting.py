@@ -10,14 +10,14 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from ..attention.contract import latent_key_shape
-from ..blocks.sealing import QuantizedBlockTables
-from ..blocks.tables import BlockTables
-from ..config import PagedCacheConfig, parse_bytes
-from ..layer_types.registry import layer_type_for
+from .attention.contract import latent_key_shape
+from .blocks.sealing import QuantizedBlockTables
+from .blocks.tables import BlockTables
+from .config import PagedCacheConfig, parse_bytes
+from .layer_types.registry import layer_type_for
 
 if TYPE_CHECKING:
-    from ..layers.paged import PagedLayer
+    from .layers.paged import PagedLayer
 
 
 @dataclass(frozen=True)

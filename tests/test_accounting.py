@@ -5,7 +5,7 @@ import functools
 import pytest
 import torch
 import transformers
-from tiny_models import MODELS_BY_NAME, VOCAB, _common, _make
+from tiny_models import MODELS_BY_NAME, VOCAB, tiny_config, make_model
 
 from hf_paged_cache import BatchGenerator, PagedCache, estimate_kv_bytes, kv_bytes_per_token
 
@@ -47,9 +47,9 @@ def test_estimate_matches_what_a_cache_of_uneven_keys_and_values_holds(name, len
 @pytest.mark.parametrize("quant", [None, "int8"])
 def test_estimate_reads_each_layers_config(quant):
     """Gemma-4's full-attention layers have wider heads (`global_head_dim`) than its sliding ones (`head_dim`)."""
-    config = transformers.Gemma4TextConfig(**_common(), head_dim=16, global_head_dim=32, sliding_window=8,
+    config = transformers.Gemma4TextConfig(**tiny_config(), head_dim=16, global_head_dim=32, sliding_window=8,
                                            layer_types=["sliding_attention", "full_attention"])  # fmt: skip
-    model, _config = _make(transformers.Gemma4ForCausalLM, config)
+    model, _config = make_model(transformers.Gemma4ForCausalLM, config)
     cache = PagedCache(model.config, block_size=BLOCK, quant=quant, residual_length=BLOCK)
     _prefill(model, cache, 2, 8)
     estimate = estimate_kv_bytes(model.config, 2, 8, BLOCK, torch.float32, quant=quant, residual_length=BLOCK)

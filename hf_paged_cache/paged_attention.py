@@ -5,20 +5,30 @@
 selects it. CUDA tensors go to the Triton kernels of `hf_paged_cache.kernels` (the cache's `backend`
 option decides); everything else runs the layer's torch path (`PagedLayer.attend`), which attends row by
 row over views of each row's runs of blocks (no copy of the history per step when a row's blocks form
-one run).
+one run). `check_model_features` refuses, before the cache changes, models whose config shows a feature this
+attention cannot read from blocks. It sits above `layers/` and `layer_types/`, whose handles and types it reads;
+the attention math and the keyword contract it applies live below them, in `attention/`.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PretrainedConfig
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .contract import check_attention_kwargs, sink_logits
-from ..errors import UnsupportedAttentionError
-from ..layers.handle import PAGED_KV_KWARG, PackedPagedKV, PagedKV
-from .paged_states import reused_paged_kv
-from .torch_path import attend
+from .attention.contract import (
+    PAGED_KV_KWARG,
+    check_attention_kwargs,
+    kv_sharing_sources,
+    model_name,
+    refuse,
+    sink_logits,
+)
+from .attention.paged_states import reused_paged_kv
+from .attention.torch_path import attend
+from .errors import UnsupportedAttentionError
+from .layer_types.registry import is_known, layer_type_for
+from .layers.handle import PackedPagedKV, PagedKV
 
 ATTENTION_NAME = "paged"
 
@@ -32,6 +42,25 @@ def register_paged_attention() -> None:
     """
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def check_model_features(config: PretrainedConfig) -> None:
+    """Refuse, from the config alone, models whose attention the paged attention cannot read from blocks."""
+    model = model_name(config)
+    # Layer types whose attention also reads K/V entries made after `update()` (DeepSeek-V4's compressors).
+    compressed = sorted(name for name in set(getattr(config, "layer_types", None) or [])
+                        if is_known(name) and not layer_type_for(name).paged_readable)  # fmt: skip
+    if compressed:
+        refuse(model, f"compressed attention layers ({', '.join(compressed)})",
+               "the model appends its compressor's K/V entries (and their mask) to what `update()` returns, but the "
+               "paged attention reads the history from the blocks and would never see them")  # fmt: skip
+    sources = kv_sharing_sources(config)
+    unread = [index for index, mode in enumerate(getattr(config, "kv_sharing_modes", None) or [])
+              if mode not in (None, "store") and index not in sources]  # fmt: skip
+    if unread:
+        refuse(model, "KV-shared layers",
+               f"layers {unread} reuse K/V without an earlier \"store\" layer of their own layer type to read them "
+               "from, so the paged attention cannot tell which layer's blocks hold their history")  # fmt: skip
 
 
 def paged_attention_forward(
@@ -106,7 +135,7 @@ def _attend_blocks(query: torch.Tensor, paged_kv: PagedKV, mask: torch.Tensor | 
 def _kernel_attention(query: torch.Tensor, paged_kv: PagedKV, scale: float, softcap: float | None,
                       sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     """Triton kernels over the blocks; returns `[batch, q, heads, head_dim]`."""
-    from ..kernels import paged_decode_attention, paged_prefill_attention
+    from .kernels import paged_decode_attention, paged_prefill_attention
 
     plan, layer, device = paged_kv.plan, paged_kv.layer, query.device
     tables, seq_lens = plan.tensor("block_tables", device), plan.tensor("seq_lens", device)

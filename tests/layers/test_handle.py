@@ -1,0 +1,51 @@
+"""The handles `update()` leaves for the attention: a reader handle shares the step without its after-attention
+work, a packed handle acts for every sequence, and a handle's own mask is causal over the range it reads."""
+
+from __future__ import annotations
+
+import torch
+from tiny_models import VOCAB, shared_model
+
+from hf_paged_cache import PagedCache
+from hf_paged_cache.attention.torch_path import causal_mask
+from hf_paged_cache.layers.handle import PackedPagedKV, PagedKV
+
+
+def _recording_handle(calls: list, gathered: bool = False) -> PagedKV:
+    return PagedKV(None, None, lambda *args: calls.append("after"), lambda: calls.append("undo"), gathered)
+
+
+def test_a_reader_takes_the_step_back_but_leaves_the_after_attention_work_to_its_source():
+    calls = []
+    source = _recording_handle(calls)
+    reader = source.reader()
+    reader.finish(torch.zeros(1), None, 1.0, None)
+    assert calls == []
+    reader.undo()
+    source.finish(torch.zeros(1), None, 1.0, None)
+    assert calls == ["undo", "after"]
+
+
+def test_a_packed_handle_acts_for_every_sequence():
+    calls = []
+    packed = PackedPagedKV([(0, 2, _recording_handle(calls, gathered=True)), (2, 5, _recording_handle(calls))])
+    assert not packed.gathered
+    packed.undo()
+    assert calls == ["undo", "undo"]
+    readers = packed.reader()
+    assert [(start, stop) for start, stop, _part in readers.parts] == [(0, 2), (2, 5)]
+    readers.parts[0][2].finish(torch.zeros(1), None, 1.0, None)
+    assert calls == ["undo", "undo"]
+
+
+@torch.no_grad()
+def test_the_own_mask_is_causal_over_the_read_range():
+    model = shared_model("llama_gqa")
+    model.set_attn_implementation("sdpa")
+    cache = PagedCache(model.config, block_size=4)
+    model(input_ids=torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0)), cache=cache)
+    layer = cache.layers[0]
+    handle = PagedKV(layer, layer.tables.plan)
+    assert handle.read_len == 6
+    assert handle.own_mask(1, torch.device("cpu")) is None
+    assert torch.equal(handle.own_mask(6, torch.device("cpu")), causal_mask(6, 6, torch.device("cpu")))
