@@ -9,14 +9,21 @@ from .base import LayerSpec, LayerType
 
 
 class DelegatedType(LayerType):
+    """Its layer's state (recurrent, convolutional, or K/V of its own) belongs to one sequence, so the batch
+    generator runs it once per request, with that request's cache (`serving/recurrent.py`)."""
+
     stored = False
+    per_request = True
 
     def build_layer(self, spec: LayerSpec) -> CacheLayerMixin:
         return DYNAMIC_LAYER_TYPE_MAPPING[self.name](**spec.kwargs)
 
-    def packing_refusal(self, layer: CacheLayerMixin) -> str:
-        return (f"not stored in blocks ({type(layer).__name__}: linear attention, a recurrent or convolutional "
-                "state)")  # fmt: skip
+    def packing_refusal(self, layer: CacheLayerMixin) -> str | None:
+        # A request's call gets no mask (it is causal and unpadded), which a windowed attention would need.
+        if isinstance(layer, CacheLayerMixin) and layer.is_sliding:
+            return (f"a recurrent state with sliding-window attention in one layer ({type(layer).__name__}), whose "
+                    "window the batch generator's per-request call does not mask")  # fmt: skip
+        return None
 
 
 class CompressedAttention(DelegatedType):

@@ -15,12 +15,14 @@ from .delegated import DelegatedType
 class ReusedKV(DelegatedType):
     """transformers' "dummy": a KV-shared consumer reads its producer's blocks; any other stores nothing."""
 
+    per_request = False  # a consumer reads blocks through the packed cache
+
     def build_layer(self, spec: LayerSpec) -> CacheLayerMixin:
         producer = stored_layer(spec.built[spec.reused[spec.index]]) if spec.index in spec.reused else None
         return super().build_layer(spec) if producer is None else SharedKVLayer(producer)
 
     def packing_refusal(self, layer: CacheLayerMixin) -> str | None:
-        return None if isinstance(layer, SharedKVLayer) else super().packing_refusal(layer)
+        return None if isinstance(layer, SharedKVLayer) else f"not stored in blocks ({type(layer).__name__})"
 
 
 def share_with(spec: LayerSpec, source: int, types: list[str], layer_kwargs: list[dict]) -> SharedKVLayer:

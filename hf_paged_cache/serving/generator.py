@@ -43,6 +43,7 @@ from .metrics import BatchMetrics, ServingCounters
 from .packed_cache import packed_logits
 from .preemption import RECOMPUTE, SWAP
 from .prefix_cache import PrefixCache
+from .recurrent import PerRequestLayers
 from .requests import GenerationOutput, Request
 from .scheduler import BlockRoom
 from .settings import RequestSettings, request_settings, token_ids
@@ -71,7 +72,8 @@ class BatchGenerator:
         self.template = PagedCache(model.config, pools_up_front(PagedCacheConfig(**cache_options), model))
         _check_model(self.template)
         self.room = BlockRoom(self.template, self.config.swap_threshold)
-        self.sliding = [layer.is_sliding for layer in self.template.layers]
+        self.sliding = [layer_type.is_sliding for layer_type in self.template.layer_types]
+        self.per_request = PerRequestLayers.of(model, self.template)  # recurrent layers: one call per request
         cacheable = self.config.prefix_caching and self.template.options.sharing and PrefixCache.supports(self.template)
         self.prefix_cache = PrefixCache(self.template) if cacheable else None
         self.swap = self.preemption.swap_space(self.template, model.device)
@@ -329,7 +331,7 @@ class BatchGenerator:
         chunks = [(request.cache, request.tokens[request.fed : request.fed + q], request.fed) for request, q in batch]
         states = [request.settings.snapshot() for request, _ in batch]
         try:
-            logits = packed_logits(self.model, chunks, self.sliding)
+            logits = packed_logits(self.model, chunks, self.sliding, self.per_request)
             samples = [request.next_token(q, logits[index]) for index, (request, q) in enumerate(batch)]
         except BaseException:
             self._roll_back(batch, states)
