@@ -43,7 +43,7 @@ from .metrics import BatchMetrics, ServingCounters
 from .packed_cache import packed_logits
 from .preemption import RECOMPUTE, SWAP
 from .prefix_cache import PrefixCache
-from .recurrent import PerRequestLayers
+from .recurrent import PerRequestLayers, state_bytes
 from .requests import GenerationOutput, Request
 from .scheduler import BlockRoom
 from .settings import RequestSettings, request_settings, token_ids
@@ -378,9 +378,10 @@ class BatchGenerator:
     def _record(self, scheduled: int, holes: float) -> None:
         prefix = self.prefix_cache.stats if self.prefix_cache is not None else None
         queues = (len(self.running), len(self.waiting), len(self.swapped) + self._waited)
+        state = sum(state_bytes(request.cache) for request in self.running)
         self.history.append(self.counters.snapshot(
             len(self.history), time.perf_counter() - self._started, queues, scheduled, self.config.max_batch_tokens,
-            self.template.metrics(), prefix, self.swap.stats, self.swap.copies.stats, holes,
+            self.template.metrics(), prefix, self.swap.stats, self.swap.copies.stats, holes, state,
         ))  # fmt: skip
 
     def compact(self, keep_free: int | None = None) -> tuple[dict[str, Fragmentation], dict[str, Fragmentation]]:
@@ -435,13 +436,13 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]],
 
 
 def _check_model(template: PagedCache) -> None:
-    """The packed forward needs every layer stored in blocks (no linear-attention or chunked layers)."""
+    """Layers the packed forward can serve: stored in blocks, or run per request (recurrent); not chunked ones."""
     for index, (layer, layer_type) in enumerate(zip(template.layers, template.layer_types)):
         kind = layer_type.packing_refusal(layer)
         if kind is not None:
             raise ValueError(
                 f"Layer {index} is {kind}: the batch generator serves models whose layers are full or sliding-window "
-                "attention; use `model.generate` with a `PagedCache` for this model"
+                "attention, or recurrent; use `model.generate` with a `PagedCache` for this model"
             )
 
 

@@ -129,7 +129,7 @@ def state_bytes(cache: PagedCache) -> int:
         layer = cache.layers[index]
         tensors = []
         if isinstance(layer, LinearAttentionCacheLayerMixin):
-            tensors += [*layer.conv_states, *layer.recurrent_states]
+            tensors += [*layer.conv_states.values(), *layer.recurrent_states.values()]
         if isinstance(layer, CacheLayerMixin):
             tensors += [layer.keys, layer.values]
         total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
