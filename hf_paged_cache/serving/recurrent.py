@@ -20,7 +20,8 @@ from ..cache import PagedCache
 CACHE_KWARGS = ("cache", "past_key_values")  # the name transformers passes a decoder layer its cache by
 # Models whose recurrent layers drop their state at a chunk of several tokens (only the one-token step continues
 # it), so a prompt computed in chunks would silently differ.
-RESTARTS_STATE = {"jamba": "its Mamba mixer's multi-token path starts from an empty state"}
+RESTARTS_STATE = dict.fromkeys(("jamba", "mamba", "falcon_mamba", "zamba"),
+                               "its Mamba mixer's multi-token path starts from an empty state")  # fmt: skip
 
 
 class PerRequestLayers:
@@ -88,7 +89,7 @@ def _request_slice(key: str, value, start: int, stop: int):
         # One request alone has no padding and is causal: what transformers says with no mask, both to attention
         # (the "paged" attention then masks causally) and to recurrent layers (nothing to zero out).
         return None
-    if key == "position_ids":
+    if key == "position_ids" and value is not None:
         return value[..., start:stop]
     if key == "position_embeddings" and value is not None:
         return tuple(part[..., start:stop, :] for part in value)

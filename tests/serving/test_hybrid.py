@@ -98,6 +98,10 @@ def test_prefix_caching_gives_no_hits_for_hybrid_models(name):
     assert all(output.prefix_hit_tokens == 0 for output in generator.run())
 
 
-def test_a_model_whose_mamba_restarts_its_state_per_chunk_is_refused():
-    with pytest.raises(ValueError, match="cannot serve jamba: its Mamba mixer's multi-token path starts from an empty"):
-        BatchGenerator(zoo.build("jamba")[0], max_new_tokens=2)
+@pytest.mark.parametrize("model_type, match", [
+    ("jamba", "cannot serve jamba: its Mamba mixer's multi-token path starts from an empty state"),
+    ("deepseek_v32", r"Layer 0 is not stored in blocks \(DynamicIndexedLayer"),  # attention, not a recurrence
+])  # fmt: skip
+def test_layers_a_per_request_call_would_not_serve_exactly_are_refused_at_construction(model_type, match):
+    with pytest.raises(ValueError, match=match):
+        BatchGenerator(zoo.build(model_type)[0], max_new_tokens=2)
