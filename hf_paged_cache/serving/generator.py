@@ -40,7 +40,7 @@ from ..errors import UnsupportedAttentionError
 from ..memory.defragment import Fragmentation, defragment, fragmentation
 from .batch_config import BatchConfig, pools_up_front, split_options
 from .metrics import BatchMetrics, ServingCounters
-from .packed_cache import packed_logits
+from .packed_cache import layer_sliding, packed_logits
 from .preemption import RECOMPUTE, SWAP
 from .prefix_cache import PrefixCache
 from .recurrent import PerRequestLayers, state_bytes
@@ -72,7 +72,7 @@ class BatchGenerator:
         self.template = PagedCache(model.config, pools_up_front(PagedCacheConfig(**cache_options), model))
         _check_model(self.template)
         self.room = BlockRoom(self.template, self.config.swap_threshold)
-        self.sliding = [layer_type.is_sliding for layer_type in self.template.layer_types]
+        self.sliding = layer_sliding(self.template)
         self.per_request = PerRequestLayers.of(model, self.template)  # recurrent layers: one call per request
         cacheable = self.config.prefix_caching and self.template.options.sharing and PrefixCache.supports(self.template)
         self.prefix_cache = PrefixCache(self.template) if cacheable else None

@@ -78,6 +78,11 @@ class PackedCache(Cache):
         return paged_only(key_states, reader), paged_only(value_states, reader)
 
 
+def layer_sliding(cache: PagedCache) -> list[bool]:
+    """transformers' `is_sliding` of each layer of `cache` (False for a layer that holds recurrent state only)."""
+    return [isinstance(layer, CacheLayerMixin) and layer.is_sliding for layer in cache.layers]
+
+
 def packed_logits(model, chunks: list[tuple[PagedCache, list[int], int]], sliding: list[bool],
                   per_request: PerRequestLayers | None = None) -> torch.Tensor:  # fmt: skip
     """One forward of every chunk (its cache, its tokens, the position of the first) packed into one row; the
