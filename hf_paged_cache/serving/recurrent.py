@@ -30,7 +30,7 @@ class PerRequestLayers:
 
     def __init__(self, model: torch.nn.Module, indices: list[int], num_layers: int):
         modules = decoder_layers(model, num_layers)
-        self.modules = [modules[index] for index in indices]
+        self.layers = [modules[index] for index in indices]
 
     @classmethod
     def of(cls, model: torch.nn.Module, template: PagedCache) -> PerRequestLayers | None:
@@ -49,13 +49,13 @@ class PerRequestLayers:
     @contextmanager
     def split(self, caches: list[PagedCache], spans: list[tuple[int, int]]) -> Iterator[None]:
         """Within the block, the layers run per request (`caches[i]` takes tokens `spans[i]`)."""
-        saved = [module.__dict__.get("forward") for module in self.modules]  # an accelerate hook sets its own
+        saved = [module.__dict__.get("forward") for module in self.layers]  # an accelerate hook sets its own
         try:
-            for module in self.modules:
+            for module in self.layers:
                 module.forward = _per_request(module, module.forward, caches, spans)
             yield
         finally:
-            for module, forward in zip(self.modules, saved):
+            for module, forward in zip(self.layers, saved):
                 if forward is None:
                     del module.forward
                 else:
@@ -67,18 +67,21 @@ def _per_request(module: torch.nn.Module, forward, caches: list[PagedCache], spa
         names = [name for name in CACHE_KWARGS if name in kwargs]
         if args or len(names) != 1:
             raise RuntimeError(
-                f"{type(module).__name__} is called with positional arguments after "
-                "the hidden states, or without a `cache=` keyword, so the batch generator cannot run it per request: "
-                "use `model.generate` with a `PagedCache` for this model"
+                f"{type(module).__name__} is called with positional arguments after the hidden states, or without a "
+                "`cache=` keyword, so the batch generator cannot run it per request: use `model.generate` with a "
+                "`PagedCache` for this model"
             )
         outs = []
         for cache, (start, stop) in zip(caches, spans):
             own = {key: _request_slice(key, value, start, stop) for key, value in kwargs.items()}
             own[names[0]] = cache
             outs.append(forward(hidden_states[:, start:stop], **own))
-        if isinstance(outs[0], tuple):  # (hidden_states,): some models' layers return a one-tuple
-            return (torch.cat([out[0] for out in outs], dim=1), *outs[0][1:])
-        return torch.cat(outs, dim=1)
+        if not isinstance(outs[0], tuple):
+            return torch.cat(outs, dim=1)
+        if len(outs[0]) != 1:
+            raise RuntimeError(f"{type(module).__name__} returns more than its hidden states, which the batch "
+                               "generator cannot join across requests: use `model.generate` with a `PagedCache`")
+        return (torch.cat([out[0] for out in outs], dim=1),)  # some models' layers return a one-tuple
 
     return run
 
