@@ -21,10 +21,10 @@ import zoo  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# Linear attention (gated delta net) + full attention; convolutions + full attention; Mamba-2 beside attention in
-# every layer (nothing stored in blocks).
-HYBRIDS = ["qwen3_next", "lfm2_conv", "falcon_h1"]
-WITH_BLOCKS = ["qwen3_next", "lfm2_conv"]  # falcon_h1 keeps its attention's K/V in its own layers: no pool to press
+# Linear attention (gated delta net) + full attention; convolutions + full attention; Mamba-2, attention and MLP
+# layers; Mamba-2 beside attention in every layer (nothing stored in blocks).
+HYBRIDS = ["qwen3_next", "lfm2_conv", "nemotron_h", "falcon_h1"]
+WITH_BLOCKS = HYBRIDS[:3]  # falcon_h1 keeps its attention's K/V in its own layers: no pool to press
 
 
 @functools.lru_cache(maxsize=None)
