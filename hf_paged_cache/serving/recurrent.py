@@ -30,7 +30,8 @@ class PerRequestLayers:
 
     def __init__(self, model: torch.nn.Module, indices: list[int], num_layers: int):
         modules = decoder_layers(model, num_layers)
-        self.layers = [modules[index] for index in indices]
+        # Once each, should a model reuse one module at several indices: the wrapper reads the cache it is given.
+        self.layers = list({id(modules[index]): modules[index] for index in indices}.values())
 
     @classmethod
     def of(cls, model: torch.nn.Module, template: PagedCache) -> PerRequestLayers | None:
