@@ -119,6 +119,11 @@ def blocks_in_budget(config: PretrainedConfig, max_memory: int, block_size: int,
     """The `num_blocks` of pools that fit `max_memory` bytes: every layer's storage holds `num_blocks + 1` blocks
     (one is the all-zero null block), each of the layer's own shape."""
     per_block = block_size * kv_bytes_per_token(config, dtype, tp_size)
+    if per_block == 0:
+        raise ValueError(
+            "`max_memory` budgets blocks, but no layer of this model stores K/V in blocks (each keeps its own state, "
+            "outside any pool): leave `max_memory` out"
+        )
     if max_memory // per_block < 2:
         raise ValueError(
             f"`max_memory`={max_memory} bytes cannot hold two blocks of every layer (one of them the all-zero null "

@@ -105,3 +105,8 @@ def test_prefix_caching_gives_no_hits_for_hybrid_models(name):
 def test_layers_a_per_request_call_would_not_serve_exactly_are_refused_at_construction(model_type, match):
     with pytest.raises(ValueError, match=match):
         BatchGenerator(zoo.build(model_type)[0], max_new_tokens=2)
+
+
+def test_a_memory_budget_for_a_model_with_nothing_in_blocks_is_refused_clearly():
+    with pytest.raises(ValueError, match="no layer of this model stores K/V in blocks"):
+        BatchGenerator(hybrid("falcon_h1"), max_memory="1MiB")
