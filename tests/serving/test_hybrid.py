@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from batch_workloads import NEW, PRESSURE, alone, random_prompts
+from batch_workloads import NEW, PRESSURE, alone, failing, random_prompts
 from transformers import DynamicCache
 
 from hf_paged_cache.serving.generator import BatchGenerator, generate_batch
@@ -110,3 +110,22 @@ def test_layers_a_per_request_call_would_not_serve_exactly_are_refused_at_constr
 def test_a_memory_budget_for_a_model_with_nothing_in_blocks_is_refused_clearly():
     with pytest.raises(ValueError, match="no layer of this model stores K/V in blocks"):
         BatchGenerator(hybrid("falcon_h1"), max_memory="1MiB")
+
+
+def test_a_forward_that_fails_in_a_recurrent_layer_is_rolled_back_and_changes_nothing():
+    """The requests' states are dropped with their blocks (a recurrent layer may have written part of the step)."""
+    model, prompts = hybrid("qwen3_next"), random_prompts((9, 14, 5), seed=4)
+    options = dict(max_new_tokens=NEW, block_size=4, max_batch_tokens=8)
+    expected = [o.generated_tokens for o in generate_batch(model, prompts, **options)]
+    layer = model.get_decoder().layers[1]  # a recurrent layer; it fails once, at its 8th per-request call
+    layer.forward = failing(layer.forward, 8, RuntimeError("interrupted"))
+    try:
+        generator = BatchGenerator(model, **options)
+        for prompt in prompts:
+            generator.add_request(prompt)
+        with pytest.raises(RuntimeError, match="interrupted"):
+            generator.run()
+        assert not generator.running and all(request.cache is None for request in generator.waiting)
+        assert [o.generated_tokens for o in generator.run()] == expected
+    finally:
+        del layer.forward
