@@ -116,8 +116,8 @@ def decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleLi
     if len(lists) == 1:
         return next(iter(lists.values()))
     raise ValueError(
-        f"{type(decoder).__name__} has {'no' if not lists else 'more than one'} list of {num_layers} decoder layers, so "
-        "the batch generator cannot run its recurrent layers per request: use `model.generate` with a `PagedCache`"
+        f"{type(decoder).__name__} has {'no' if not lists else 'more than one'} list of {num_layers} decoder layers, "
+        "so the batch generator cannot run its recurrent layers per request: use `model.generate` with a `PagedCache`"
     )
 
 

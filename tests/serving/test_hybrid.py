@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from batch_workloads import NEW, PRESSURE, alone, failing, random_prompts
 from transformers import DynamicCache
 
@@ -23,20 +22,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # Linear attention (gated delta net) + full attention; convolutions + full attention; Mamba-2, attention and MLP
 # layers; Mamba-2 beside attention in every layer (nothing stored in blocks).
-HYBRIDS = ["qwen3_next", "lfm2_conv", "nemotron_h", "falcon_h1"]
+HYBRIDS = ["qwen3_next", "lfm2", "nemotron_h", "falcon_h1"]
 WITH_BLOCKS = HYBRIDS[:3]  # falcon_h1 keeps its attention's K/V in its own layers: no pool to press
 
 
 @functools.lru_cache(maxsize=None)
 def hybrid(name: str):
-    if name != "lfm2_conv":
-        return zoo.build(name)[0]
-    config = zoo.tiny_config("lfm2")  # its default layer types are all attention
-    config.layer_types = ["conv", "full_attention"]
-    torch.manual_seed(0)
-    model = zoo.transformers.Lfm2ForCausalLM(config).eval()
-    model.generation_config.eos_token_id = None
-    return model
+    return zoo.build(name)[0]
 
 
 def reference(name: str, prompts) -> list[list[int]]:

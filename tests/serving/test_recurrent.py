@@ -49,13 +49,14 @@ def test_each_request_gets_its_slice_its_cache_and_no_mask():
     hidden, positions = torch.arange(10.0).reshape(1, 5, 2), torch.tensor([[4, 5, 6, 0, 1]])
     cos = torch.arange(15.0).reshape(1, 5, 3)
     with layers.split(caches, spans):
-        out = model.decoder.layers[0](hidden, cache="packed", attention_mask=torch.ones(1, 1, 5, 5),
-                                      position_ids=positions, position_embeddings=(cos, cos), use_cache=True)  # fmt: skip
+        out = model.decoder.layers[0](hidden, cache="packed", attention_mask=torch.ones(1, 1, 5, 5), use_cache=True,
+                                      position_ids=positions, position_embeddings=(cos, cos))  # fmt: skip
     assert torch.equal(out, hidden * 2) and "forward" not in model.decoder.layers[0].__dict__
     calls = model.decoder.layers[0].calls
     for (states, cache, kwargs), own, (start, stop) in zip(calls, caches, spans):
         assert cache is own and kwargs["attention_mask"] is None and kwargs["use_cache"] is True
-        assert torch.equal(states, hidden[:, start:stop]) and torch.equal(kwargs["position_ids"], positions[:, start:stop])
+        assert torch.equal(states, hidden[:, start:stop])
+        assert torch.equal(kwargs["position_ids"], positions[:, start:stop])
         assert torch.equal(kwargs["position_embeddings"][0], cos[:, start:stop])
     assert model.decoder.layers[1].calls == []  # attention layers are not split
 
