@@ -88,6 +88,7 @@ OVERRIDES: dict[str, dict] = {
     "dbrx": dict(attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
                  ffn_config={"hidden_size": 64, "ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 1}),
     "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=8),
+    "lfm2": dict(layer_types=["conv", "full_attention"]),  # its default layer_types are all attention
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # its default layer_types is None
     "mamba2": dict(num_heads=8, n_groups=1),  # num_heads * head_dim must be expand * hidden_size
     "gemma3n_text": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,

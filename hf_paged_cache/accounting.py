@@ -119,6 +119,11 @@ def blocks_in_budget(config: PretrainedConfig, max_memory: int, block_size: int,
     """The `num_blocks` of pools that fit `max_memory` bytes: every layer's storage holds `num_blocks + 1` blocks
     (one is the all-zero null block), each of the layer's own shape."""
     per_block = block_size * kv_bytes_per_token(config, dtype, tp_size)
+    if per_block == 0:
+        raise ValueError(
+            "`max_memory` budgets blocks, but no layer of this model stores K/V in blocks (each keeps its own state, "
+            "outside any pool): leave `max_memory` out"
+        )
     if max_memory // per_block < 2:
         raise ValueError(
             f"`max_memory`={max_memory} bytes cannot hold two blocks of every layer (one of them the all-zero null "
@@ -226,6 +231,10 @@ def stored_kv_shapes(config: PretrainedConfig, tp_size: int = 1) -> list[StoredK
     return shapes
 
 
+_NO_GROUP = dict.fromkeys(("blocks_total", "blocks_used", "blocks_free", "tokens_stored", "pool_bytes", "used_bytes",
+                           "ideal_bytes", "waste_bytes", "table_bytes"), 0)  # fmt: skip
+
+
 def collect_metrics(
     block_size: int,
     groups: Mapping[str, tuple[BlockTables, Sequence[PagedLayer], tuple[int, int]]],
@@ -237,7 +246,8 @@ def collect_metrics(
     tokens), the quantized layers by index (for their sampled reconstruction error), the number of
     tensor-parallel ranks holding the same tables, and the number of forks sharing the pools."""
     per_group = {name: _group_metrics(*entry) for name, entry in groups.items()}
-    total = {key: sum(group[key] for group in per_group.values()) for key in next(iter(per_group.values()), {})}
+    keys = next(iter(per_group.values()), _NO_GROUP)  # a model none of whose layers is stored has no group
+    total = {key: sum(group[key] for group in per_group.values()) for key in keys}
     total.pop("layers", None)
     quant_error = {index: layer.quant_error() for index, layer in quantized_layers.items() if layer.error_stats["key"][1]}
     return CacheMetrics(block_size=block_size, groups=per_group, quant_error=quant_error, tp_size=tp_size,

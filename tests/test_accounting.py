@@ -8,6 +8,7 @@ import transformers
 from tiny_models import MODELS_BY_NAME, VOCAB, tiny_config, make_model
 
 from hf_paged_cache import BatchGenerator, PagedCache, estimate_kv_bytes, kv_bytes_per_token
+from hf_paged_cache.memory.accounting import blocks_in_budget
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -77,3 +78,12 @@ def test_tensor_parallelism_splits_per_head_layers_and_refuses_uneven_splits():
     assert estimate_kv_bytes(config, 2, 30, BLOCK, torch.float32, tp_size=2) * 2 == whole
     with pytest.raises(ValueError, match="`tp_size`=4 must divide the 2 KV heads of layer 1"):
         estimate_kv_bytes(config, 2, 30, BLOCK, torch.float32, tp_size=4)
+
+
+def test_a_cache_with_no_stored_layer_measures_zero_and_has_no_block_budget():
+    config = transformers.LlamaConfig(**_common())
+    config.layer_types = ["linear_attention", "linear_attention"]
+    metrics = PagedCache(config).metrics()
+    assert metrics.groups == {} and metrics.blocks_total == metrics.used_bytes == 0
+    with pytest.raises(ValueError, match="no layer of this model stores K/V in blocks"):
+        blocks_in_budget(config, 2**20, BLOCK, torch.float32)

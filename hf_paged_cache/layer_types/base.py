@@ -44,6 +44,7 @@ class LayerType:
     evictable = False  # eviction policies may drop its tokens
     kernels_read = True  # the Triton kernels' masking (by window) serves it
     paged_readable = True  # the "paged" attention can read it from blocks
+    per_request = False  # its state runs along one sequence: a packed forward runs its layer once per request
 
     def window(self, kwargs: dict[str, Any]) -> int | None:
         """The window its group's tables keep (blocks that leave it are freed), None to keep everything."""

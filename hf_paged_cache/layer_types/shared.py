@@ -15,12 +15,16 @@ from .delegated import DelegatedType
 class ReusedKV(DelegatedType):
     """transformers' "dummy": a KV-shared consumer reads its producer's blocks; any other stores nothing."""
 
+    per_request = False
+
     def build_layer(self, spec: LayerSpec) -> CacheLayerMixin:
         producer = stored_layer(spec.built[spec.reused[spec.index]]) if spec.index in spec.reused else None
         return super().build_layer(spec) if producer is None else SharedKVLayer(producer)
 
     def packing_refusal(self, layer: CacheLayerMixin) -> str | None:
-        return None if isinstance(layer, SharedKVLayer) else super().packing_refusal(layer)
+        """None: a consumer reads its producer's blocks through the packed cache, and a layer without attention
+        (Nemotron-H's MLP layers) touches no cache, so the packed row serves it as it is."""
+        return None
 
 
 def share_with(spec: LayerSpec, source: int, types: list[str], layer_kwargs: list[dict]) -> SharedKVLayer:

@@ -39,9 +39,10 @@ from ..memory.defragment import Fragmentation, defragment, fragmentation
 from ..paged_attention import ATTENTION_NAME, check_model_features
 from .batch_config import BatchConfig, pools_up_front, split_options
 from .metrics import BatchMetrics, ServingCounters
-from .packed_cache import packed_logits
+from .packed_cache import layer_sliding, packed_logits
 from .preemption import RECOMPUTE, SWAP
 from .prefix_cache import PrefixCache
+from .recurrent import PerRequestLayers, state_bytes
 from .requests import GenerationOutput, Request
 from .scheduler import BlockRoom
 from .settings import RequestSettings, request_settings, token_ids
@@ -70,7 +71,8 @@ class BatchGenerator:
         self.template = PagedCache(model.config, pools_up_front(PagedCacheConfig(**cache_options), model))
         _check_model(self.template)
         self.room = BlockRoom(self.template, self.config.swap_threshold)
-        self.sliding = [layer.is_sliding for layer in self.template.layers]
+        self.sliding = layer_sliding(self.template)
+        self.per_request = PerRequestLayers.of(model, self.template)  # recurrent layers: one call per request
         cacheable = self.config.prefix_caching and self.template.options.sharing and PrefixCache.supports(self.template)
         self.prefix_cache = PrefixCache(self.template) if cacheable else None
         self.swap = self.preemption.swap_space(self.template, model.device)
@@ -328,7 +330,7 @@ class BatchGenerator:
         chunks = [(request.cache, request.tokens[request.fed : request.fed + q], request.fed) for request, q in batch]
         states = [request.settings.snapshot() for request, _ in batch]
         try:
-            logits = packed_logits(self.model, chunks, self.sliding)
+            logits = packed_logits(self.model, chunks, self.sliding, self.per_request)
             samples = [request.next_token(q, logits[index]) for index, (request, q) in enumerate(batch)]
         except BaseException:
             self._roll_back(batch, states)
@@ -375,9 +377,10 @@ class BatchGenerator:
     def _record(self, scheduled: int, holes: float) -> None:
         prefix = self.prefix_cache.stats if self.prefix_cache is not None else None
         queues = (len(self.running), len(self.waiting), len(self.swapped) + self._waited)
+        state = sum(state_bytes(request.cache) for request in self.running)
         self.history.append(self.counters.snapshot(
             len(self.history), time.perf_counter() - self._started, queues, scheduled, self.config.max_batch_tokens,
-            self.template.metrics(), prefix, self.swap.stats, self.swap.copies.stats, holes,
+            self.template.metrics(), prefix, self.swap.stats, self.swap.copies.stats, holes, state,
         ))  # fmt: skip
 
     def compact(self, keep_free: int | None = None) -> tuple[dict[str, Fragmentation], dict[str, Fragmentation]]:
@@ -434,13 +437,13 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]],
 
 
 def _check_model(template: PagedCache) -> None:
-    """The packed forward needs every layer stored in blocks (no linear-attention or chunked layers)."""
+    """Layers the packed forward can serve: stored in blocks, or run per request (recurrent); not chunked ones."""
     for index, (layer, layer_type) in enumerate(zip(template.layers, template.layer_types)):
         kind = layer_type.packing_refusal(layer)
         if kind is not None:
             raise ValueError(
                 f"Layer {index} is {kind}: the batch generator serves models whose layers are full or sliding-window "
-                "attention; use `model.generate` with a `PagedCache` for this model"
+                "attention, or recurrent; use `model.generate` with a `PagedCache` for this model"
             )
 
 

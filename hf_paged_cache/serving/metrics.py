@@ -44,6 +44,7 @@ class BatchMetrics:
     recomputed_tokens: int = 0  # tokens computed again after recompute preemptions (prefix hits excluded)
     fragmentation: float = 0.0  # the largest share of free ids below a pool's highest block in use
     compactions: int = 0  # so far
+    state_bytes: int = 0  # running requests' recurrent state outside the pools (hybrid models: `recurrent.py`)
 
     @property
     def preempted_swap(self) -> int:
@@ -96,9 +97,9 @@ class ServingCounters:
 
     def snapshot(self, step: int, seconds: float, queues: tuple[int, int, int], scheduled: int, budget: int,
                  cache: CacheMetrics, prefix: PrefixStats | None, swap: SwapStats, copies: CopyStats,
-                 holes: float) -> BatchMetrics:  # fmt: skip
+                 holes: float, state_bytes: int = 0) -> BatchMetrics:  # fmt: skip
         """The metrics after a step that computed `scheduled` tokens; `queues`: running, waiting and stalled
-        requests (swapped out, or running but not scheduled)."""
+        requests (swapped out, or running but not scheduled); `state_bytes`: the running requests' recurrent state."""
         running, waiting, stalled = queues
         return BatchMetrics(
             step=step, seconds=seconds, running=running, waiting=waiting, finished=self.finished,
@@ -111,4 +112,5 @@ class ServingCounters:
             swap_in_blocks=swap.in_blocks, swap_in_bytes=swap.in_bytes, swap_stall_seconds=copies.stall_seconds,
             swap_copy_seconds=copies.copy_seconds, swap_prefetched=self.prefetched,
             recomputed_tokens=self.recomputed_tokens, fragmentation=holes, compactions=self.compactions,
+            state_bytes=state_bytes,
         )  # fmt: skip

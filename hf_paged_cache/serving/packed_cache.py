@@ -6,10 +6,13 @@ position in `position_ids`. The model calls `update()` once per layer with the p
 hands each request's slice to that request's `PagedCache` (forks of one template, so they share pools)
 and leaves a `PackedPagedKV` for the `"paged"` attention, which attends each request over its own blocks. For a
 model that caches latents (multi-head latent attention) it returns the requests' gathered histories concatenated,
-which the model expands into K/V, and the attention attends each request over its own span of them.
+which the model expands into K/V, and the attention attends each request over its own span of them. Layers whose
+state runs along a sequence (linear attention, Mamba, convolutions) run once per request instead (`recurrent.py`).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -18,6 +21,7 @@ from ..cache import PagedCache
 from ..attention.contract import PAGED_KV_KWARG
 from ..layers.handle import PackedPagedKV
 from ..attention.paged_states import paged_only
+from .recurrent import PerRequestLayers
 
 
 class _PackedLayer(CacheLayerMixin):
@@ -75,9 +79,16 @@ class PackedCache(Cache):
         return paged_only(key_states, reader), paged_only(value_states, reader)
 
 
-def packed_logits(model, chunks: list[tuple[PagedCache, list[int], int]], sliding: list[bool]) -> torch.Tensor:
+def layer_sliding(cache: PagedCache) -> list[bool]:
+    """transformers' `is_sliding` of each layer of `cache` (False for a layer that holds recurrent state only)."""
+    return [isinstance(layer, CacheLayerMixin) and layer.is_sliding for layer in cache.layers]
+
+
+def packed_logits(model, chunks: list[tuple[PagedCache, list[int], int]], sliding: list[bool],
+                  per_request: PerRequestLayers | None = None) -> torch.Tensor:  # fmt: skip
     """One forward of every chunk (its cache, its tokens, the position of the first) packed into one row; the
-    logits of each chunk's last token, one row per chunk (`sliding`: which layers are sliding-window)."""
+    logits of each chunk's last token, one row per chunk (`sliding`: which layers are sliding-window;
+    `per_request`: the layers that run once per chunk, recurrent ones)."""
     tokens, positions, spans, keep = [], [], [], []
     for _cache, chunk, start in chunks:
         spans.append((len(tokens), len(tokens) + len(chunk)))
@@ -85,6 +96,8 @@ def packed_logits(model, chunks: list[tuple[PagedCache, list[int], int]], slidin
         tokens += chunk
         positions += range(start, start + len(chunk))
     ids = torch.tensor([tokens], device=model.device)
-    cache = PackedCache([chunk[0] for chunk in chunks], spans, sliding)
-    return model(input_ids=ids, position_ids=torch.tensor([positions], device=ids.device), cache=cache,
-                 use_cache=True, logits_to_keep=torch.tensor(keep, device=ids.device)).logits[0]  # fmt: skip
+    caches = [chunk[0] for chunk in chunks]
+    with per_request.split(caches, spans) if per_request is not None else contextlib.nullcontext():
+        return model(input_ids=ids, position_ids=torch.tensor([positions], device=ids.device),
+                     cache=PackedCache(caches, spans, sliding), use_cache=True,
+                     logits_to_keep=torch.tensor(keep, device=ids.device)).logits[0]  # fmt: skip

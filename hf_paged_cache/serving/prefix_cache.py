@@ -22,6 +22,7 @@ from ..blocks.packing import Renumbering
 from ..blocks.sealing import QuantizedBlockTables
 from ..blocks.tables import BlockTables
 from ..cache import PagedCache
+from .recurrent import holds_state
 
 
 def block_keys(tokens: list[int], block_size: int, count: int, known: list[bytes] | None = None) -> list[bytes]:
@@ -60,8 +61,10 @@ class PrefixCache:
 
     @staticmethod
     def supports(cache: PagedCache) -> bool:
-        """Whether every group of `cache` can be cached (full precision, no eviction)."""
-        return cache.evictor is None and not any(isinstance(g, QuantizedBlockTables) for g in cache.groups.values())
+        """Whether every group of `cache` can be cached (full precision, no eviction), and nothing else holds what
+        a hit would need: a hybrid model's recurrent state at the cached prefix's end is not in blocks."""
+        quantized = any(isinstance(g, QuantizedBlockTables) for g in cache.groups.values())
+        return cache.evictor is None and not quantized and not holds_state(cache)
 
     # ------------------------------------------------------------------ lookup
     def attach(self, cache: PagedCache, prompt: list[int]) -> int:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from batch_workloads import random_prompts, tiny_model
+from transformers import LlamaConfig
 
 from hf_paged_cache import PagedCache
-from hf_paged_cache.serving.packed_cache import packed_logits
+from hf_paged_cache.serving.packed_cache import layer_sliding, packed_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -29,3 +30,10 @@ def test_packed_chunks_give_the_last_logits_of_each_chunk_alone(name):
     for row, reference in zip(logits, expected):
         torch.testing.assert_close(row, reference, rtol=1e-5, atol=1e-5)
     assert [cache.get_seq_length() for cache in caches] == [9, 5]
+
+
+def test_layer_sliding_is_false_for_layers_with_recurrent_state_only():
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, sliding_window=8)  # fmt: skip
+    config.layer_types = ["linear_attention", "sliding_attention", "full_attention"]
+    assert layer_sliding(PagedCache(config)) == [False, True, False]
