@@ -8,7 +8,7 @@ import transformers
 from tiny_models import MODELS_BY_NAME, VOCAB, tiny_config, make_model
 
 from hf_paged_cache import BatchGenerator, PagedCache, estimate_kv_bytes, kv_bytes_per_token
-from hf_paged_cache.memory.accounting import blocks_in_budget
+from hf_paged_cache.accounting import blocks_in_budget
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -81,7 +81,7 @@ def test_tensor_parallelism_splits_per_head_layers_and_refuses_uneven_splits():
 
 
 def test_a_cache_with_no_stored_layer_measures_zero_and_has_no_block_budget():
-    config = transformers.LlamaConfig(**_common())
+    config = transformers.LlamaConfig(**tiny_config())
     config.layer_types = ["linear_attention", "linear_attention"]
     metrics = PagedCache(config).metrics()
     assert metrics.groups == {} and metrics.blocks_total == metrics.used_bytes == 0
