@@ -433,13 +433,13 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]],
 
 
 def _check_model(template: PagedCache) -> None:
-    """The packed forward needs every layer stored in blocks (no linear-attention or chunked layers)."""
+    """The packed forward needs every layer stored in blocks (no linear-attention layers)."""
     for index, (layer, layer_type) in enumerate(zip(template.layers, template.layer_types)):
         kind = layer_type.packing_refusal(layer)
         if kind is not None:
             raise ValueError(
-                f"Layer {index} is {kind}: the batch generator serves models whose layers are full or sliding-window "
-                "attention; use `model.generate` with a `PagedCache` for this model"
+                f"Layer {index} is {kind}: the batch generator serves models whose layers are full, sliding-window "
+                "or chunked attention; use `model.generate` with a `PagedCache` for this model"
             )
 
 
