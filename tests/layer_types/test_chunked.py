@@ -62,3 +62,32 @@ def test_unknown_padding_keeps_the_window_of_the_chunk_size():
     tables.padding_exact = False
     _grow(tables, 7, [0])
     assert tables.rows[0].base == max(tables.length - 1 - 8 + 1, 0) // 2 * 2
+
+
+def test_a_long_generation_holds_one_chunk_of_blocks_and_one_more_per_row():
+    """Llama-4 (chunks of 8, blocks of 4) over 40 new tokens: DynamicCache's tokens, and the chunked group never
+    holds more than ceil(8 / 4) + 1 blocks per row after a step."""
+    from tiny_models import MODELS_BY_NAME, PAD_ID, padded_batch
+    from transformers import DynamicCache
+
+    from hf_paged_cache import PagedCache
+
+    model, config = MODELS_BY_NAME["llama4_chunked"].build()  # a model of its own: its forward is wrapped below
+    ids, mask = padded_batch((0, 3, 7), 12)
+
+    def generate(cache):
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=40, do_sample=False,
+                                  pad_token_id=PAD_ID)  # fmt: skip
+
+    expected = generate(DynamicCache(config=config))
+    cache, held, forward = PagedCache(config, block_size=4), [], model.forward
+
+    def recording(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        held.extend(len(table) for table in cache.groups["chunked_attention[8]"].tables)
+        return out
+
+    model.forward = recording
+    assert torch.equal(generate(cache), expected)
+    assert max(held[3:]) <= 8 // 4 + 1  # after the prompt's step, which stores all of it
