@@ -23,7 +23,6 @@ class ChunkedAttention(FullAttention):
 
     is_sliding = True
     evictable = False
-    kernels_read = False
 
     def window(self, kwargs: dict[str, Any]) -> int:
         return kwargs["sliding_window"]  # transformers' layer kwargs carry `attention_chunk_size` under this name

@@ -42,6 +42,11 @@ class PagedKV:
         return self.layer.layer_type.kernel_window(self.layer.tables)
 
     @property
+    def kernel_chunk(self) -> int:
+        """The chunk size the kernels mask this layer's reads by (0: none)."""
+        return self.layer.layer_type.kernel_chunk(self.layer.tables)
+
+    @property
     def uses_kernels(self) -> bool:
         return self.layer.uses_kernels()
 
