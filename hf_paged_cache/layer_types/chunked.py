@@ -1,6 +1,9 @@
 """`chunked_attention` (Llama-4): a query at position p reads the keys of its own chunk, [floor(p / C) * C, p]
 counted from the row's first real token (transformers' `chunked_overlay`). Its group keeps the chunk the next
-query falls in, so blocks leave as the chunk moves on (right after a boundary a row holds no past at all)."""
+query falls in, so blocks leave as the chunk moves on (right after a boundary a row holds no past at all). Where
+the cache cannot tell a row's left padding (Llama-4's attention is given no `position_ids` under `generate()`;
+the batch generator tells it), it keeps the window of the chunk size, which holds every chunk the row may be in.
+Prefix caching reads a chunked group's blocks as a sliding group's; eviction never moves its tokens."""
 
 from __future__ import annotations
 
