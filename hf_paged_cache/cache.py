@@ -15,6 +15,7 @@ from .accounting import CacheMetrics, blocks_in_budget, collect_metrics
 from .attention.contract import PAGED_KV_KWARG, caches_latents, check_attention_kwargs, model_name
 from .blocks.plan import StepPlan
 from .blocks.pool import BlockPool
+from .blocks.reach import Reach
 from .blocks.sealing import QuantizedBlockTables
 from .blocks.tables import BlockTables
 from .blocks.unsharing import unshare, unshare_demand
@@ -86,17 +87,17 @@ class PagedCache(ForkingCache, Cache):
             self.evictor = Evictor(options.eviction, evicting, options.block_size, options.evict_every,
                                    options.evict_between_chunks, self.tp_size)  # fmt: skip
 
-    def _group(self, name: str, window: int | None, quant: str | None = None) -> BlockTables:
-        """The tables of layers of one kind (full, or sliding with one window) and one storage format."""
+    def _group(self, name: str, reach: Reach | None, quant: str | None = None) -> BlockTables:
+        """The tables of layers of one kind (full, or sliding or chunked of one size) and one storage format."""
         if quant is not None:
             name = f"{name}/{quant.strip()}"
         if name not in self.groups:
             pool = None if self.options.max_memory is not None else self._new_pool(self._fixed_pool_size())
             if quant is None:
-                self.groups[name] = BlockTables(name, pool, self.options.block_size, window)
+                self.groups[name] = BlockTables(name, pool, self.options.block_size, reach)
             else:
                 self.groups[name] = QuantizedBlockTables(
-                    name, pool, self._new_pool(self._fixed_pool_size()), self.options.block_size, window,
+                    name, pool, self._new_pool(self._fixed_pool_size()), self.options.block_size, reach,
                     format_from_spec(quant), self.options.residual_length,
                 )  # fmt: skip
         return self.groups[name]

@@ -2,7 +2,7 @@
 
 Why one module: decode and prefill differ only in which query rows a program owns and which key
 range it walks. Everything done per tile of keys -- gather K/V through the block table, scale,
-soft-cap, causal / sliding-window masking, the online-softmax update -- is identical, so it lives
+soft-cap, causal / sliding-window / chunked masking, the online-softmax update -- is identical, so it lives
 here once as ``@triton.jit`` helpers that both kernels inline. ``attend_stored_keys`` is their entry
 point: it walks a row's quantized prefix (``attend_quantized_range``, tiles dequantized in registers by
 ``dequantize.py``) and then its full-precision tokens (``attend_key_range``); both feed the same
@@ -59,13 +59,22 @@ def first_visible_key(q_pos, window):
 
 
 @triton.jit
+def query_window(q_pos, window, chunk, chunk_offset):
+    """The window of query ``q_pos`` (a scalar or a vector): ``window``, or with chunked attention (``chunk`` > 0)
+    the query's place in its chunk plus one, chunks starting where ``q_pos + chunk_offset`` is a multiple of
+    ``chunk``. A chunk is a window that shrinks to one key at each chunk start, so every mask goes by windows."""
+    return tl.where(chunk > 0, (q_pos + chunk_offset) % tl.maximum(chunk, 1) + 1, window)
+
+
+@triton.jit
 def visible(q_pos, k_pos, window):
-    """[M, N] mask: key k_pos[n] is visible from query q_pos[m] (causal, and inside the sliding window).
+    """[M, N] mask: key k_pos[n] is visible from query q_pos[m] (causal, and inside the query's window
+    ``window[m]``, see ``query_window``; 0: none).
 
     A query row with q_pos == -1 (padding, or a padded row of a query group) sees nothing.
     """
     causal = k_pos[None, :] <= q_pos[:, None]
-    return causal & ((window <= 0) | (k_pos[None, :] > q_pos[:, None] - window))
+    return causal & ((window[:, None] <= 0) | (k_pos[None, :] > q_pos[:, None] - window[:, None]))
 
 
 @triton.jit
@@ -327,7 +336,8 @@ def attend_stored_keys(
     V_SCALE_BITS: tl.constexpr,
     V_ROTATE: tl.constexpr,
 ):
-    """Fold stored keys ``[key_lo, key_hi)`` of (row, kv_head) into the state: the kernels' one entry point.
+    """Fold stored keys ``[key_lo, key_hi)`` of (row, kv_head) into the state: the kernels' one entry point;
+    ``window`` holds each query row's window (``query_window``).
 
     Without QUANTIZED this is ``attend_key_range`` over the paged cache. With it, the row's first
     ``quant_lens[row]`` stored tokens come from the quantized pools (see ``quantized.py``), walked first,

@@ -85,6 +85,22 @@ def sink_logits(sinks: torch.Tensor | None, num_q_heads: int, device: torch.devi
     return sinks.to(device=device, dtype=torch.float32).contiguous()
 
 
+def chunk_args(chunk_size: int, chunk_offsets: torch.Tensor | None, sliding_window: int,
+               seq_lens: torch.Tensor) -> dict[str, Any]:  # fmt: skip
+    """The kernels' chunked-attention arguments: the chunk size (0: none) and, per row, what to add to a stored
+    index so that chunks start at multiples of the size (int32 ``[batch]``, zeros when None; without chunks never
+    read, and ``seq_lens`` stands in)."""
+    if chunk_size < 0 or (chunk_size and sliding_window):
+        raise ValueError(f"chunk_size={chunk_size} must be >= 0 and comes without a sliding_window ({sliding_window})")
+    if not chunk_size:
+        return dict(chunk=0, chunk_offsets=seq_lens)
+    chunk_offsets = torch.zeros_like(seq_lens) if chunk_offsets is None else chunk_offsets
+    if chunk_offsets.shape != seq_lens.shape:
+        raise ValueError(f"chunk_offsets must hold one offset per row: shape {tuple(seq_lens.shape)}, "
+                         f"got {tuple(chunk_offsets.shape)}")  # fmt: skip
+    return dict(chunk=int(chunk_size), chunk_offsets=chunk_offsets.to(device=seq_lens.device, dtype=torch.int32))
+
+
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     """Kernels take explicit strides for every dim but the last, which must have stride 1."""
     return x if x.stride(-1) == 1 else x.contiguous()

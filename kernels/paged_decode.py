@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import attend_stored_keys, first_visible_key, normalize, softmax_start
+from .common import attend_stored_keys, first_visible_key, normalize, query_window, softmax_start
 from .launch import (
     MIN_DOT,
     Launch,
@@ -37,6 +37,7 @@ from .launch import (
     check_paged_kv,
     dot_dtype,
     is_interpreted,
+    chunk_args,
     last_dim_contiguous,
     sink_logits,
 )
@@ -94,6 +95,8 @@ def _paged_decode_kernel(
     scale,
     softcap,
     window,
+    chunk,
+    chunk_offsets,
     sinks,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -140,6 +143,7 @@ def _paged_decode_kernel(
 
     seq_len = tl.load(seq_lens + row)
     q_last = seq_len - 1
+    window = query_window(q_last, window, chunk, tl.load(chunk_offsets + row, mask=chunk > 0, other=0))
     # Whole tiles from the first visible key to the end, shared out evenly between the splits.
     key_lo = first_visible_key(q_last, window) // BLOCK_N * BLOCK_N
     num_tiles = (seq_len - key_lo + BLOCK_N - 1) // BLOCK_N
@@ -168,7 +172,7 @@ def _paged_decode_kernel(
         stride_vcode_block, stride_vcode_tok, stride_vcode_head,
         stride_vmeta_block, stride_vmeta_tok, stride_vmeta_head,
         quant_tables, quant_lens, stride_quant_table,
-        scale, softcap, window,
+        scale, softcap, q_pos * 0 + window,
         BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_SOFTCAP, DOT_DTYPE,
         QUANTIZED, K_BITS, K_EXPONENT_BITS, K_ZERO_POINT, K_PER_TOKEN, K_GROUP, K_SCALE_BITS, K_ROTATE,
         V_BITS, V_EXPONENT_BITS, V_ZERO_POINT, V_PER_TOKEN, V_GROUP, V_SCALE_BITS, V_ROTATE,
@@ -280,7 +284,7 @@ def decode_meta(
 
 def plan_paged_decode(
     query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=0, softcap=0.0, num_splits=None,
-    quantized=None, sinks=None,
+    quantized=None, sinks=None, chunk_size=0, chunk_offsets=None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """Validate inputs, allocate the output (and split partials) and describe the launches."""
     check_paged_kv(k_cache, v_cache)
@@ -296,6 +300,7 @@ def plan_paged_decode(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     quant_args, quant_constexprs = attention_args(quantized, batch, block_size, num_kv_heads, head_dim, query.device)
     sinks = sink_logits(sinks, num_q_heads, query.device)
+    chunking = chunk_args(chunk_size, chunk_offsets, sliding_window, seq_lens)
     if batch == 0:
         return out, []
     if num_splits is None:
@@ -320,7 +325,7 @@ def plan_paged_decode(
             stride_kv_block=k_cache.stride(0), stride_kv_tok=k_cache.stride(1), stride_kv_head=k_cache.stride(2),
             stride_table=block_tables.stride(0), stride_ob=out.stride(0), stride_oh=out.stride(1),
             num_kv_heads=num_kv_heads, scale=float(scale), softcap=float(softcap), window=int(sliding_window),
-            **quant_args, sinks=None if split else sinks,
+            **chunking, **quant_args, sinks=None if split else sinks,
         ),
         constexprs=dict(constexprs, SPLIT=split, **quant_constexprs, HAS_SINKS=sinks is not None and not split),
         num_warps=num_warps,
@@ -354,6 +359,8 @@ def paged_decode_attention(
     num_splits: int | None = None,
     quantized: QuantizedKV | None = None,
     sinks: torch.Tensor | None = None,
+    chunk_size: int = 0,
+    chunk_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each row's last token over its paged K/V.
 
@@ -368,9 +375,13 @@ def paged_decode_attention(
     full-precision blocks that follow, and ``seq_lens`` counts both parts.
     ``sinks``: learned sink logits ``[num_q_heads]`` (gpt-oss's ``s_aux``), one extra logit per head in every
     softmax's denominator with no value (not a key: never masked by causality or the window).
+    ``chunk_size`` > 0: chunked attention (Llama-4, no ``sliding_window``): a query sees only the keys of its own
+    chunk, stored index s lying in chunk ``(s + chunk_offsets[row]) // chunk_size`` (int32 ``[batch]``, zeros
+    when None).
     """
     out, launches = plan_paged_decode(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, num_splits, quantized, sinks
+        query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, num_splits, quantized, sinks,
+        chunk_size, chunk_offsets,
     )
     for launch in launches:
         launch.run()

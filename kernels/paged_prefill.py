@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import attend_stored_keys, first_visible_key, normalize, softmax_start
+from .common import attend_stored_keys, first_visible_key, normalize, query_window, softmax_start
 from .launch import (
     MIN_DOT,
     Launch,
@@ -27,6 +27,7 @@ from .launch import (
     check_paged_kv,
     dot_dtype,
     is_interpreted,
+    chunk_args,
     last_dim_contiguous,
     sink_logits,
 )
@@ -78,6 +79,8 @@ def _paged_prefill_kernel(
     scale,
     softcap,
     window,
+    chunk,
+    chunk_offsets,
     sinks,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -136,7 +139,9 @@ def _paged_prefill_kernel(
     # Keys seen by the tile's real queries: [window start of the first, last + 1); empty if none is real.
     first_pos = tl.maximum(q_tile * TILE_Q, first_real)
     last_pos = tl.minimum(q_tile * TILE_Q + TILE_Q, q_len) - 1
-    key_lo = first_visible_key(first_pos + pos_to_stored, window) // BLOCK_N * BLOCK_N
+    chunk_offset = tl.load(chunk_offsets + row, mask=chunk > 0, other=0)
+    first_window = query_window(first_pos + pos_to_stored, window, chunk, chunk_offset)  # later ones reach no further
+    key_lo = first_visible_key(first_pos + pos_to_stored, first_window) // BLOCK_N * BLOCK_N
     key_hi = tl.where(first_pos <= last_pos, last_pos + pos_to_stored + 1, key_lo)
 
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
@@ -150,7 +155,7 @@ def _paged_prefill_kernel(
         stride_vcode_block, stride_vcode_tok, stride_vcode_head,
         stride_vmeta_block, stride_vmeta_tok, stride_vmeta_head,
         quant_tables, quant_lens, stride_quant_table,
-        scale, softcap, window,
+        scale, softcap, query_window(q_pos, window, chunk, chunk_offset),
         BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_SOFTCAP, DOT_DTYPE,
         QUANTIZED, K_BITS, K_EXPONENT_BITS, K_ZERO_POINT, K_PER_TOKEN, K_GROUP, K_SCALE_BITS, K_ROTATE,
         V_BITS, V_EXPONENT_BITS, V_ZERO_POINT, V_PER_TOKEN, V_GROUP, V_SCALE_BITS, V_ROTATE,
@@ -189,7 +194,7 @@ def prefill_meta(
 
 def plan_paged_prefill(
     query, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, sliding_window=0, softcap=0.0,
-    quantized=None, sinks=None,
+    quantized=None, sinks=None, chunk_size=0, chunk_offsets=None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """Validate inputs, allocate the output and describe the launch."""
     check_paged_kv(k_cache, v_cache)
@@ -203,6 +208,7 @@ def plan_paged_prefill(
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     quant_args, quant_constexprs = attention_args(quantized, batch, block_size, num_kv_heads, head_dim, query.device)
     sinks = sink_logits(sinks, num_q_heads, query.device)
+    chunking = chunk_args(chunk_size, chunk_offsets, sliding_window, seq_lens)
     if batch == 0 or q_len == 0:
         return out, []
     constexprs, num_warps, num_stages = prefill_meta(
@@ -221,7 +227,7 @@ def plan_paged_prefill(
             stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2),
             q_len=q_len, num_kv_heads=num_kv_heads,
             scale=float(scale), softcap=float(softcap), window=int(sliding_window),
-            **quant_args, sinks=sinks,
+            **chunking, **quant_args, sinks=sinks,
         ),
         constexprs=dict(constexprs, **quant_constexprs, HAS_SINKS=sinks is not None),
         num_warps=num_warps,
@@ -242,6 +248,8 @@ def paged_prefill_attention(
     softcap: float = 0.0,
     quantized: QuantizedKV | None = None,
     sinks: torch.Tensor | None = None,
+    chunk_size: int = 0,
+    chunk_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query [batch, q_len, num_q_heads, head_dim]`` over paged K/V.
 
@@ -249,10 +257,11 @@ def paged_prefill_attention(
     last stored tokens; the others are padding and return 0. The real query with stored index p sees
     keys s <= p (and s > p - sliding_window when sliding_window > 0). Returns the query's shape and
     dtype (fp32 accumulation). ``quantized``: a quantized prefix per row, and ``sinks``: learned sink logits
-    ``[num_q_heads]``, as in ``paged_decode_attention``.
+    ``[num_q_heads]``, and ``chunk_size`` / ``chunk_offsets``: chunked attention, as in ``paged_decode_attention``.
     """
     out, launches = plan_paged_prefill(
-        query, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, sliding_window, softcap, quantized, sinks
+        query, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, sliding_window, softcap, quantized, sinks,
+        chunk_size, chunk_offsets,
     )
     for launch in launches:
         launch.run()

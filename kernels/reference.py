@@ -49,11 +49,14 @@ def attention_probs_ref(
     sliding_window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    chunk_size: int = 0,
+    chunk_offset: int = 0,
 ) -> torch.Tensor:
     """Softmax probabilities ``[Hq, Lq, Lk]`` (fp32) of queries ``q [Lq, Hq, D]`` at stored indices ``q_pos [Lq]``
     over keys ``k [Lk, Hkv, D]``.
 
-    Key s is visible from query position p iff s <= p and (sliding_window == 0 or s > p - sliding_window).
+    Key s is visible from query position p iff s <= p and (sliding_window == 0 or s > p - sliding_window), and
+    with ``chunk_size`` > 0 iff s and p lie in one chunk: ``(s + chunk_offset) // chunk_size`` equal.
     GQA: query head h uses KV head h // (Hq // Hkv). Queries that see no key get all-zero probabilities.
     ``sinks [Hq]``: one more logit per head, always visible, appended to each row's softmax and then dropped
     (gpt-oss's ``eager_attention_forward``), so the probabilities of a row sum to less than 1.
@@ -66,6 +69,8 @@ def attention_probs_ref(
     mask = k_pos[None, :] <= q_pos[:, None]
     if sliding_window > 0:
         mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    if chunk_size > 0:
+        mask &= (k_pos[None, :] + chunk_offset) // chunk_size == (q_pos[:, None] + chunk_offset) // chunk_size
     logits = logits.masked_fill(~mask, float("-inf"))
     if sinks is not None:
         logits = torch.cat([logits, sinks.float()[:, None, None].expand(-1, logits.shape[1], 1)], dim=-1)
@@ -103,10 +108,13 @@ def attention_ref(
     sliding_window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    chunk_size: int = 0,
+    chunk_offset: int = 0,
 ) -> torch.Tensor:
     """Masked attention (see ``attention_probs_ref``) of ``q [Lq, Hq, D]`` over ``k, v [Lk, Hkv, D]``; fp32."""
     v = v.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    return torch.einsum("hqk,khd->qhd", attention_probs_ref(q, q_pos, k, scale, sliding_window, softcap, sinks), v)
+    probs = attention_probs_ref(q, q_pos, k, scale, sliding_window, softcap, sinks, chunk_size, chunk_offset)
+    return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 def paged_decode_attention_ref(
@@ -121,13 +129,17 @@ def paged_decode_attention_ref(
     num_splits: int | None = None,
     quantized: QuantizedKV | None = None,
     sinks: torch.Tensor | None = None,
+    chunk_size: int = 0,
+    chunk_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference for ``paged_decode_attention``; ``num_splits`` is accepted for signature parity and ignored."""
     out = torch.zeros_like(query)
-    for b, n in enumerate(seq_lens.tolist()):
+    offsets = chunk_offsets.tolist() if chunk_offsets is not None else [0] * len(seq_lens)
+    for b, (n, offset) in enumerate(zip(seq_lens.tolist(), offsets)):
         k, v = row_kv(k_cache, v_cache, block_tables, b, n, quantized)
         q_pos = torch.tensor([n - 1], device=query.device)
-        out[b] = attention_ref(query[b, None], q_pos, k, v, scale, sliding_window, softcap, sinks)[0].to(query.dtype)
+        out[b] = attention_ref(query[b, None], q_pos, k, v, scale, sliding_window, softcap, sinks, chunk_size,
+                               offset)[0].to(query.dtype)  # fmt: skip
     return out
 
 
@@ -143,16 +155,19 @@ def paged_prefill_attention_ref(
     softcap: float = 0.0,
     quantized: QuantizedKV | None = None,
     sinks: torch.Tensor | None = None,
+    chunk_size: int = 0,
+    chunk_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference for ``paged_prefill_attention``: the last ``query_lens[b]`` positions of row b are its
     last stored tokens (causal); the leading positions are padding and come out as 0."""
     q_len = query.shape[1]
     out = torch.zeros_like(query)
-    for b, (n, ql) in enumerate(zip(seq_lens.tolist(), query_lens.tolist())):
+    offsets = chunk_offsets.tolist() if chunk_offsets is not None else [0] * len(seq_lens)
+    for b, (n, ql, offset) in enumerate(zip(seq_lens.tolist(), query_lens.tolist(), offsets)):
         k, v = row_kv(k_cache, v_cache, block_tables, b, n, quantized)
         q_pos = torch.arange(n - ql, n, device=query.device)
         out[b, q_len - ql :] = attention_ref(
-            query[b, q_len - ql :], q_pos, k, v, scale, sliding_window, softcap, sinks
+            query[b, q_len - ql :], q_pos, k, v, scale, sliding_window, softcap, sinks, chunk_size, offset
         ).to(query.dtype)
     return out
 

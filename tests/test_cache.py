@@ -200,8 +200,8 @@ def test_reorder_shares_blocks_and_copies_on_write():
     assert group.tables[0][0] == group.tables[1][0] and group.tables[0][1] != group.tables[1][1]
 
 
-def test_chunked_attention_layers_never_use_the_kernels():
-    """Chunked layers store like sliding ones but mask by chunk, which the window-masking kernels cannot."""
+def test_chunked_attention_layers_use_the_kernels():
+    """Chunked layers mask by chunk, which the kernels do (`chunk_size`), as they do by window."""
     from transformers import Llama4TextConfig
 
     from hf_paged_cache.layer_types.chunked import ChunkedAttention
@@ -215,7 +215,7 @@ def test_chunked_attention_layers_never_use_the_kernels():
     chunked, full = cache.layers
     assert isinstance(chunked.layer_type, ChunkedAttention) and chunked.is_sliding and chunked.sliding_window == 8
     full.device = chunked.device = torch.device("cpu")
-    assert not chunked.uses_kernels() and full.uses_kernels()
+    assert chunked.uses_kernels() and full.uses_kernels()
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "paged"])

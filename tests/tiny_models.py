@@ -217,6 +217,17 @@ def mimo_v2_flash():
     return make_model(transformers.MiMoV2FlashForCausalLM, config)
 
 
+def llama4_chunked():
+    """Llama-4 text: chunked attention (chunks of 8) between full-attention layers; dense MLPs, RoPE on the
+    chunked layers only, as Llama-4 has it."""
+    config = transformers.Llama4TextConfig(
+        **_common(num_hidden_layers=3), head_dim=16, intermediate_size_mlp=2 * HIDDEN, attention_chunk_size=8,
+        layer_types=["chunked_attention", "full_attention", "chunked_attention"], no_rope_layers=[1, 0, 1],
+        interleave_moe_layer_step=0, moe_layers=[],
+    )  # fmt: skip
+    return _make(transformers.Llama4ForCausalLM, config)
+
+
 def _latent_attention(q_lora_rank: int | None = None) -> dict:
     return dict(
         kv_lora_rank=16,
@@ -249,6 +260,7 @@ MODELS: list[TinyModel] = [
     TinyModel("deepseek_v3", deepseek_v3, caches_latents=True),
     TinyModel("deepseek_v2", deepseek_v2, caches_latents=True),
     TinyModel("mimo_v2_flash", mimo_v2_flash, gather_impl="eager", sliding_window=8),
+    TinyModel("llama4_chunked", llama4_chunked, sliding_window=8),
 ]
 MODELS_BY_NAME = {entry.name: entry for entry in MODELS}
 

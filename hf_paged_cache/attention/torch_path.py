@@ -26,6 +26,15 @@ def causal_mask(q_len: int, n: int, device: torch.device, window: int | None = N
     return visible[None, None]
 
 
+def chunked_mask(q_len: int, n: int, first: int, chunk: int, device: torch.device) -> torch.Tensor:
+    """Boolean `[1, 1, q_len, n]` of chunked attention for keys at positions `first, ..., first + n - 1` and the
+    last `q_len` of them as queries: causal, and a query sees only the keys of its own `chunk`-sized chunk
+    (chunks counted from position 0, a row without padding, as transformers' `chunked_overlay`)."""
+    positions = torch.arange(first, first + n, device=device)
+    queries = positions[n - q_len :, None]
+    return ((positions[None, :] <= queries) & (positions[None, :] // chunk == queries // chunk))[None, None]
+
+
 def grouped_logits(queries: torch.Tensor, keys: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
     """Scaled (and soft-capped) logits of grouped queries `[kv_heads, g * q, d]` against `[kv_heads, n, d]`."""
     logits = torch.matmul(queries, keys.to(queries.dtype).transpose(-1, -2)).mul_(scale)

@@ -157,6 +157,9 @@ class StepPlan:
             return torch.tensor([len(table) * bs for table in self.quantized_tables], dtype=torch.int32)
         if name == "quantized_block_tables":
             return _table_tensor(self.quantized_tables).to(torch.int32)
+        if name == "stored_origins":  # logical position of stored index 0, from the row's first real token
+            origins = zip(self.base, self.quantized_tables, self.tables.rows)
+            return torch.tensor([base - len(q) * bs - row.pads for base, q, row in origins], dtype=torch.int32)
         if name == "query_lens":
             return torch.tensor(self.new_tokens, dtype=torch.int32)
         raise KeyError(name)

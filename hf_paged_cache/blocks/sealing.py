@@ -9,6 +9,7 @@ from __future__ import annotations
 from .packing import Renumbering
 from .plan import StepPlan, ceil_div
 from .pool import BlockPool
+from .reach import Reach
 from .rows import BlockList, Row, blocks_freed
 from .tables import BlockSealer, BlockTables
 
@@ -29,8 +30,8 @@ class QuantizedBlockTables(BlockTables):
     """
 
     def __init__(self, name: str, pool: BlockPool | None, qpool: BlockPool, block_size: int,
-                 sliding_window: int | None, kv_format, residual_length: int):  # fmt: skip
-        super().__init__(name, pool, block_size, sliding_window)
+                 reach: Reach | int | None, kv_format, residual_length: int):  # fmt: skip
+        super().__init__(name, pool, block_size, reach)
         self.qpool = qpool
         self.kv_format = kv_format
         self.residual_length = residual_length

@@ -18,6 +18,7 @@ import torch
 from .packing import BlockCopier, Renumbering, pack
 from .plan import StepPlan, ceil_div
 from .pool import BlockPool
+from .reach import Reach, SlidingWindow
 from .rows import BlockList, Row, blocks_freed
 
 # (full-precision ids, sealed ids, full-precision ids to keep a copy of for the step): quantize in every layer
@@ -32,11 +33,12 @@ class BlockTables:
     Quantized groups (`QuantizedBlockTables`, sealing.py) change the plan only through the sealing hooks below.
     """
 
-    def __init__(self, name: str, pool: BlockPool | None, block_size: int, sliding_window: int | None = None):
+    def __init__(self, name: str, pool: BlockPool | None, block_size: int, reach: Reach | int | None = None):
         self.name = name
         self.pool = pool  # None until a `max_memory` cache learns its bytes per block
         self.block_size = block_size
-        self.sliding_window = sliding_window
+        # How far back reads go (an int: a sliding window of that size); None: every token is kept.
+        self.reach = SlidingWindow(reach) if isinstance(reach, int) else reach
         self.record_past = False
         self.padding_exact = True
         self.plan: StepPlan | None = None
@@ -44,6 +46,11 @@ class BlockTables:
         self.length = 0
 
     # ------------------------------------------------------------------ read-only views of the rows
+    @property
+    def sliding_window(self) -> int | None:
+        """The window (a chunked group's chunk size) that bounds what rows keep; None when they keep every token."""
+        return None if self.reach is None else self.reach.size
+
     @property
     def tables(self) -> list[list[int]]:
         """Full-precision block ids per row."""
@@ -119,9 +126,13 @@ class BlockTables:
     # ------------------------------------------------------------------ planning a step
     def read_offset(self, length: int) -> int:
         """First logical position attention reads at a step that starts at `length` (HF's `kv_offset`)."""
-        if self.sliding_window is None:
+        return 0 if self.reach is None else self.reach.read_offset(length)
+
+    def _first_read(self, length: int, row: Row) -> int:
+        """First logical position the row needs at a step that starts at `length` (`Reach.first_read`)."""
+        if self.reach is None:
             return 0
-        return max(length - self.sliding_window + 1, 0)
+        return self.reach.first_read(length, row.pads if self.padding_exact else None)
 
     def demands(self, q_len: int, pads: list[int], mirrors: dict[int, int]) -> list[tuple[BlockPool, int, int, str]]:
         """Per pool of the group: (pool, blocks the step allocates, blocks it returns, name for errors).
@@ -159,13 +170,13 @@ class BlockTables:
 
     def _window_drops(self, keep_past: bool | None = None) -> list[tuple[int, int]]:
         """Per row, (quantized, full-precision) leading blocks wholly before the next step's window
-        (sliding groups only)."""
+        (groups with a reach only)."""
         keep_past = self.record_past if keep_past is None else keep_past
-        if self.sliding_window is None or keep_past or self.length == 0:
+        if self.reach is None or keep_past or self.length == 0:
             return [(0, 0)] * len(self.rows)
-        keep_from, bs = self.read_offset(self.length), self.block_size
-        drops = []
+        bs, drops = self.block_size, []
         for index, row in enumerate(self.rows):
+            keep_from = self._first_read(self.length, row)
             quantized = min(max(keep_from - self.first_stored(index), 0) // bs, len(row.quantized or ()))
             drops.append((quantized, max(keep_from - row.base, 0) // bs))
         return drops
@@ -347,8 +358,8 @@ class BlockTables:
 
     def check_crop(self, new_len: int) -> None:
         """Raise (changing nothing) if cropping to `new_len` would need tokens that were already dropped."""
-        needed_from = self.read_offset(new_len)
         for index, row in enumerate(self.rows):
+            needed_from = self._first_read(new_len, row)
             if row.kept_positions is not None:  # evicted (full attention only): its survivors are what it has
                 if new_len > 0:
                     self.stored_before(index, new_len)  # per-head rows: raises if the heads would differ
@@ -356,7 +367,7 @@ class BlockTables:
             first = self.first_stored(index)
             if first > row.pads and needed_from < first:
                 raise RuntimeError(
-                    f"Cannot crop the {self.name} layers to {new_len} tokens: their sliding window already dropped "
+                    f"Cannot crop the {self.name} layers to {new_len} tokens: their window already dropped "
                     f"positions before {first}. Call `cache.activate_past_recording()` before generating "
                     "to keep them until the crop."
                 )

@@ -9,6 +9,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 
 from ..attention.contract import caches_latents, kv_sharing_sources, model_name
+from ..blocks.reach import Reach
 from ..blocks.tables import BlockTables
 from ..config import PagedCacheConfig
 from .base import LayerSpec, LayerType
@@ -17,9 +18,9 @@ from .shared import share_with
 
 
 def build_layers(
-    config: PretrainedConfig, options: PagedCacheConfig, group: Callable[[str, int | None, str | None], BlockTables]
+    config: PretrainedConfig, options: PagedCacheConfig, group: Callable[[str, Reach | None, str | None], BlockTables]
 ) -> tuple[list[CacheLayerMixin], list[LayerType]]:
-    """(the cache layers, their types) for the text config `config`; `group(name, window, quant)` gives the block
+    """(the cache layers, their types) for the text config `config`; `group(name, reach, quant)` gives the block
     tables of a group, creating them once."""
     names, layer_kwargs = get_layer_types_and_kwargs(config)
     _check_layer_counts(options, len(names))

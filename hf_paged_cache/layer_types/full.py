@@ -15,5 +15,5 @@ class FullAttention(LayerType):
         return f"{self.name}@{spec.index}" if spec.options.eviction else self.name
 
     def build_layer(self, spec: LayerSpec) -> PagedLayer:
-        tables = spec.group(self.group_name(spec), self.window(spec.kwargs), spec.quant)
+        tables = spec.group(self.group_name(spec), self.reach(spec.kwargs), spec.quant)
         return (QuantizedLayer if spec.quant else PagedLayer)(tables, spec.options, self)

@@ -22,13 +22,6 @@ class SlidingAttention(FullAttention):
     def group_name(self, spec: LayerSpec) -> str:
         return f"sliding_attention[{self.window(spec.kwargs)}]"
 
-    def mask_sizes(self, tables: BlockTables, seq_len: int, query_length: int) -> tuple[int, int]:
-        kv_offset = tables.read_offset(seq_len)
-        return seq_len - kv_offset + query_length, kv_offset
-
-    def max_length(self, tables: BlockTables) -> int:
-        return tables.sliding_window
-
     def read_window(self, tables: BlockTables) -> int:
         return tables.sliding_window
 

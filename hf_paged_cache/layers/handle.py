@@ -9,8 +9,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..attention.torch_path import causal_mask
-
 if TYPE_CHECKING:
     from transformers.cache_utils import CacheLayerMixin
 
@@ -43,6 +41,11 @@ class PagedKV:
         return self.layer.layer_type.kernel_window(self.layer.tables)
 
     @property
+    def kernel_chunk(self) -> int:
+        """The chunk size the kernels mask this layer's reads by (0: none)."""
+        return self.layer.layer_type.kernel_chunk(self.layer.tables)
+
+    @property
     def uses_kernels(self) -> bool:
         return self.layer.uses_kernels()
 
@@ -72,11 +75,11 @@ class PagedKV:
         return self.plan.new_len - self.plan.kv_offset
 
     def own_mask(self, q_len: int, device: torch.device) -> torch.Tensor | None:
-        """The mask of a sequence that has no model-made mask (a packed batch): causal over the read range,
-        within the sliding window if any; None for one query, which sees the whole read range."""
+        """The mask of a sequence that has no model-made mask (a packed batch), as its layer type reads (causal over
+        the read range, within a window or a chunk); None for one query, which sees the whole read range."""
         if q_len == 1:
             return None
-        return causal_mask(q_len, self.read_len, device, self.layer.layer_type.read_window(self.layer.tables))
+        return self.layer.layer_type.read_mask(self.layer.tables, q_len, self.plan.kv_offset, self.read_len, device)
 
 
 class PackedPagedKV:

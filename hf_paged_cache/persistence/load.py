@@ -80,6 +80,7 @@ def load_cache(
             raise CacheFileError(f"its options do not fit this config ({error}): load the file with the config of "
                                  "the model that saved it") from None  # fmt: skip
         with malformed_header():
+            _rename_chunked_groups(header, cache)
             _check_model(header, tensors, cache)
             _restore(cache, header, tensors)
     except CacheFileError as error:
@@ -184,6 +185,15 @@ def _machine_memory() -> int | None:
         return None
     devices = range(torch.cuda.device_count()) if torch.cuda.is_available() else ()
     return host + sum(torch.cuda.get_device_properties(index).total_memory for index in devices)
+
+
+def _rename_chunked_groups(header: dict, cache: Cache) -> None:
+    """Chunked layers were stored in the sliding group of their chunk size before they had a group of their own:
+    such a group of a file takes the chunked group's name where this cache has no sliding group of that name."""
+    for saved in header["groups"]:
+        chunked = saved["name"].replace("sliding_attention[", "chunked_attention[", 1)
+        if saved["name"] not in cache.groups and chunked in cache.groups:
+            saved["name"] = chunked
 
 
 def _check_model(header: dict, tensors: dict[str, torch.Tensor], cache: Cache) -> None:

@@ -437,13 +437,13 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]],
 
 
 def _check_model(template: PagedCache) -> None:
-    """Layers the packed forward can serve: stored in blocks, or run per request (recurrent); not chunked ones."""
+    """Layers the packed forward can serve: stored in blocks (full, sliding or chunked), or run per request."""
     for index, (layer, layer_type) in enumerate(zip(template.layers, template.layer_types)):
         kind = layer_type.packing_refusal(layer)
         if kind is not None:
             raise ValueError(
-                f"Layer {index} is {kind}: the batch generator serves models whose layers are full or sliding-window "
-                "attention, or recurrent; use `model.generate` with a `PagedCache` for this model"
+                f"Layer {index} is {kind}: the batch generator serves models whose layers are full, sliding-window "
+                "or chunked attention, or recurrent; use `model.generate` with a `PagedCache` for this model"
             )
 
 

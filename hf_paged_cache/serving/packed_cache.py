@@ -51,12 +51,16 @@ class _PackedLayer(CacheLayerMixin):
 
 
 class PackedCache(Cache):
-    """The caches of one packed forward: `caches[i]` receives tokens `[spans[i][0], spans[i][1])`."""
+    """The caches of one packed forward: `caches[i]` receives tokens `[spans[i][0], spans[i][1])`. `positions`
+    (`[1, tokens]`) tell each cache its tokens' positions where the model's attention is not given them (Llama-4),
+    so a request's cache knows it holds no padding."""
 
-    def __init__(self, caches: list[PagedCache], spans: list[tuple[int, int]], sliding: list[bool]):
+    def __init__(self, caches: list[PagedCache], spans: list[tuple[int, int]], sliding: list[bool],
+                 positions: torch.Tensor | None = None):  # fmt: skip
         super().__init__(layers=[_PackedLayer(is_sliding) for is_sliding in sliding])
         self.caches = caches
         self.spans = spans
+        self.positions = positions
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         attention_kwargs = kwargs.get("kwargs")
@@ -66,6 +70,7 @@ class PackedCache(Cache):
                 "be told apart: the batch generator needs a model that passes them (Llama, Mistral, Qwen, Gemma, ...)"
             )
         positions = attention_kwargs.get("position_ids")
+        positions = self.positions if positions is None else positions
         parts, histories = [], []
         for cache, (start, stop) in zip(self.caches, self.spans):
             own = {} if positions is None else {"position_ids": positions[..., start:stop]}
@@ -95,9 +100,8 @@ def packed_logits(model, chunks: list[tuple[PagedCache, list[int], int]], slidin
         keep.append(len(tokens) + len(chunk) - 1)
         tokens += chunk
         positions += range(start, start + len(chunk))
-    ids = torch.tensor([tokens], device=model.device)
+    ids, position_ids = torch.tensor([tokens], device=model.device), torch.tensor([positions], device=model.device)
     caches = [chunk[0] for chunk in chunks]
     with per_request.split(caches, spans) if per_request is not None else contextlib.nullcontext():
-        return model(input_ids=ids, position_ids=torch.tensor([positions], device=ids.device),
-                     cache=PackedCache(caches, spans, sliding), use_cache=True,
-                     logits_to_keep=torch.tensor(keep, device=ids.device)).logits[0]  # fmt: skip
+        return model(input_ids=ids, position_ids=position_ids, cache=PackedCache(caches, spans, sliding, position_ids),
+                     use_cache=True, logits_to_keep=torch.tensor(keep, device=ids.device)).logits[0]  # fmt: skip

@@ -33,7 +33,7 @@ def _runs_as_slots(tables: BlockTables, plan) -> torch.Tensor:
 @pytest.mark.parametrize("window", [None, 7])
 def test_runs_read_exactly_the_slots_of_the_token_by_token_gather(window):
     pool = BlockPool(64)
-    tables = BlockTables("full", pool, block_size=4, sliding_window=window)
+    tables = BlockTables("full", pool, block_size=4, reach=window)
     plan = tables.apply_step(9, [0, 3, 8], _no_copy, _no_copy)
     strangers = []
     for step in range(14):
@@ -74,7 +74,7 @@ def _record(calls: list) -> Callable[[list[int], list[int]], None]:
     steps=st.lists(st.integers(1, 9), min_size=1, max_size=8),
 )
 def test_demands_say_exactly_what_apply_step_takes_and_change_nothing(window, pads, steps):
-    tables = BlockTables("sliding", BlockPool(200), block_size=4, sliding_window=window)
+    tables = BlockTables("sliding", BlockPool(200), block_size=4, reach=window)
     for index, q_len in enumerate(steps):
         step_pads = [min(pad, q_len - 1) for pad in pads] if index == 0 else [0] * len(pads)
         before = _state(tables)
@@ -103,7 +103,7 @@ def test_a_step_that_does_not_fit_a_fixed_pool_raises_before_anything_changes():
 
 
 def test_a_window_returns_the_blocks_it_leaves_and_a_recorded_past_keeps_them_until_trimmed():
-    tables = BlockTables("sliding", BlockPool(20), block_size=4, sliding_window=5)
+    tables = BlockTables("sliding", BlockPool(20), block_size=4, reach=5)
     tables.record_past = True
     for _ in range(17):
         tables.apply_step(1, [0], _no_copy, _no_copy)
@@ -159,7 +159,7 @@ def test_crop_frees_the_blocks_after_the_new_end_and_growth_resumes_there():
 def test_a_fixed_pool_either_fits_the_whole_demand_or_the_step_raises_having_changed_nothing(
     num_blocks, window, batch, steps
 ):
-    tables = BlockTables("full", BlockPool(num_blocks), block_size=4, sliding_window=window)
+    tables = BlockTables("full", BlockPool(num_blocks), block_size=4, reach=window)
     for q_len in steps:
         before = _state(tables)
         try:

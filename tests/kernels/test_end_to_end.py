@@ -4,6 +4,7 @@ decode, sliding windows, soft-capping and learned sinks all run in the kernels."
 
 import pytest
 import torch
+from batch_workloads import alone, random_prompts, tiny_model
 from kernel_testing import DEVICE
 from tiny_models import deepseek_v3, gemma3n, mimo_v2_flash
 from transformers import (
@@ -19,7 +20,7 @@ from transformers import (
 )
 
 from hf_paged_cache import PagedCache
-from hf_paged_cache import kernels
+from hf_paged_cache import generate_batch, kernels
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, pad_token_id=0)  # fmt: skip
@@ -51,6 +52,17 @@ KV_SHARED = {"gemma3n-kv-shared": lambda: gemma3n()[0]}
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def _record_kernel_calls(monkeypatch) -> list[int]:
+    """The query length of every call of the kernels' attention (1 for decode), recorded from now on."""
+    kernel_calls = []
+    decode, prefill = kernels.paged_decode_attention, kernels.paged_prefill_attention
+    monkeypatch.setattr(kernels, "paged_decode_attention",
+                        lambda *args, **kw: kernel_calls.append(1) or decode(*args, **kw))  # fmt: skip
+    monkeypatch.setattr(kernels, "paged_prefill_attention",
+                        lambda query, *args, **kw: kernel_calls.append(query.shape[1]) or prefill(query, *args, **kw))  # fmt: skip
+    return kernel_calls
+
+
 @pytest.mark.parametrize(("name", "chunked"), [
     *(pytest.param(name, chunked, id=f"{name}-{'chunked' if chunked else 'prefill'}")
       for name in MODELS for chunked in (False, True)),
@@ -69,12 +81,7 @@ def test_generate_through_kernels_matches_dynamic_cache(name, chunked, monkeypat
     model.set_attn_implementation("eager")
     expected = model.generate(**settings, cache=DynamicCache(config=model.config))
 
-    kernel_calls = []  # the query length of each kernel call: 1 for decode
-    decode, prefill = kernels.paged_decode_attention, kernels.paged_prefill_attention
-    monkeypatch.setattr(kernels, "paged_decode_attention",
-                        lambda *args, **kw: kernel_calls.append(1) or decode(*args, **kw))  # fmt: skip
-    monkeypatch.setattr(kernels, "paged_prefill_attention",
-                        lambda query, *args, **kw: kernel_calls.append(query.shape[1]) or prefill(query, *args, **kw))  # fmt: skip
+    kernel_calls = _record_kernel_calls(monkeypatch)
     model.set_attn_implementation("paged")
     actual = model.generate(**settings, cache=PagedCache(model.config, block_size=4, backend="triton"))
     assert 1 in kernel_calls and any(q > 1 for q in kernel_calls), "decode and prefill kernels were not both used"
@@ -143,3 +150,15 @@ def test_values_narrower_than_keys_on_the_kernel_backend_match_dynamic_cache(bui
         assert torch.equal(actual.sequences, expected.sequences), implementation
         for got, want in zip(actual.scores, expected.scores):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_chunked_attention_through_kernels_in_the_batch_generator(monkeypatch):
+    """Llama-4's chunked layers read by the kernels (decode and prefill, chunks of 8 crossed by prompts and by
+    decoding) in packed forwards: the tokens of each prompt alone with DynamicCache."""
+    model = tiny_model("llama4_chunked")
+    prompts = random_prompts((11, 19), seed=3)
+    expected = [alone(model, prompt, DynamicCache(), "sdpa") for prompt in prompts]
+    kernel_calls = _record_kernel_calls(monkeypatch)
+    outputs = generate_batch(model, prompts, max_new_tokens=6, block_size=4, max_batch_tokens=12, backend="triton")
+    assert 1 in kernel_calls and any(q > 1 for q in kernel_calls), "decode and prefill kernels were not both used"
+    assert [output.generated_tokens for output in outputs] == expected

@@ -113,3 +113,26 @@ def test_decode_refuses_sinks_of_another_shape(make_paged, randn):
     paged = make_paged([3], 2, 32, 16, torch.float32)
     with pytest.raises(ValueError, match=r"sinks must hold one logit per query head: shape \(4,\), got \(2,\)"):
         paged_decode_attention(randn(1, 4, 32), *paged.cache_args(), 0.5, sinks=randn(2))
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize(("dtype", "chunk_size"), [
+    pytest.param(torch.float32, 8, id="fp32-chunk8"), pytest.param(torch.float16, 20, id="fp16-chunk20"),
+])  # fmt: skip
+def test_decode_masks_by_chunk(make_paged, randn, dtype, chunk_size, num_splits):
+    """Chunked attention: the query sees its own chunk only, chunks shifted per row (left padding, dropped blocks);
+    a row whose query starts a chunk sees itself alone."""
+    seq_lens = [3, 37, 66, 41]
+    paged = make_paged(seq_lens, 2, 64, 16, dtype)
+    query = randn(4, 8, 64, dtype=dtype)
+    offsets = torch.tensor([0, 5, 13, 0 - 40 % chunk_size + chunk_size], dtype=torch.int32, device=DEVICE)
+    out, expected = run_both(query, paged, 0.5, chunk_size=chunk_size, chunk_offsets=offsets, num_splits=num_splits)
+    assert_close(out, expected, dtype)
+    full, _ = run_both(query, paged, 0.5, num_splits=num_splits)
+    assert not torch.allclose(out.float(), full.float(), atol=1e-2)  # the chunk hid something
+
+
+def test_chunk_size_and_a_sliding_window_are_refused_together(make_paged, randn):
+    paged = make_paged([5], 1, 32, 16, torch.float32)
+    with pytest.raises(ValueError, match="chunk_size"):
+        paged_decode_attention(randn(1, 1, 32), *paged.cache_args(), 0.5, sliding_window=4, chunk_size=8)

@@ -80,3 +80,16 @@ def test_prefill_with_sinks(make_paged, randn, sliding_window):
     assert (out[1, :1] == 0).all() and (out[2] == 0).all(), "padding queries must give 0"
     without, _ = run_both(query, paged, query_lens, 0.3, sliding_window=sliding_window)
     assert (out.float() - without.float()).abs().max() > 1e-2, "the sinks must change the output"
+
+
+@pytest.mark.parametrize(("dtype", "group", "chunk_size"), [
+    pytest.param(torch.float32, 1, 8, id="fp32-g1-chunk8"), pytest.param(torch.float16, 4, 12, id="fp16-g4-chunk12"),
+])  # fmt: skip
+def test_prefill_masks_by_chunk(make_paged, randn, dtype, group, chunk_size):
+    """Chunked attention over a warm prefix: queries cross chunk boundaries, each sees its own chunk only; chunks
+    shifted per row."""
+    paged = make_paged([80, 23], 2, 64, 16, dtype)
+    query = randn(2, 40, 2 * group, 64, dtype=dtype)
+    offsets = torch.tensor([3, 0], dtype=torch.int32, device=DEVICE)
+    out, expected = run_both(query, paged, [40, 17], 0.3, chunk_size=chunk_size, chunk_offsets=offsets)
+    assert_close(out, expected, dtype)

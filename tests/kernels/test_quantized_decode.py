@@ -62,6 +62,16 @@ def test_quantized_decode_split_window_softcap(generator, randn, kv_format, dtyp
     assert_close(out, expected, dtype)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_quantized_decode_masks_by_chunk(generator, randn, num_splits):
+    """Chunks counted over the whole stored range: a chunk may start inside the quantized prefix or after it."""
+    paged = QuantizedPagedKV([(4, 3), (1, 30), (2, 0)], 2, 64, 16, torch.float16, "K4V2", generator)
+    query = randn(3, 4, 64, dtype=torch.float16)
+    offsets = torch.tensor([2, 7, 0], dtype=torch.int32, device=DEVICE)
+    out, expected = run_both(query, paged, 0.3, num_splits=num_splits, chunk_size=20, chunk_offsets=offsets)
+    assert_close(out, expected, torch.float16)
+
+
 def test_no_quantized_tokens_equals_unquantized(generator, randn):
     """Rows without a quantized prefix read the paged cache as the unquantized kernel does."""
     paged = QuantizedPagedKV([(0, 21), (0, 40)], 2, 64, 16, torch.float32, "int4", generator)

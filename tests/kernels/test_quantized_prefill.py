@@ -92,3 +92,12 @@ def test_quantized_prefill_with_sinks(generator, randn):
     assert_close(out, expected, torch.float16)
     without, _ = run_both(query, paged, [5, 3], 0.3, sliding_window=9)
     assert (out.float() - without.float()).abs().max() > 1e-2, "the sinks must change the output"
+
+
+def test_quantized_prefill_masks_by_chunk(generator, randn):
+    """A 40-token step over 48 quantized tokens with chunks of 12: early queries' chunks start in the prefix."""
+    paged = QuantizedPagedKV([(3, 40)], 2, 64, 16, torch.float16, "int4", generator)
+    query = randn(1, 40, 4, 64, dtype=torch.float16)
+    offsets = torch.tensor([5], dtype=torch.int32, device=DEVICE)
+    out, expected = run_both(query, paged, [40], 0.3, chunk_size=12, chunk_offsets=offsets)
+    assert_close(out, expected, torch.float16)

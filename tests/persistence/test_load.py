@@ -336,6 +336,25 @@ def test_formats_are_saved_by_name_and_fields_and_files_with_their_repr_still_lo
         PagedCache.load(tmp_path / "unknown.safetensors", model.config)
 
 
+def test_chunked_layers_saved_in_the_sliding_group_of_their_chunk_size_load(tmp_path):
+    """Files written before chunked attention had a group of its own name its group `sliding_attention[C]`."""
+    model = _model("llama4_chunked")
+    cache = PagedCache(model.config, block_size=4)
+    ids = torch.randint(3, VOCAB, (2, 13), generator=torch.Generator().manual_seed(1))
+    _forward(model, cache, ids)
+    cache.save(tmp_path / "new.safetensors")
+
+    def sliding_name(header):
+        for group in header["groups"]:
+            group["name"] = group["name"].replace("chunked_attention[", "sliding_attention[")
+
+    _rewrite_header(tmp_path / "new.safetensors", tmp_path / "old.safetensors", sliding_name)
+    loaded = PagedCache.load(tmp_path / "old.safetensors", model.config)
+    assert loaded.groups["chunked_attention[8]"].tables == cache.groups["chunked_attention[8]"].tables
+    step = torch.randint(3, VOCAB, (2, 1), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(_forward(model, loaded, step), _forward(model, cache, step), rtol=0, atol=0)
+
+
 def test_a_policy_saved_before_per_head_existed_loads_head_shared(saved, tmp_path):
     model, path, _data = saved
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.mark.parametrize("name", [
     "llama_gqa", "llama_mqa", "qwen3", "mistral_sliding", "qwen2_sliding", "gemma2", "gemma3n", "gpt_oss",
-    "granitemoe_swa", "deepseek_v3", "deepseek_v2", "mimo_v2_flash",
+    "granitemoe_swa", "deepseek_v3", "deepseek_v2", "mimo_v2_flash", "llama4_chunked",
 ])  # fmt: skip
 def test_greedy_outputs_equal_each_prompt_alone_with_dynamic_cache(name):
     model = tiny_model(name)
@@ -31,6 +31,35 @@ def test_greedy_outputs_equal_each_prompt_alone_with_dynamic_cache(name):
     for prompt, output in zip(prompts, outputs):
         assert output.finish_reason == "length" and output.error is None
         assert output.generated_tokens == alone(model, prompt, DynamicCache(), MODELS_BY_NAME[name].gather_impl)
+
+
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_chunked_attention_under_preemption_equals_each_prompt_alone(preemption):
+    """Llama-4's chunked layers (chunks of 8) in a pool for a quarter of the demand: requests preempted and resumed
+    across chunk boundaries give the tokens of one-by-one `generate` with DynamicCache; their chunked group holds
+    at most the chunk's blocks and one more."""
+    model = tiny_model("llama4_chunked")
+    prompts = random_prompts((20, 33, 12, 41, 27, 18), seed=9)
+    generator = BatchGenerator(model, max_new_tokens=NEW, block_size=4, max_batch_tokens=16, num_blocks=15,
+                               prefix_caching=False, preemption=preemption)  # fmt: skip
+    held, fed = [], {}
+
+    def after_decode_steps(generator, batch):  # blocks held once the request's last step fed one token
+        for request in generator.running:
+            if request.cache is not None and request.fed == fed.get(request.request_id, -1) + 1:
+                held.extend(len(table) for name, group in request.cache.groups.items()
+                            if name.startswith("chunked_attention") for table in group.tables)  # fmt: skip
+            fed[request.request_id] = request.fed
+
+    generator.before_forward.append(lambda batch: after_decode_steps(generator, batch))
+    for prompt in prompts:
+        generator.add_request(prompt)
+    outputs = generator.run()
+    metrics = generator.metrics()
+    assert metrics.preempted_swap + metrics.preempted_recompute > 0
+    for prompt, output in zip(prompts, outputs):
+        assert output.generated_tokens == alone(model, prompt, DynamicCache(), "sdpa")
+    assert held and max(held) <= 8 // 4 + 1
 
 
 @pytest.mark.parametrize("options", [
