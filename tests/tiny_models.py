@@ -221,11 +221,11 @@ def llama4_chunked():
     """Llama-4 text: chunked attention (chunks of 8) between full-attention layers; dense MLPs, RoPE on the
     chunked layers only, as Llama-4 has it."""
     config = transformers.Llama4TextConfig(
-        **_common(num_hidden_layers=3), head_dim=16, intermediate_size_mlp=2 * HIDDEN, attention_chunk_size=8,
+        **tiny_config(num_hidden_layers=3), head_dim=16, intermediate_size_mlp=2 * HIDDEN, attention_chunk_size=8,
         layer_types=["chunked_attention", "full_attention", "chunked_attention"], no_rope_layers=[1, 0, 1],
         interleave_moe_layer_step=0, moe_layers=[],
     )  # fmt: skip
-    return _make(transformers.Llama4ForCausalLM, config)
+    return make_model(transformers.Llama4ForCausalLM, config)
 
 
 def _latent_attention(q_lora_rank: int | None = None) -> dict:

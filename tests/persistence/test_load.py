@@ -670,8 +670,13 @@ def test_fuzzed_headers_are_refused_or_load_and_continue(tmp_path_factory, data)
         loaded = PagedCache.load(crafted, model.config)
     except CacheFileError:
         return
-    logits = _forward(model, loaded, token, mask)
-    assert logits.shape == (2, 1, VOCAB) and loaded.get_seq_length() == 16
+    # A harmless edit may shorten the file's length within its last blocks: a consistent crop, which continues from
+    # there (the digest was recomputed, so nothing tells it from a cache cropped before saving).
+    length = loaded.get_seq_length()
+    _setting(edits)(header)
+    assert length == header["groups"][0]["length"] <= 15
+    logits = _forward(model, loaded, token, torch.cat([mask[:, :length], mask[:, -1:]], dim=1))
+    assert logits.shape == (2, 1, VOCAB) and loaded.get_seq_length() == length + 1
 
 
 def test_a_directory_is_refused_clearly(plain, tmp_path):
@@ -764,3 +769,15 @@ def test_files_saved_before_the_redesign_load_and_continue_as_recorded(name):
     first = torch.tensor(recorded["first"])
     out = model.generate(first, cache=cache, max_new_tokens=5, do_sample=False)
     assert out[:, first.shape[1] :].tolist() == recorded["continuation"]
+
+
+def test_a_length_cut_within_the_last_blocks_loads_as_a_crop(tmp_path_factory):
+    """A header whose group length is shortened within the rows' last blocks (digest recomputed) is consistent: it
+    loads as the cache cropped to that length and continues from there."""
+    model, source, token, mask = _fuzz_source(str(tmp_path_factory.getbasetemp()))
+    crafted = tmp_path_factory.getbasetemp() / "cut.safetensors"
+    _rewrite_header(source, crafted, _setting({("groups", 0, "length"): 13}))
+    loaded = PagedCache.load(crafted, model.config)
+    assert loaded.get_seq_length() == 13
+    logits = _forward(model, loaded, token, torch.cat([mask[:, :13], mask[:, -1:]], dim=1))
+    assert logits.shape == (2, 1, VOCAB) and loaded.get_seq_length() == 14
