@@ -15,14 +15,20 @@ Workloads (greedy, prompts cut from a public-domain text at different offsets):
 - capacity: KV bytes per running request with the model's dtype and with int4 blocks (measured at the
   last step with the most requests running), so the requests that fit in one pool compare.
 
+vLLM's CPU engine as a peer (issue 25) runs in its own venv, on prompts written here as token ids:
+`--write-prompts FILE` writes the mixed and shared prompts and exits; eval/vllm_cpu.py generates from them;
+`--vllm RESULT` then adds vLLM's row to mixed and shared and counts each system's outputs equal to vLLM's.
+
     python eval/serving.py                                   # the issue's sizes on SmolLM2-135M (~15 min, 2 cores)
     python eval/serving.py --model tiny-llama --requests 6 --min-len 20 --max-len 60 --new-tokens 4 --shared-requests 3
     python eval/serving.py --workloads pressure --skip-hf    # memory pressure at 25% of the demand
+    python eval/serving.py --write-prompts eval/results/serving_prompts.json  # for eval/vllm_cpu.py
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import time
@@ -98,9 +104,41 @@ def mixed_prompts(tokens, args) -> list[list[int]]:
     return [tokens[i * 997 : i * 997 + n] for i, n in enumerate(lengths)]
 
 
+def shared_prompts(tokens, args) -> list[list[int]]:
+    """--shared-requests prompts: the first --system-len tokens, then a --question-len slice of their own."""
+    system = tokens[: args.system_len]
+    return [system + tokens[50_000 + i * args.question_len : 50_000 + (i + 1) * args.question_len]
+            for i in range(args.shared_requests)]  # fmt: skip
+
+
+def write_prompts(path, tokens, args) -> None:
+    """The mixed and shared prompts as token ids, for a peer that cannot import this package (eval/vllm_cpu.py)."""
+    workloads = {"mixed": mixed_prompts(tokens, args), "shared": shared_prompts(tokens, args)}
+    common.write_json(path, {"workloads": {name: {"new_tokens": args.new_tokens, "prompts": prompts}
+                                           for name, prompts in workloads.items()}})  # fmt: skip
+
+
+def vllm_row(args, workload: str) -> tuple[list | None, dict | None]:
+    """(vLLM's outputs, its row) for `workload` from the --vllm result file, or (None, None)."""
+    if not args.vllm:
+        return None, None
+    result = json.loads(Path(args.vllm).read_text())
+    run = result["workloads"][workload]
+    row = {"system": f"vLLM CPU engine (separate process, prefix caching {'on' if result['prefix_caching'] else 'off'})",
+           "seconds": run["seconds"], "generated": run["generated"], "tokens_per_s": run["tokens_per_s"],
+           "startup_seconds": result["startup_seconds"]}  # fmt: skip
+    return run["outputs"], row
+
+
+def same_as(outputs, reference) -> int | None:
+    return None if reference is None else sum(a == b for a, b in zip(outputs, reference))
+
+
 def mixed(model, tokens, args) -> list[dict]:
     prompts = mixed_prompts(tokens, args)
+    vllm_outputs, vllm = vllm_row(args, "mixed")
     reference, base = timed("one-by-one DynamicCache", one_by_one, model, prompts, args.new_tokens)
+    base["identical_to_vllm"] = same_as(reference, vllm_outputs)
     rows = [base]
     systems = [("padded batches of 8, DynamicCache", padded_batches, {}),
                ("hf_paged_cache.generate_batch", ours, {"block_size": 16, "max_batch_tokens": args.max_batch_tokens,
@@ -110,10 +148,17 @@ def mixed(model, tokens, args) -> list[dict]:
     for label, function, options in systems:
         outputs, row = timed(label, function, model, prompts, args.new_tokens, **options)
         row["identical_to_one_by_one"] = sum(a == b for a, b in zip(outputs, reference))
+        row["identical_to_vllm"] = same_as(outputs, vllm_outputs)
         row["vs_one_by_one"] = row["tokens_per_s"] / base["tokens_per_s"]
         rows.append(row)
+    if vllm:
+        vllm["identical_to_one_by_one"] = same_as(vllm_outputs, reference)
+        print(vllm, flush=True)
+        rows.append(vllm)
     by = {row["system"]: row["tokens_per_s"] for row in rows}
     ratios = {"vs padded batches of 8": by["hf_paged_cache.generate_batch"] / by["padded batches of 8, DynamicCache"]}
+    if vllm:
+        ratios["vs vLLM"] = by["hf_paged_cache.generate_batch"] / vllm["tokens_per_s"]
     if "transformers generate_batch" in by:
         ratios["vs transformers generate_batch"] = by["hf_paged_cache.generate_batch"] / by["transformers generate_batch"]
     print(ratios, flush=True)
@@ -122,9 +167,8 @@ def mixed(model, tokens, args) -> list[dict]:
 
 
 def shared(model, tokens, args) -> list[dict]:
-    system = tokens[: args.system_len]
-    prompts = [system + tokens[50_000 + i * args.question_len : 50_000 + (i + 1) * args.question_len]
-               for i in range(args.shared_requests)]  # fmt: skip
+    prompts = shared_prompts(tokens, args)
+    vllm_outputs, vllm = vllm_row(args, "shared")
     rows = []
     for caching in (False, True):
         generator = BatchGenerator(model, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None,
@@ -140,14 +184,18 @@ def shared(model, tokens, args) -> list[dict]:
                "tokens_per_s": sum(len(o.generated_tokens) for o in outputs) / seconds,
                "prompt_tokens": sum(map(len, prompts)), "prompt_tokens_computed": sum(map(len, prompts)) - hit,
                "outputs": [o.generated_tokens for o in outputs]}  # fmt: skip
+        row["identical_to_vllm"] = same_as(row["outputs"], vllm_outputs)
         print({k: v for k, v in row.items() if k != "outputs"}, flush=True)
         rows.append(row)
     off, on = rows
     summary = {"system": "prefix caching on / off", "computed_ratio": on["prompt_tokens_computed"] / off["prompt_tokens_computed"],
                "throughput_ratio": on["tokens_per_s"] / off["tokens_per_s"],
                "identical": on.pop("outputs") == off.pop("outputs")}  # fmt: skip
+    if vllm:
+        summary["on vs vLLM"] = on["tokens_per_s"] / vllm["tokens_per_s"]
+        print(vllm, flush=True)
     print(summary, flush=True)
-    return [*rows, summary]
+    return [*rows, *([vllm] if vllm else []), summary]
 
 
 PRESSURE_SYSTEMS = (
@@ -241,6 +289,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--capacity-len", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="eval/results/serving")
+    parser.add_argument("--write-prompts", metavar="FILE", help="write the mixed and shared prompts as token ids and exit")
+    parser.add_argument("--vllm", metavar="RESULT", help="eval/vllm_cpu.py's result on --write-prompts' prompts")
     common.add_text_arguments(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -248,6 +298,9 @@ def main(argv: list[str] | None = None) -> dict:
     model.generation_config.eos_token_id = None
     text, source = common.text_from_args(args)
     tokens = encode(text)
+    if args.write_prompts:
+        write_prompts(args.write_prompts, tokens, args)
+        return {"prompts": args.write_prompts}
     results = {"model": args.model, "text": source, "args": vars(args)}
     for workload in args.workloads:
         run = {"mixed": mixed, "shared": shared, "capacity": capacity, "pressure": pressure}[workload]
