@@ -294,14 +294,17 @@ def main(argv: list[str] | None = None) -> dict:
     common.add_text_arguments(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    start = time.perf_counter()
     model, encode = common.load_model(args.model)
+    load_seconds = time.perf_counter() - start  # our start-up, against vLLM's engine construction
+    print({"load_seconds": load_seconds}, flush=True)
     model.generation_config.eos_token_id = None
     text, source = common.text_from_args(args)
     tokens = encode(text)
     if args.write_prompts:
         write_prompts(args.write_prompts, tokens, args)
         return {"prompts": args.write_prompts}
-    results = {"model": args.model, "text": source, "args": vars(args)}
+    results = {"model": args.model, "text": source, "load_seconds": load_seconds, "args": vars(args)}
     for workload in args.workloads:
         run = {"mixed": mixed, "shared": shared, "capacity": capacity, "pressure": pressure}[workload]
         results[workload] = run(model, tokens, args)
