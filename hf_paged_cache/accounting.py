@@ -15,6 +15,7 @@ from .blocks.sealing import QuantizedBlockTables
 from .blocks.tables import BlockTables
 from .config import PagedCacheConfig, parse_bytes
 from .layer_types.registry import layer_type_for
+from .sequence_state import sequence_state
 
 if TYPE_CHECKING:
     from .layers.paged import PagedLayer
@@ -145,20 +146,26 @@ def estimate_kv_bytes(
     residual_length: int = 128,
     tp_size: int = 1,
 ) -> int:
-    """Bytes of blocks a `PagedCache` holds for `batch_size` rows of `seq_len` stored tokens (no padding).
+    """Bytes a `PagedCache` holds for `batch_size` rows of `seq_len` stored tokens (no padding): its blocks, and
+    for a hybrid model each row's recurrent / conv state (`sequence_state`) and the K/V its hybrid layers keep
+    outside the blocks.
 
     Full layers hold every token, rounded up to whole blocks; sliding layers hold at most their window
     plus the block being filled and the one leaving the window. With the quantization options of
     `PagedCacheConfig`, a quantized layer holds its full blocks older than the last `residual_length`
     tokens quantized (the format's exact bytes per block) and the rest in `dtype`. With `tp_size` > 1
-    (tensor parallelism) the bytes are one rank's (see `stored_kv_shapes`).
+    (tensor parallelism) the bytes are one rank's (see `stored_kv_shapes`; a hybrid model's state is refused
+    there: how a rank splits it is the model's own).
     """
     options = PagedCacheConfig(
         block_size=block_size, quant=quant, quant_layers=quant_layers,
         full_precision_layers=full_precision_layers, residual_length=residual_length,
     )  # fmt: skip
     element = torch.empty((), dtype=dtype).element_size()
-    total = 0
+    state = sequence_state(config, dtype)
+    if tp_size > 1 and state.tensors:
+        raise ValueError(f"`tp_size`={tp_size}: the recurrent state of a hybrid model is estimated for one rank only")
+    total = batch_size * state.bytes_at(seq_len)
     for shape in stored_kv_shapes(config, tp_size):
         blocks = -(-seq_len // block_size)
         window = shape.window
@@ -179,7 +186,8 @@ def max_sequences(config: PretrainedConfig, seq_len: int, memory: int | str, blo
                   dtype: torch.dtype = torch.float16, **quant_options) -> int:  # fmt: skip
     """How many sequences of `seq_len` stored tokens fit in `memory` bytes of blocks (an int or "2GiB"):
     `memory // estimate_kv_bytes(one sequence)`. Linear in the length, counting KV heads only (see
-    docs/GUIDE.md, "Planning memory"); a pool also holds one all-zero null block per layer."""
+    docs/GUIDE.md, "Planning memory"), plus a hybrid model's state per sequence; a pool also holds one all-zero
+    null block per layer."""
     return parse_bytes(memory, "memory") // estimate_kv_bytes(config, 1, seq_len, block_size, dtype, **quant_options)
 
 

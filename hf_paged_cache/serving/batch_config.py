@@ -17,6 +17,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from ..config import PagedCacheConfig
 from ..distributed import tensor_parallel_size
 from ..accounting import blocks_in_budget
+from ..sequence_state import sequence_state
 from ..memory.copy_stream import COPY_MODES
 from .preemption import Auto, LRUVictims, Preemption, Recompute, Swap, VictimPolicy, WeightedVictims, check_weights
 from .scheduler import FIFO, DecodeFirst, Scheduler
@@ -160,11 +161,18 @@ def split_options(model: PreTrainedModel, generation_config: GenerationConfig | 
     return config, generation, {k: v for k, v in options.items() if k in _CACHE_FIELDS}
 
 
-def pools_up_front(options: PagedCacheConfig, model: PreTrainedModel) -> PagedCacheConfig:
+def pools_up_front(options: PagedCacheConfig, model: PreTrainedModel, state_slots: int) -> PagedCacheConfig:
     """A `max_memory` budget as `num_blocks`: a cache sizes `max_memory` pools at its first step, which would give
-    every request pools of its own; the requests must share the template's from the start."""
+    every request pools of its own; the requests must share the template's from the start. A hybrid model's state
+    pool (`state_slots` slots of recurrent state, `state_pool.py`) is served from the same budget, first."""
     if options.max_memory is None:
         return options
-    num_blocks = blocks_in_budget(model.config, options.max_memory, options.block_size, options.dtype or model.dtype,
-                                  tensor_parallel_size(model.config))  # fmt: skip
+    state = state_slots * sequence_state(model.config, model.dtype, type(model)).nbytes
+    if state and state >= options.max_memory:
+        raise ValueError(
+            f"`max_memory`={options.max_memory} bytes cannot hold the recurrent state of `max_num_seqs`={state_slots} "
+            f"requests ({state} bytes, besides any block): raise `max_memory` or lower `max_num_seqs`"
+        )
+    num_blocks = blocks_in_budget(model.config, options.max_memory - state, options.block_size,
+                                  options.dtype or model.dtype, tensor_parallel_size(model.config))  # fmt: skip
     return dataclasses.replace(options, max_memory=None, num_blocks=num_blocks)

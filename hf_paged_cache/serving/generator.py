@@ -45,6 +45,7 @@ from .prefix_cache import PrefixCache
 from .recurrent import PerRequestLayers, state_bytes
 from .requests import GenerationOutput, Request
 from .scheduler import BlockRoom
+from .state_pool import StatePool
 from .settings import RequestSettings, request_settings, token_ids
 
 __all__ = ["BatchConfig", "BatchGenerator", "BatchMetrics", "GenerationOutput", "generate_batch"]
@@ -68,11 +69,13 @@ class BatchGenerator:
         self.tokenizer = tokenizer
         self._settings({}, "the generation config", 1, 0)  # its values, checked once before any request
         check_model_features(model.config)  # the packed forward always runs the "paged" attention
-        self.template = PagedCache(model.config, pools_up_front(PagedCacheConfig(**cache_options), model))
+        self.template = PagedCache(model.config, pools_up_front(PagedCacheConfig(**cache_options), model,
+                                                                self.config.max_num_seqs))  # fmt: skip
         _check_model(self.template)
         self.room = BlockRoom(self.template, self.config.swap_threshold)
         self.sliding = layer_sliding(self.template)
         self.per_request = PerRequestLayers.of(model, self.template)  # recurrent layers: one call per request
+        self.states = StatePool.of(model, self.template, self.config.max_num_seqs)  # their state: a slot per request
         cacheable = self.config.prefix_caching and self.template.options.sharing and PrefixCache.supports(self.template)
         self.prefix_cache = PrefixCache(self.template) if cacheable else None
         self.swap = self.preemption.swap_space(self.template, model.device)
@@ -214,6 +217,7 @@ class BatchGenerator:
                 self._drop_waiting_cache()
                 break
             self.running.append(self.waiting.popleft())
+            self.states.attach(request.cache)  # a slot is free: at most `max_num_seqs` run
             if not request.admitted:  # its first admission (not a recompute)
                 self._admit(request)
             batch.append((request, q))
@@ -261,6 +265,7 @@ class BatchGenerator:
         self.running.remove(request)
         if mechanism == SWAP:
             self.swap.swap_out(request.cache)
+            self.states.swap_out(request.cache)
             self.swapped.append(request)
             self.counters.preempted[mechanism] += 1
         else:
@@ -272,6 +277,7 @@ class BatchGenerator:
         self.counters.preempted[RECOMPUTE] += 1
 
     def _drop_blocks(self, request: Request) -> None:
+        self.states.detach(request.cache)
         request.cache.reset()  # also after a forward interrupted halfway (some layers wrote, others not)
         request.cache, request.fed, request.keys = None, 0, []
         self.waiting.appendleft(request)
@@ -288,6 +294,7 @@ class BatchGenerator:
             fits = self.room.fits(demand, dict(taken), headroom=len(self.running) + 1)
             if self.room.below_threshold(stepped, idle=not self.running) and fits:
                 self.swap.swap_in(request.cache)
+                self.states.swap_in(request.cache)
                 self.counters.prefetched += prefetch
                 self.running.append(self.swapped.popleft())
                 self.victims.touch(request, len(self.history))  # coming back is an access: not the next victim
@@ -367,6 +374,7 @@ class BatchGenerator:
     def _finish(self, request: Request, reason: str) -> None:
         request.output.finish_reason = reason
         if request.cache is not None:
+            self.states.detach(request.cache)
             request.cache.reset()  # its blocks go back (prefix-cached ones stay findable until reused)
             request.cache = None
         self.finished.append(request.output)
@@ -377,7 +385,8 @@ class BatchGenerator:
     def _record(self, scheduled: int, holes: float) -> None:
         prefix = self.prefix_cache.stats if self.prefix_cache is not None else None
         queues = (len(self.running), len(self.waiting), len(self.swapped) + self._waited)
-        state = sum(state_bytes(request.cache) for request in self.running)
+        state = (sum(state_bytes(request.cache) for request in self.running), self.states.num_slots,
+                 self.states.pool_bytes)  # fmt: skip
         self.history.append(self.counters.snapshot(
             len(self.history), time.perf_counter() - self._started, queues, scheduled, self.config.max_batch_tokens,
             self.template.metrics(), prefix, self.swap.stats, self.swap.copies.stats, holes, state,

@@ -44,7 +44,9 @@ class BatchMetrics:
     recomputed_tokens: int = 0  # tokens computed again after recompute preemptions (prefix hits excluded)
     fragmentation: float = 0.0  # the largest share of free ids below a pool's highest block in use
     compactions: int = 0  # so far
-    state_bytes: int = 0  # running requests' recurrent state outside the pools (hybrid models: `recurrent.py`)
+    state_bytes: int = 0  # running requests' recurrent state outside the blocks (hybrid models: `recurrent.py`)
+    state_slots: int = 0  # slots of the state pool (`state_pool.py`): one per request that may run at once
+    state_pool_bytes: int = 0  # bytes the state pool allocated up front (0 for a model without recurrent state)
 
     @property
     def preempted_swap(self) -> int:
@@ -97,10 +99,12 @@ class ServingCounters:
 
     def snapshot(self, step: int, seconds: float, queues: tuple[int, int, int], scheduled: int, budget: int,
                  cache: CacheMetrics, prefix: PrefixStats | None, swap: SwapStats, copies: CopyStats,
-                 holes: float, state_bytes: int = 0) -> BatchMetrics:  # fmt: skip
+                 holes: float, state: tuple[int, int, int] = (0, 0, 0)) -> BatchMetrics:  # fmt: skip
         """The metrics after a step that computed `scheduled` tokens; `queues`: running, waiting and stalled
-        requests (swapped out, or running but not scheduled); `state_bytes`: the running requests' recurrent state."""
+        requests (swapped out, or running but not scheduled); `state`: the running requests' recurrent state bytes,
+        the state pool's slots and its bytes."""
         running, waiting, stalled = queues
+        state_bytes, state_slots, state_pool_bytes = state
         return BatchMetrics(
             step=step, seconds=seconds, running=running, waiting=waiting, finished=self.finished,
             tokens_scheduled=scheduled, token_budget=budget,
@@ -112,5 +116,5 @@ class ServingCounters:
             swap_in_blocks=swap.in_blocks, swap_in_bytes=swap.in_bytes, swap_stall_seconds=copies.stall_seconds,
             swap_copy_seconds=copies.copy_seconds, swap_prefetched=self.prefetched,
             recomputed_tokens=self.recomputed_tokens, fragmentation=holes, compactions=self.compactions,
-            state_bytes=state_bytes,
+            state_bytes=state_bytes, state_slots=state_slots, state_pool_bytes=state_pool_bytes,
         )  # fmt: skip

@@ -14,7 +14,7 @@ import torch
 
 from ..cache import PagedCache
 from ..memory.swap import SwapSpace
-from .recurrent import holds_state
+from .recurrent import state_bytes
 from .requests import Request
 
 SWAP = "swap"
@@ -104,8 +104,8 @@ class Recompute(Preemption):
 
 @dataclass(frozen=True)
 class Swap(Preemption):
-    """Swap the victim to host blocks; recompute it when the host pool cannot take them, it holds nothing, or it
-    has recurrent state (a hybrid model's, which lives outside blocks: `recurrent.py`).
+    """Swap the victim to host blocks (a hybrid model's recurrent state slot goes to host memory with them:
+    `state_pool.py`); recompute it when the host pool cannot take them or it holds nothing.
 
     `blocks`: host blocks per device pool (None: as many as the device pool has); `compression`: a `quant` format
     for host copies of full-precision blocks; `copies`: when the copies run (`copy_stream.COPY_MODES`). These are
@@ -126,9 +126,9 @@ class Swap(Preemption):
 
     @staticmethod
     def can_swap(request: Request, swap: SwapSpace) -> bool:
-        """The fall-back step: a request with nothing computed, recurrent state, or more blocks than the host pool
-        has free, is recomputed instead."""
-        return request.fed > 0 and not holds_state(request.cache) and swap.can_swap_out(request.cache)
+        """The fall-back step: a request with nothing computed, or more blocks than the host pool has free, is
+        recomputed instead."""
+        return request.fed > 0 and swap.can_swap_out(request.cache)
 
 
 @dataclass(frozen=True)
@@ -147,5 +147,6 @@ class Auto(Swap):
             return RECOMPUTE
         stats, seconds = swap.stats, swap.copies.stats.copy_seconds
         copy_rate = (stats.out_bytes + stats.in_bytes) / seconds if seconds else self.copy_rate
-        cheaper = 2 * swap.swap_bytes(request.cache) / copy_rate < request.fed / compute_rate
+        moved = swap.swap_bytes(request.cache) + state_bytes(request.cache)  # blocks, and a hybrid's state
+        cheaper = 2 * moved / copy_rate < request.fed / compute_rate
         return SWAP if cheaper else RECOMPUTE

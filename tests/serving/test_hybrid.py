@@ -1,5 +1,6 @@
 """The batch generator on hybrid models (linear attention, convolutions, Mamba): packed forwards run their recurrent
-layers once per request, so every request produces what it would alone with DynamicCache."""
+layers once per request, each request's state in a slot of the state pool, so every request produces what it would
+alone with DynamicCache."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from batch_workloads import NEW, PRESSURE, alone, failing, random_prompts
 from transformers import DynamicCache
 
+from hf_paged_cache.accounting import blocks_in_budget
+from hf_paged_cache.sequence_state import layer_states, sequence_state
 from hf_paged_cache.serving.generator import BatchGenerator, generate_batch
 from hf_paged_cache.serving.prefix_cache import PrefixCache
 from hf_paged_cache.serving.recurrent import state_bytes
@@ -35,31 +39,56 @@ def reference(name: str, prompts) -> list[list[int]]:
     return [alone(hybrid(name), prompt, DynamicCache(config=hybrid(name).config), "sdpa") for prompt in prompts]
 
 
+def slot_checked(generator: BatchGenerator) -> BatchGenerator:
+    """Before every forward: each running request's state tensors are views of its own slot, one slot each (the
+    model wrote into the slot in place at the step before: no layer rebound its state)."""
+
+    def check(batch):
+        slots = [generator.states.slot_of(request.cache) for request in generator.running]
+        assert None not in slots and len(set(slots)) == len(slots)
+        assert generator.states.num_free == generator.states.num_slots - len(slots)
+        for request, slot in zip(generator.running, slots):
+            for tensor, storage in generator.states.storage.items():
+                state = layer_states(request.cache.layers[tensor.layer])[tensor.kind][tensor.index]
+                assert state.data_ptr() == storage[slot].data_ptr() and state.shape == tensor.shape
+
+    generator.before_forward.append(check)
+    return generator
+
+
 @pytest.mark.parametrize("name", HYBRIDS)
 def test_greedy_outputs_equal_each_prompt_alone_with_dynamic_cache(name):
+    """More requests than slots: the others wait for a slot. Prompts computed in chunks continue their state;
+    chunks share forwards with other requests' decode tokens."""
     prompts = random_prompts((5, 17, 9, 30, 3, 12), seed=1)
-    # Prompts computed in chunks continue their state; chunks share forwards with other requests' decode tokens.
-    outputs = generate_batch(hybrid(name), prompts, max_new_tokens=NEW, block_size=4, max_batch_tokens=16,
-                             max_num_seqs=3)  # fmt: skip
+    generator = slot_checked(BatchGenerator(hybrid(name), max_new_tokens=NEW, block_size=4, max_batch_tokens=16,
+                                            max_num_seqs=3))  # fmt: skip
+    for prompt in prompts:
+        generator.add_request(prompt)
+    outputs = generator.run()
     assert all(output.error is None and output.finish_reason == "length" for output in outputs)
     assert [output.generated_tokens for output in outputs] == reference(name, prompts)
+    slot = sequence_state(hybrid(name).config, torch.float32).nbytes
+    assert max(m.running for m in generator.history) == 3 and max(m.waiting for m in generator.history) >= 3
+    assert {(m.state_slots, m.state_pool_bytes) for m in generator.history} == {(3, 3 * slot)}
+    assert generator.states.num_free == 3
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 @pytest.mark.parametrize("name", WITH_BLOCKS)
-def test_a_quarter_pool_preempts_by_recompute_and_changes_nothing(name, preemption):
-    """Swap moves blocks only, so a hybrid request, whose recurrent state is not in blocks, is recomputed."""
+def test_a_quarter_pool_preempts_and_changes_nothing(name, preemption):
+    """A swapped request's state slot goes to host memory with its blocks and comes back into another slot."""
     prompts = random_prompts(PRESSURE, seed=9)
     options = dict(max_new_tokens=NEW, block_size=4, max_batch_tokens=16)
-    ample = generate_batch(hybrid(name), prompts, num_blocks=256, **options)
-    generator = BatchGenerator(hybrid(name), num_blocks=12, preemption=preemption, **options)
+    generator = slot_checked(BatchGenerator(hybrid(name), num_blocks=12, preemption=preemption, **options))
     for prompt in prompts:
         generator.add_request(prompt)
     outputs = generator.run()
-    assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in ample]
+    assert [o.generated_tokens for o in outputs] == reference(name, prompts)
     assert all(output.error is None for output in outputs)
     metrics = generator.metrics()
-    assert metrics.preempted_recompute > 0 and metrics.preempted_swap == 0 and metrics.swap_out_blocks == 0
+    assert metrics.preempted[preemption] > 0 and sum(metrics.preempted.values()) == metrics.preempted[preemption]
+    assert (metrics.swap_out_blocks > 0) == (preemption == "swap") and generator.states.num_free == 32
 
 
 @pytest.mark.parametrize("name", WITH_BLOCKS)
@@ -70,13 +99,17 @@ def test_cancel_frees_the_requests_state_and_blocks(name):
         generator.step()
     held = {request.request_id: state_bytes(request.cache) for request in generator.running}
     assert generator.metrics().state_bytes == sum(held.values()) and all(held.values())
+    cache = generator.running[0].cache
+    assert generator.states.num_free == generator.states.num_slots - 2
     assert generator.cancel_request(first)
+    assert generator.states.num_free == generator.states.num_slots - 1 and generator.states.slot_of(cache) is None
+    assert state_bytes(cache) == 0  # its layers let go of the slot: nothing of it can write there again
     generator.step()
     assert generator.metrics().state_bytes == state_bytes(generator.running[0].cache) == held[second]
     assert generator.cancel_request(second)
     generator.step()
     assert generator.metrics().state_bytes == 0 and generator.metrics().blocks_used == 0
-    assert not generator.has_work()
+    assert not generator.has_work() and generator.states.num_free == generator.states.num_slots
 
 
 @pytest.mark.parametrize("name", HYBRIDS)
@@ -104,6 +137,16 @@ def test_a_memory_budget_for_a_model_with_nothing_in_blocks_is_refused_clearly()
         BatchGenerator(hybrid("falcon_h1"), max_memory="1MiB")
 
 
+def test_a_memory_budget_holds_the_state_pool_first_and_blocks_in_the_rest():
+    model = hybrid("qwen3_next")
+    slots = 4 * sequence_state(model.config, model.dtype).nbytes
+    generator = BatchGenerator(model, max_memory=2**20, max_num_seqs=4, block_size=4)
+    assert generator.template.options.num_blocks == blocks_in_budget(model.config, 2**20 - slots, 4, model.dtype)
+    assert generator.states.pool_bytes == slots
+    with pytest.raises(ValueError, match=r"cannot hold the recurrent state of `max_num_seqs`=4 requests"):
+        BatchGenerator(model, max_memory=slots, max_num_seqs=4)
+
+
 def test_a_forward_that_fails_in_a_recurrent_layer_is_rolled_back_and_changes_nothing():
     """The requests' states are dropped with their blocks (a recurrent layer may have written part of the step)."""
     model, prompts = hybrid("qwen3_next"), random_prompts((9, 14, 5), seed=4)
@@ -118,6 +161,7 @@ def test_a_forward_that_fails_in_a_recurrent_layer_is_rolled_back_and_changes_no
         with pytest.raises(RuntimeError, match="interrupted"):
             generator.run()
         assert not generator.running and all(request.cache is None for request in generator.waiting)
+        assert generator.states.num_free == generator.states.num_slots
         assert [o.generated_tokens for o in generator.run()] == expected
     finally:
         del layer.forward
