@@ -4,8 +4,9 @@
     python -m hf_paged_cache.capacity --model path/to/hf/folder --memory 24GB --tokens 8192 --dtype bfloat16
 
 Answered from `estimate_kv_bytes` (exact for a `PagedCache`: whole blocks, sliding windows, quantized blocks
-with their scales), so no model weights are loaded. Bytes grow linearly with the length and count only the
-KV heads; the seeds' capacity formula (quadratic in the length, query heads counted on top) overstated it.
+with their scales; a hybrid model's recurrent / conv state per sequence, measured on the meta device), so no
+model weights are loaded. Bytes grow linearly with the length and count only the KV heads; the seeds' capacity
+formula (quadratic in the length, query heads counted on top) overstated it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from transformers import AutoConfig
 
 from .accounting import estimate_kv_bytes, max_sequences
+from .sequence_state import sequence_state
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -41,9 +43,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for tokens in args.tokens:
         per_sequence = estimate_kv_bytes(config, 1, tokens, args.block_size, DTYPES[args.dtype], **options)
         fits = max_sequences(config, tokens, args.memory, args.block_size, DTYPES[args.dtype], **options)
-        rows.append({"tokens": tokens, "bytes_per_sequence": per_sequence, "sequences": fits})
-        print(f"{tokens:>8,} tokens: {per_sequence:>14,} B per sequence -> {fits:,} sequences in {args.memory} "
-              f"({args.quant or args.dtype}, blocks of {args.block_size})")  # fmt: skip
+        state = sequence_state(config, DTYPES[args.dtype]).bytes_at(tokens)
+        rows.append({"tokens": tokens, "bytes_per_sequence": per_sequence, "state_bytes_per_sequence": state,
+                     "sequences": fits})  # fmt: skip
+        held = f" ({state:,} B of it recurrent state)" if state else ""
+        print(f"{tokens:>8,} tokens: {per_sequence:>14,} B per sequence{held} -> {fits:,} sequences in "
+              f"{args.memory} ({args.quant or args.dtype}, blocks of {args.block_size})")  # fmt: skip
     return rows
 
 

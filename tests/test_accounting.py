@@ -1,6 +1,8 @@
 """Memory accounting of models whose stored keys and values differ in shape (latents, narrower values)."""
 
 import functools
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +11,10 @@ from tiny_models import MODELS_BY_NAME, VOCAB, tiny_config, make_model
 
 from hf_paged_cache import BatchGenerator, PagedCache, estimate_kv_bytes, kv_bytes_per_token
 from hf_paged_cache.accounting import blocks_in_budget
+from hf_paged_cache.serving.recurrent import state_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "eval"))
+import zoo  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -87,3 +93,17 @@ def test_a_cache_with_no_stored_layer_measures_zero_and_has_no_block_budget():
     assert metrics.groups == {} and metrics.blocks_total == metrics.used_bytes == 0
     with pytest.raises(ValueError, match="no layer of this model stores K/V in blocks"):
         blocks_in_budget(config, 2**20, BLOCK, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2", "falcon_h1"])
+def test_a_hybrids_estimate_is_its_blocks_plus_each_rows_state(name):
+    """Recurrent and conv states (fixed per row), and falcon_h1's attention K/V its hybrid layers keep themselves."""
+    model = zoo.build(name)[0]
+    cache = PagedCache(model.config, block_size=BLOCK)
+    tokens = torch.arange(3, 24)[None]
+    with torch.no_grad():
+        model(input_ids=tokens, cache=cache, use_cache=True)
+    held = cache.metrics().used_bytes + state_bytes(cache)
+    assert estimate_kv_bytes(model.config, 1, 21, BLOCK, torch.float32) == held
+    with pytest.raises(ValueError, match="recurrent state of a hybrid model is estimated for one rank only"):
+        estimate_kv_bytes(model.config, 1, 21, BLOCK, torch.float32, tp_size=2)

@@ -65,6 +65,8 @@ class StatePool:
     # ------------------------------------------------------------------ slots
     def attach(self, cache: PagedCache) -> int:
         """Give `cache` the oldest free slot, zeroed: its layers start a fresh sequence in it. Returns the slot."""
+        if cache in self._swapped:
+            raise ValueError("this cache's state is swapped out: `swap_in` brings it back")
         self._check_free(cache)
         slot = self._free.popleft()
         self._holders[cache] = slot
