@@ -63,8 +63,8 @@ def padded_batches(model, prompts, new_tokens, size: int = 8, pad_id: int = 0):
         width = max(map(len, group))
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group], device=model.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=model.device)
-        out = model.generate(ids, attention_mask=mask, cache=DynamicCache(), max_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=pad_id)  # fmt: skip
+        out = model.generate(ids, attention_mask=mask, cache=DynamicCache(config=model.config),
+                             max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)  # fmt: skip
         outputs += out[:, width:].tolist()
     return outputs
 

@@ -267,6 +267,18 @@ def test_serving_pressure_workload_tiny(tmp_path):
         constrained[0]["swap_out_bytes"] / constrained[0]["swap_out_blocks"])  # fmt: skip
 
 
+
+def test_hybrid_serving_tiny(tmp_path):
+    out = tmp_path / "hybrid"
+    _run("hybrid_serving.py", "--model", "lfm2", "--requests", "5", "--min-len", "20", "--max-len", "50",
+         "--new-tokens", "4", "--capacity-requests", "8", "--capacity-len", "64", "--memory", "400KiB",
+         "--threads", "1", "--out", str(out))  # fmt: skip
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert [row.get("identical_to_one_by_one") for row in result["throughput"]] == [None, 5, 5]
+    (row,) = result["memory"]
+    assert 1 < row["predicted_requests"] < 8 and row["peak_running"] == row["state_slots"] == row["predicted_requests"]
+    assert row["state_pool_bytes"] == row["state_slots"] * row["state_bytes_per_request"] > 0
+
 def test_swap_overlap_tiny(tmp_path):
     out = tmp_path / "overlap"
     _run("swap_overlap.py", "--model", "tiny-llama", "--requests", "8", "--min-len", "20", "--max-len", "120",
