@@ -39,7 +39,8 @@ class BatchConfig:
 
     Args:
         max_batch_tokens: tokens one forward computes at most (prompt chunks and decode tokens together).
-        max_num_seqs: requests running at once at most (the seeds' `--max-num-seqs`).
+        max_num_seqs: requests running at once at most (the seeds' `--max-num-seqs`); a hybrid model's state pool
+            holds this many slots of recurrent state, allocated up front (`state_pool.py`).
         prefix_caching: reuse full blocks of earlier requests with the same leading tokens (full-precision
             caches without eviction; ignored otherwise, see `PrefixCache.supports`).
         progress: show a progress bar of finished requests.

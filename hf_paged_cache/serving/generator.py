@@ -42,7 +42,7 @@ from .metrics import BatchMetrics, ServingCounters
 from .packed_cache import layer_sliding, packed_logits
 from .preemption import RECOMPUTE, SWAP
 from .prefix_cache import PrefixCache
-from .recurrent import PerRequestLayers, state_bytes
+from .recurrent import PerRequestLayers
 from .requests import GenerationOutput, Request
 from .scheduler import BlockRoom
 from .state_pool import StatePool
@@ -385,8 +385,7 @@ class BatchGenerator:
     def _record(self, scheduled: int, holes: float) -> None:
         prefix = self.prefix_cache.stats if self.prefix_cache is not None else None
         queues = (len(self.running), len(self.waiting), len(self.swapped) + self._waited)
-        state = (sum(state_bytes(request.cache) for request in self.running), self.states.num_slots,
-                 self.states.pool_bytes)  # fmt: skip
+        state = self.states.usage([request.cache for request in self.running])
         self.history.append(self.counters.snapshot(
             len(self.history), time.perf_counter() - self._started, queues, scheduled, self.config.max_batch_tokens,
             self.template.metrics(), prefix, self.swap.stats, self.swap.copies.stats, holes, state,

@@ -20,7 +20,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from ..cache import PagedCache
 from ..sequence_state import SequenceState, StateTensor, layer_states, sequence_state
-from .recurrent import decoder_layers, holds_state
+from .recurrent import decoder_layers, holds_state, state_bytes
 
 
 class StatePool:
@@ -41,7 +41,9 @@ class StatePool:
     def of(cls, model: torch.nn.Module, template: PagedCache, num_slots: int) -> StatePool:
         """The pool of `num_slots` slots for `model` served with caches like `template` (slots of no tensors for a
         model without recurrent or conv layers: they count its running requests only)."""
-        state = sequence_state(model.config, model.dtype, type(model)) if holds_state(template) else SequenceState()
+        if not holds_state(template):
+            return cls(SequenceState(), num_slots, {})
+        state = sequence_state(model.config, model.dtype, type(model))
         modules = decoder_layers(model, len(template.layers))
         devices = {tensor.layer: next(modules[tensor.layer].parameters()).device for tensor in state.tensors}
         return cls(state, num_slots, devices)
@@ -61,6 +63,11 @@ class StatePool:
 
     def slot_of(self, cache: PagedCache) -> int | None:
         return self._holders.get(cache)
+
+    def usage(self, caches: list[PagedCache]) -> tuple[int, int, int]:
+        """What the metrics count: the state bytes `caches` hold (their slots, and a hybrid layer's own K/V), the
+        pool's slots and its bytes."""
+        return sum(state_bytes(cache) for cache in caches), self.num_slots, self.pool_bytes
 
     # ------------------------------------------------------------------ slots
     def attach(self, cache: PagedCache) -> int:
