@@ -100,18 +100,19 @@ def memory(model, args) -> list[dict]:
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=torch.tensor([prompts[0] + [3] * new]), cache=cache, use_cache=True)
-    dynamic_state = sum(state_bytes_of(layer) for layer in cache.layers)
+    dynamic = sum(dynamic_bytes(layer) for layer in cache.layers)
     row = {"system": "hf_paged_cache.generate_batch under max_memory", "memory": args.memory,
            "predicted_requests": predicted, "peak_running": peak.running, "state_slots": peak.state_slots,
            "state_pool_bytes": peak.state_pool_bytes, "blocks_total": peak.blocks_total,
-           "kv_bytes_per_request": peak.kv_bytes / peak.running, "state_bytes_per_request": peak.state_bytes / peak.running,
-           "dynamic_cache_bytes_per_request": dynamic_state, "preempted": dict(peak.preempted),
+           "kv_bytes_per_request": peak.kv_bytes / peak.running,
+           "state_bytes_per_request": peak.state_bytes / peak.running,
+           "dynamic_cache_bytes_per_request": dynamic, "preempted": dict(peak.preempted),
            "tokens_per_s": sum(len(o.generated_tokens) for o in outputs) / seconds}  # fmt: skip
     print(row, flush=True)
     return [row]
 
 
-def state_bytes_of(layer) -> int:
+def dynamic_bytes(layer) -> int:
     """Bytes a DynamicCache layer holds: K/V and any recurrent / conv state."""
     tensors = [getattr(layer, name, None) for name in ("keys", "values")]
     tensors += [*getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values()]
@@ -136,8 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = build(args.model)
-    results = {"model": f"{args.model} (random weights, seed 0)", "parameters": sum(p.numel() for p in model.parameters()),
-               "args": vars(args)}  # fmt: skip
+    parameters = sum(p.numel() for p in model.parameters())
+    results = {"model": f"{args.model} (random weights, seed 0)", "parameters": parameters, "args": vars(args)}
     for workload in args.workloads:
         results[workload] = {"throughput": throughput, "memory": memory}[workload](model, args)
     common.write_json(f"{args.out}.json", results)
