@@ -91,6 +91,19 @@ def test_a_quarter_pool_preempts_and_changes_nothing(name, preemption):
     assert (metrics.swap_out_blocks > 0) == (preemption == "swap") and generator.states.num_free == 32
 
 
+
+def test_state_swaps_stay_exact_when_block_copies_land_late():
+    """`swap_copies="deferred"`: block copies wait until a step needs them; a slot is copied to host at once,
+    before another request can take it and zero it."""
+    prompts = random_prompts(PRESSURE, seed=9)
+    generator = slot_checked(BatchGenerator(hybrid("qwen3_next"), num_blocks=12, preemption="swap",
+                                            swap_copies="deferred", max_new_tokens=NEW, block_size=4,
+                                            max_batch_tokens=16))  # fmt: skip
+    for prompt in prompts:
+        generator.add_request(prompt)
+    assert [o.generated_tokens for o in generator.run()] == reference("qwen3_next", prompts)
+    assert generator.metrics().preempted_swap > 0
+
 @pytest.mark.parametrize("name", WITH_BLOCKS)
 def test_cancel_frees_the_requests_state_and_blocks(name):
     generator = BatchGenerator(hybrid(name), max_new_tokens=20, block_size=4, num_blocks=64)
