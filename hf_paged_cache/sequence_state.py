@@ -19,9 +19,6 @@ from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerM
 
 from .layer_types.registry import layer_type_for
 
-KINDS = ("conv", "recurrent")  # transformers' `conv_states` / `recurrent_states` of a linear-attention layer
-
-
 @dataclass(frozen=True)
 class StateTensor:
     """One state tensor of one sequence: layer `layer`'s `kind` state number `index`, `shape` with the batch
@@ -79,6 +76,7 @@ def _measure(config: PretrainedConfig, names: list[str], dtype: torch.dtype, mod
     build = AutoModelForCausalLM.from_config if model_class is None else model_class._from_config
     try:
         with torch.device("meta"), torch.no_grad():
+            # Experts as batched matmuls: the meta device has no float32 grouped matmul (and the MLP holds no state).
             model = build(config, dtype=dtype, experts_implementation="batched_mm")
             cache = DynamicCache(config=model.config)
             model(input_ids=torch.zeros((1, 1), dtype=torch.long), cache=cache, use_cache=True)

@@ -123,14 +123,6 @@ class StatePool:
         self._holders[cache] = slot
         return slot
 
-    def can_swap(self, cache: PagedCache) -> bool:
-        """Whether the slot holds all of `cache`'s state outside blocks (no layer keeps K/V of its own)."""
-        return cache in self._holders and self.state.kv_bytes_per_token == 0
-
-    def swap_bytes(self) -> int:
-        """Bytes one swap of a request's state copies (either way)."""
-        return self.slot_bytes
-
     # ------------------------------------------------------------------ helpers
     def _check_free(self, cache: PagedCache) -> None:
         if cache in self._holders:
