@@ -21,6 +21,7 @@ from ..cache import PagedCache
 from ..attention.contract import PAGED_KV_KWARG
 from ..layers.handle import PackedPagedKV
 from ..attention.paged_states import paged_only
+from .compiled import CompiledModules
 from .recurrent import PerRequestLayers
 
 
@@ -90,10 +91,10 @@ def layer_sliding(cache: PagedCache) -> list[bool]:
 
 
 def packed_logits(model, chunks: list[tuple[PagedCache, list[int], int]], sliding: list[bool],
-                  per_request: PerRequestLayers | None = None) -> torch.Tensor:  # fmt: skip
+                  per_request: PerRequestLayers | None = None, compiled: CompiledModules | None = None) -> torch.Tensor:
     """One forward of every chunk (its cache, its tokens, the position of the first) packed into one row; the
     logits of each chunk's last token, one row per chunk (`sliding`: which layers are sliding-window;
-    `per_request`: the layers that run once per chunk, recurrent ones)."""
+    `per_request`: the layers that run once per chunk, recurrent ones; `compiled`: modules run compiled)."""
     tokens, positions, spans, keep = [], [], [], []
     for _cache, chunk, start in chunks:
         spans.append((len(tokens), len(tokens) + len(chunk)))
@@ -102,6 +103,10 @@ def packed_logits(model, chunks: list[tuple[PagedCache, list[int], int]], slidin
         positions += range(start, start + len(chunk))
     ids, position_ids = torch.tensor([tokens], device=model.device), torch.tensor([positions], device=model.device)
     caches = [chunk[0] for chunk in chunks]
-    with per_request.split(caches, spans) if per_request is not None else contextlib.nullcontext():
+    with contextlib.ExitStack() as patches:
+        if per_request is not None:
+            patches.enter_context(per_request.split(caches, spans))
+        if compiled is not None:
+            patches.enter_context(compiled.active())
         return model(input_ids=ids, position_ids=position_ids, cache=PackedCache(caches, spans, sliding, position_ids),
                      use_cache=True, logits_to_keep=torch.tensor(keep, device=ids.device)).logits[0]  # fmt: skip
