@@ -254,6 +254,36 @@ class PagedLayer(CacheLayerMixin):
         flat = _heads_first(blocks)
         return [flat[:, slot : slot + count] for _column, slot, count in runs]
 
+    def reads_plain_row(self, plan: StepPlan) -> bool:
+        """Whether the torch path reads `plan`'s one row as its stored range of full-precision blocks (no kernels, no
+        compaction, no quantized history), so `gather_rows` can read it together with other plans' rows."""
+        return (len(plan.read_start) == 1 and not self.is_quantized and not plan.tables.compacted
+                and not self.uses_kernels() and plan.read_stop[0] > plan.read_start[0])  # fmt: skip
+
+    def gather_rows(self, plans: list[StepPlan], memo: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stored ranges of the one-row `plans` (sequences whose caches share this layer's storage), copied once
+        into one batch: K/V `[len(plans), kv_heads, longest, d]` and the boolean mask `[len(plans), 1, 1, longest]`
+        of their stored tokens (the rest read the null block). `memo` keeps the slot indices for the other layers
+        of the plans' group in the same forward."""
+
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            lengths = [plan.read_stop[0] - plan.read_start[0] for plan in plans]
+            longest = max(lengths)
+            slots = torch.zeros(len(plans), longest, dtype=torch.long)  # slot 0: the null block's first
+            for index, (plan, length) in enumerate(zip(plans, lengths)):
+                slots[index, :length] = plan.slots(0, plan.read_start[0], length)
+            mask = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
+            return slots.flatten().to(self.device), mask[:, None, None, :].to(self.device)
+
+        key = ("gather_rows", tuple(map(id, plans)), self.device)
+        if key not in memo:
+            memo[key] = build()
+        slots, mask = memo[key]
+        rows, longest = mask.shape[0], mask.shape[-1]
+        keys, values = (_heads_first(blocks).index_select(1, slots).unflatten(1, (rows, longest)).transpose(0, 1)
+                        for blocks in (self.key_blocks, self.value_blocks))  # fmt: skip
+        return keys, values, mask
+
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V at the given slots (any shape `S`), as `[*S[:-1], kv_heads, S[-1], head_dim]`."""
         out = []

@@ -62,6 +62,7 @@ class PackedCache(Cache):
         self.caches = caches
         self.spans = spans
         self.positions = positions
+        self.memo: dict = {}  # what the forward's layers share (read indices of a group's decode tokens)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         attention_kwargs = kwargs.get("kwargs")
@@ -78,7 +79,7 @@ class PackedCache(Cache):
             histories.append(cache.update(key_states[:, :, start:stop], value_states[:, :, start:stop], layer_idx,
                                           kwargs=own))  # fmt: skip
             parts.append((start, stop, own[PAGED_KV_KWARG]))
-        packed = attention_kwargs[PAGED_KV_KWARG] = PackedPagedKV(parts)
+        packed = attention_kwargs[PAGED_KV_KWARG] = PackedPagedKV(parts, self.memo)
         if packed.gathered:  # a model that caches latents expands every sequence's gathered history into K/V
             return tuple(torch.cat(states, dim=2) for states in zip(*histories))
         reader = packed.reader()  # for a later layer that reuses these states (a KV-shared layer)
