@@ -72,6 +72,7 @@ class PagedCache(ForkingCache, Cache):
         self.options = options
         self.model_config = config.get_text_config(decoder=True)
         self.tp_size = tensor_parallel_size(config)  # ranks sharing the KV heads (tensor parallelism)
+        self._latents = caches_latents(self.model_config)  # fixed by the config, as the layers built from it
         self.groups: dict[str, BlockTables] = {}
         self.planner = CacheStep()
         self._forks = Forks(self)
@@ -127,10 +128,11 @@ class PagedCache(ForkingCache, Cache):
         # Whether this forward runs the "paged" attention, which reads K/V from the blocks itself unless the model
         # caches latents (its attention reads K/V expanded from the gathered history).
         paged = attention_kwargs is not None and self._attention_is_paged()
-        in_place = paged and not caches_latents(self.model_config)
+        in_place = paged and not self._latents
         if paged:  # what the config and this layer's kwargs show is refused before this layer writes
             try:
-                check_model_features(self.model_config)
+                if not isinstance(layer, PagedLayer) or layer.seq_len == layer.tables.length:  # its group's first
+                    check_model_features(self.model_config)  # layer in this step: once per step, as it plans
                 check_attention_kwargs(model_name(self.model_config), attention_kwargs)
             except UnsupportedAttentionError:
                 if self.layers_written() < len(self.paged_layers):  # earlier layers of this forward wrote
