@@ -57,6 +57,13 @@ def test_decode_tokens_attended_together_give_the_logits_of_each_alone(name, mon
         return gather_rows(layer, plans, memo)
 
     monkeypatch.setattr(PagedLayer, "gather_rows", counted)
+    written, write_rows = [], PagedLayer.write_rows
+
+    def writes(layer, plans, *args):
+        written.append(len(plans))
+        return write_rows(layer, plans, *args)
+
+    monkeypatch.setattr(PagedLayer, "write_rows", writes)
     with torch.no_grad():
         for cache, prompt in zip(caches[:3], prompts[:3]):  # three sequences decode, the fourth starts its prompt
             model(input_ids=torch.tensor([prompt[:-1]]), cache=cache)
@@ -66,5 +73,7 @@ def test_decode_tokens_attended_together_give_the_logits_of_each_alone(name, mon
         expected = [model(input_ids=torch.tensor([prompt]), cache=PagedCache(model.config, block_size=4)).logits[0, -1]
                     for prompt in prompts]  # fmt: skip
     assert gathered and set(gathered) == {3}  # every layer read the three decode tokens together
+    # The layers after the first (which planned every group's step of every cache) wrote all four caches in one copy.
+    assert written == [4] * (len(template.layers) - 1)
     for row, reference in zip(logits, expected):
         torch.testing.assert_close(row, reference, rtol=1e-5, atol=1e-5)
