@@ -72,6 +72,7 @@ class PagedCache(ForkingCache, Cache):
         self.options = options
         self.model_config = config.get_text_config(decoder=True)
         self.tp_size = tensor_parallel_size(config)  # ranks sharing the KV heads (tensor parallelism)
+        self._latents = caches_latents(self.model_config)  # fixed by the config, as the layers built from it
         self.groups: dict[str, BlockTables] = {}
         self.planner = CacheStep()
         self._forks = Forks(self)
@@ -127,10 +128,11 @@ class PagedCache(ForkingCache, Cache):
         # Whether this forward runs the "paged" attention, which reads K/V from the blocks itself unless the model
         # caches latents (its attention reads K/V expanded from the gathered history).
         paged = attention_kwargs is not None and self._attention_is_paged()
-        in_place = paged and not caches_latents(self.model_config)
+        in_place = paged and not self._latents
         if paged:  # what the config and this layer's kwargs show is refused before this layer writes
             try:
-                check_model_features(self.model_config)
+                if not isinstance(layer, PagedLayer) or layer.seq_len == layer.tables.length:  # its group's first
+                    check_model_features(self.model_config)  # layer in this step: once per step, as it plans
                 check_attention_kwargs(model_name(self.model_config), attention_kwargs)
             except UnsupportedAttentionError:
                 if self.layers_written() < len(self.paged_layers):  # earlier layers of this forward wrote
@@ -161,6 +163,28 @@ class PagedCache(ForkingCache, Cache):
         if self.evictor is not None and layer_idx in self.evictor.layers:
             after = functools.partial(self._after_attention, layer_idx)
         return layer.update(key_states, value_states, plan, attention_kwargs, after, self._undo_step)
+
+    def planned_row(self, layer_idx: int, q_len: int, device: torch.device) -> StepPlan | None:
+        """The plan of the step under way for layer `layer_idx` when a packed forward may write its `q_len` tokens (on
+        `device`) together with other caches' (`take_step`, then `PagedLayer.write_rows`): an earlier layer of its
+        group planned the step, and nothing but the write is due (no eviction, one plain row); else None (`update`)."""
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, PagedLayer) or layer.tables.compacted or self._latents:
+            return None
+        if self.evictor is not None and layer_idx in self.evictor.layers:
+            return None
+        plan = layer.tables.plan
+        return plan if layer.writes_plain_row(plan, q_len, device) else None
+
+    def take_step(self, layer_idx: int, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor) -> PagedKV:
+        """Layer `layer_idx` takes its tokens of the step planned as `plan` (`key_states` / `value_states`: a packed
+        forward's, which `PagedLayer.write_rows` stores for every cache at once): its storage's shapes at a first
+        step, its new length, and the handle its attention reads the blocks through."""
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            layer.lazy_initialization(key_states, value_states)
+        layer.seq_len = plan.new_len
+        return PagedKV(layer, plan, None, self._undo_step)
 
     def _leave_gathered_handle(self, attention_kwargs: dict, layer: PagedLayer, plan: StepPlan) -> None:
         """For the "paged" attention of a model that caches latents (handed the gathered history, not blocks): a

@@ -25,7 +25,7 @@ from .attention.contract import (
     sink_logits,
 )
 from .attention.paged_states import reused_paged_kv
-from .attention.torch_path import attend
+from .attention.torch_path import attend, attention
 from .errors import UnsupportedAttentionError
 from .layer_types.registry import is_known, layer_type_for
 from .layers.handle import PackedPagedKV, PagedKV
@@ -97,13 +97,35 @@ def paged_attention_forward(
     if paged_kv is None or paged_kv.gathered:
         return attend(query, key, value, attention_mask, scale, softcap, sinks).transpose(1, 2).contiguous(), None
     if isinstance(paged_kv, PackedPagedKV):  # each sequence of a packed batch attends over its own blocks
-        outs = [
-            _attend_blocks(query[:, :, start:stop], part, part.own_mask(stop - start, query.device), scale, softcap,
-                           sinks)  # fmt: skip
-            for start, stop, part in paged_kv.parts
-        ]
-        return torch.cat(outs, dim=1).contiguous(), None
+        return _attend_packed(query, paged_kv, scale, softcap, sinks), None
     return _attend_blocks(query, paged_kv, attention_mask, scale, softcap, sinks).contiguous(), None
+
+
+def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, softcap: float | None,
+                   sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """A packed forward: each sequence's queries over its own blocks, `[1, q, heads, d]`. The one-token sequences (the
+    decode tokens) whose rows the torch path reads from one storage are attended together, in one call over their
+    histories gathered into one padded batch, instead of one call per sequence."""
+    together = [(start, part) for start, stop, part in packed.parts if stop - start == 1 and part.reads_with_others]
+    together = [(start, part) for start, part in together if part.layer.storage is together[0][1].layer.storage]
+    if len(together) < 2:
+        together = []
+    pieces = []
+    if together:
+        tokens = torch.tensor([start for start, _part in together], device=query.device)
+        keys, values, mask = together[0][1].layer.gather_rows([part.plan for _start, part in together], packed.memo)
+        queries = query[0].index_select(1, tokens).transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, d]
+        pieces.append((tokens, attention(queries, keys, values, mask, scale, softcap, sinks)[:, :, 0]))
+    read = {start for start, _part in together}
+    for start, stop, part in packed.parts:
+        if start not in read:
+            mask = part.own_mask(stop - start, query.device)
+            pieces.append((slice(start, stop), _attend_blocks(query[:, :, start:stop], part, mask, scale, softcap,
+                                                              sinks)[0]))  # fmt: skip
+    out = query.new_empty(query.shape[2], query.shape[1], pieces[0][1].shape[-1])
+    for where, piece in pieces:
+        out[where] = piece
+    return out[None]
 
 
 def _attend_gathered(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: PackedPagedKV, scale: float,

@@ -267,7 +267,6 @@ def test_serving_pressure_workload_tiny(tmp_path):
         constrained[0]["swap_out_bytes"] / constrained[0]["swap_out_blocks"])  # fmt: skip
 
 
-
 def test_hybrid_serving_tiny(tmp_path):
     out = tmp_path / "hybrid"
     _run("hybrid_serving.py", "--model", "lfm2", "--requests", "5", "--min-len", "20", "--max-len", "50",
@@ -278,6 +277,18 @@ def test_hybrid_serving_tiny(tmp_path):
     (row,) = result["memory"]
     assert 1 < row["predicted_requests"] < 8 and row["peak_running"] == row["state_slots"] == row["predicted_requests"]
     assert row["state_pool_bytes"] == row["state_slots"] * row["state_bytes_per_request"] > 0
+
+
+def test_serving_mixed_workload_compiled_tiny(tmp_path):
+    out = tmp_path / "serving"
+    _run("serving.py", "--model", "tiny-llama", "--workloads", "mixed", "--requests", "4", "--min-len", "10",
+         "--max-len", "40", "--new-tokens", "4", "--max-batch-tokens", "32", "--threads", "1", "--skip-hf",
+         "--compile", "--out", str(out))  # fmt: skip
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["compile_seconds"] > 0
+    ours = next(row for row in result["mixed"] if row["system"] == "hf_paged_cache.generate_batch")
+    assert ours["identical_to_one_by_one"] == 4 and ours["tokens_per_s"] > 0
+
 
 def test_swap_overlap_tiny(tmp_path):
     out = tmp_path / "overlap"

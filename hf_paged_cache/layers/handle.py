@@ -79,15 +79,23 @@ class PagedKV:
         the read range, within a window or a chunk); None for one query, which sees the whole read range."""
         if q_len == 1:
             return None
-        return self.layer.layer_type.read_mask(self.layer.tables, q_len, self.plan.kv_offset, self.read_len, device)
+        return self.plan.cached(("own_mask", q_len, device), lambda: self.layer.layer_type.read_mask(
+            self.layer.tables, q_len, self.plan.kv_offset, self.read_len, device))  # the group's layers share it
+
+    @property
+    def reads_with_others(self) -> bool:
+        """Whether a one-token query of this handle can be attended in one call with other sequences' (the decode
+        tokens of a packed forward): the torch path reads one plain row, and nothing is due after the attention."""
+        return self.after_attention is None and not self.gathered and self.layer.reads_plain_row(self.plan)
 
 
 class PackedPagedKV:
     """The handle a packed forward (the batch generator's) leaves instead of one `PagedKV`: for each sequence,
     its slice `[start, stop)` of the packed tokens and its own `PagedKV`."""
 
-    def __init__(self, parts: list[tuple[int, int, PagedKV]]):
+    def __init__(self, parts: list[tuple[int, int, PagedKV]], memo: dict | None = None):
         self.parts = parts
+        self.memo = {} if memo is None else memo  # built once per forward, shared by its layers (read indices)
 
     @property
     def gathered(self) -> bool:
@@ -101,4 +109,4 @@ class PackedPagedKV:
 
     def reader(self) -> PackedPagedKV:
         """`PagedKV.reader` for every sequence."""
-        return PackedPagedKV([(start, stop, part.reader()) for start, stop, part in self.parts])
+        return PackedPagedKV([(start, stop, part.reader()) for start, stop, part in self.parts], self.memo)

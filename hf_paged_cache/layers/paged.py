@@ -68,12 +68,13 @@ class PagedLayer(CacheLayerMixin):
     def sliding_window(self) -> int | None:
         return self.tables.sliding_window
 
-    def uses_kernels(self) -> bool:
-        """Whether the Triton kernels write and read this layer's blocks. They take one head dim for keys and
-        values, so values of another width (a model caching latents stores its positional key as the values) are
-        written and read by the torch paths."""
+    def uses_kernels(self, device: torch.device | None = None) -> bool:
+        """Whether the Triton kernels write and read this layer's blocks (`device`: where the states of a layer not
+        initialized yet are). They take one head dim for keys and values, so values of another width (a model
+        caching latents stores its positional key as the values) are written and read by the torch paths."""
         one_head_dim = not self.is_initialized or self.value_dim == self.kv_shape[1]
-        return self.layer_type.kernels_read and one_head_dim and self.options.uses_kernels(self.device)
+        device = self.device if self.is_initialized else self.options.device or device
+        return self.layer_type.kernels_read and one_head_dim and self.options.uses_kernels(device)
 
     # ------------------------------------------------------------------ storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -225,6 +226,11 @@ class PagedLayer(CacheLayerMixin):
         if slots.numel() == 0:
             return
         tokens = None if plan.write_tokens is None else plan.tensor("write_tokens", self.device)
+        self._store(slots, key_states, value_states, tokens)
+
+    def _store(self, slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+               tokens: torch.Tensor | None = None) -> None:  # fmt: skip
+        """Copy the new K/V `[batch, kv_heads, q, d]` (only `tokens` of the batch-major tokens, if given) to `slots`."""
         for states, blocks in ((key_states, self.key_blocks), (value_states, self.value_blocks)):
             rows = states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[-1])
             if tokens is not None:
@@ -232,6 +238,26 @@ class PagedLayer(CacheLayerMixin):
             if rows.dtype != self.dtype or rows.device != self.device:
                 rows = rows.to(device=self.device, dtype=self.dtype)
             blocks.view(-1, *blocks.shape[2:]).index_copy_(0, slots, rows)
+
+    def writes_plain_row(self, plan: StepPlan, q_len: int, device: torch.device) -> bool:
+        """Whether this layer's `q_len` new tokens (on `device`) of the step under way can be written by `write_rows` together with
+        other caches' (a packed forward's later layers): an earlier layer planned the step, the plan's one row
+        stores every new token in full precision through the torch path, and it mirrors no other row."""
+        tables = self.tables
+        return (tables.plan is plan and plan is not None and plan.q_len == q_len
+                and self.seq_len + q_len == tables.length and len(plan.read_start) == 1 and not plan.mirrors
+                and plan.write_tokens is None and not self.is_quantized and not self.uses_kernels(device))  # fmt: skip
+
+    def write_rows(self, plans: list[StepPlan], key_states: torch.Tensor, value_states: torch.Tensor,
+                   memo: dict) -> None:  # fmt: skip
+        """Write the new tokens of the one-row `plans` (caches sharing this layer's storage, each `writes_plain_row`),
+        side by side in `key_states` / `value_states` `[1, kv_heads, tokens, d]` in the plans' order, with one copy
+        per storage tensor. `memo` keeps the joined slots for the other layers of the group in the same forward."""
+        self._fit_pool()
+        key = ("write_rows", tuple(map(id, plans)), self.device)
+        if key not in memo:
+            memo[key] = torch.cat([plan.tensor("write_slots", self.device) for plan in plans])
+        self._store(memo[key], key_states, value_states)
 
     # ------------------------------------------------------------------ reading
     def row_kv(self, plan: StepPlan, row: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,6 +279,36 @@ class PagedLayer(CacheLayerMixin):
             return [blocks.view(-1, *blocks.shape[2:]).index_select(0, slots).transpose(0, 1)]
         flat = _heads_first(blocks)
         return [flat[:, slot : slot + count] for _column, slot, count in runs]
+
+    def reads_plain_row(self, plan: StepPlan) -> bool:
+        """Whether the torch path reads `plan`'s one row as its stored range of full-precision blocks (no kernels, no
+        compaction, no quantized history), so `gather_rows` can read it together with other plans' rows."""
+        return (len(plan.read_start) == 1 and not self.is_quantized and not plan.tables.compacted
+                and not self.uses_kernels() and plan.read_stop[0] > plan.read_start[0])  # fmt: skip
+
+    def gather_rows(self, plans: list[StepPlan], memo: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stored ranges of the one-row `plans` (sequences whose caches share this layer's storage), copied once
+        into one batch: K/V `[len(plans), kv_heads, longest, d]` and the boolean mask `[len(plans), 1, 1, longest]`
+        of their stored tokens (the rest read the null block). `memo` keeps the slot indices for the other layers
+        of the plans' group in the same forward."""
+
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            lengths = [plan.read_stop[0] - plan.read_start[0] for plan in plans]
+            longest = max(lengths)
+            slots = torch.zeros(len(plans), longest, dtype=torch.long)  # slot 0: the null block's first
+            for index, (plan, length) in enumerate(zip(plans, lengths)):
+                slots[index, :length] = plan.slots(0, plan.read_start[0], length)
+            mask = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
+            return slots.flatten().to(self.device), mask[:, None, None, :].to(self.device)
+
+        key = ("gather_rows", tuple(map(id, plans)), self.device)
+        if key not in memo:
+            memo[key] = build()
+        slots, mask = memo[key]
+        rows, longest = mask.shape[0], mask.shape[-1]
+        keys, values = (_heads_first(blocks).index_select(1, slots).unflatten(1, (rows, longest)).transpose(0, 1)
+                        for blocks in (self.key_blocks, self.value_blocks))  # fmt: skip
+        return keys, values, mask
 
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V at the given slots (any shape `S`), as `[*S[:-1], kv_heads, S[-1], head_dim]`."""

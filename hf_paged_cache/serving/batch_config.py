@@ -67,6 +67,9 @@ class BatchConfig:
             of the ids below a pool's highest block in use free; None: only when `compact()` is called.
         scheduler: the order running requests get a step's tokens in (a `Scheduler`, or its name):
             `"decode_first"` (`DecodeFirst`, decode tokens first, by victim priority) or `"fifo"` (`FIFO`).
+        compile: run the packed forwards with the decoder layers' feed-forward blocks and norms compiled
+            (`torch.compile`, dynamic shapes; `compiled.py`): faster steps after a compile on the first ones. Fused
+            kernels round differently in the last bits, so a greedy token may, rarely, differ from eager `generate`.
     """
 
     max_batch_tokens: int = 512
@@ -83,13 +86,14 @@ class BatchConfig:
     size_weight: float = 1.0
     compact_threshold: float | None = None
     scheduler: str | Scheduler = "decode_first"
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive int, got {value!r}")
-        for name in ("prefix_caching", "progress"):
+        for name in ("prefix_caching", "progress", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}")
         for name, table, base in (("preemption", PREEMPTIONS, Preemption), ("victim_policy", VICTIM_POLICIES,

@@ -19,8 +19,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache import PagedCache
 from ..attention.contract import PAGED_KV_KWARG
-from ..layers.handle import PackedPagedKV
+from ..layers.handle import PackedPagedKV, PagedKV
 from ..attention.paged_states import paged_only
+from .compiled import CompiledModules
 from .recurrent import PerRequestLayers
 
 
@@ -61,6 +62,7 @@ class PackedCache(Cache):
         self.caches = caches
         self.spans = spans
         self.positions = positions
+        self.memo: dict = {}  # what the forward's layers share (read indices of a group's decode tokens)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         attention_kwargs = kwargs.get("kwargs")
@@ -71,17 +73,33 @@ class PackedCache(Cache):
             )
         positions = attention_kwargs.get("position_ids")
         positions = self.positions if positions is None else positions
-        parts, histories = [], []
-        for cache, (start, stop) in zip(self.caches, self.spans):
-            own = {} if positions is None else {"position_ids": positions[..., start:stop]}
-            histories.append(cache.update(key_states[:, :, start:stop], value_states[:, :, start:stop], layer_idx,
-                                          kwargs=own))  # fmt: skip
-            parts.append((start, stop, own[PAGED_KV_KWARG]))
-        packed = attention_kwargs[PAGED_KV_KWARG] = PackedPagedKV(parts)
+        parts, histories = self._write_together(key_states, value_states, layer_idx), []
+        if parts is None:
+            parts = []
+            for cache, (start, stop) in zip(self.caches, self.spans):
+                own = {} if positions is None else {"position_ids": positions[..., start:stop]}
+                histories.append(cache.update(key_states[:, :, start:stop], value_states[:, :, start:stop], layer_idx,
+                                              kwargs=own))  # fmt: skip
+                parts.append((start, stop, own[PAGED_KV_KWARG]))
+        packed = attention_kwargs[PAGED_KV_KWARG] = PackedPagedKV(parts, self.memo)
         if packed.gathered:  # a model that caches latents expands every sequence's gathered history into K/V
             return tuple(torch.cat(states, dim=2) for states in zip(*histories))
         reader = packed.reader()  # for a later layer that reuses these states (a KV-shared layer)
         return paged_only(key_states, reader), paged_only(value_states, reader)
+
+    def _write_together(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                        layer_idx: int) -> list[tuple[int, int, PagedKV]] | None:  # fmt: skip
+        """A later layer of the step (an earlier one planned every cache's step): every sequence's new K/V written in
+        one copy, and each sequence's handle; None when a cache needs its own `update` (planning, eviction, sealing,
+        mirrors, the kernels) or the caches do not share the layer's storage."""
+        plans = [cache.planned_row(layer_idx, stop - start, key_states.device) for cache, (start, stop) in zip(self.caches, self.spans)]
+        layers = [cache.layers[layer_idx] for cache in self.caches]
+        if any(plan is None for plan in plans) or any(layer.storage is not layers[0].storage for layer in layers):
+            return None
+        parts = [(start, stop, cache.take_step(layer_idx, plan, key_states, value_states))
+                 for cache, (start, stop), plan in zip(self.caches, self.spans, plans)]  # fmt: skip
+        layers[0].write_rows(plans, key_states, value_states, self.memo)
+        return parts
 
 
 def layer_sliding(cache: PagedCache) -> list[bool]:
@@ -90,10 +108,10 @@ def layer_sliding(cache: PagedCache) -> list[bool]:
 
 
 def packed_logits(model, chunks: list[tuple[PagedCache, list[int], int]], sliding: list[bool],
-                  per_request: PerRequestLayers | None = None) -> torch.Tensor:  # fmt: skip
+                  per_request: PerRequestLayers | None = None, compiled: CompiledModules | None = None) -> torch.Tensor:
     """One forward of every chunk (its cache, its tokens, the position of the first) packed into one row; the
     logits of each chunk's last token, one row per chunk (`sliding`: which layers are sliding-window;
-    `per_request`: the layers that run once per chunk, recurrent ones)."""
+    `per_request`: the layers that run once per chunk, recurrent ones; `compiled`: modules run compiled)."""
     tokens, positions, spans, keep = [], [], [], []
     for _cache, chunk, start in chunks:
         spans.append((len(tokens), len(tokens) + len(chunk)))
@@ -102,6 +120,10 @@ def packed_logits(model, chunks: list[tuple[PagedCache, list[int], int]], slidin
         positions += range(start, start + len(chunk))
     ids, position_ids = torch.tensor([tokens], device=model.device), torch.tensor([positions], device=model.device)
     caches = [chunk[0] for chunk in chunks]
-    with per_request.split(caches, spans) if per_request is not None else contextlib.nullcontext():
+    with contextlib.ExitStack() as patches:
+        if per_request is not None:
+            patches.enter_context(per_request.split(caches, spans))
+        if compiled is not None:
+            patches.enter_context(compiled.active())
         return model(input_ids=ids, position_ids=position_ids, cache=PackedCache(caches, spans, sliding, position_ids),
                      use_cache=True, logits_to_keep=torch.tensor(keep, device=ids.device)).logits[0]  # fmt: skip
