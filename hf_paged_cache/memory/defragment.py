@@ -74,6 +74,11 @@ def fragmentation(template: PagedCache) -> dict[str, Fragmentation]:
     return result
 
 
+def largest_hole_share(template: PagedCache) -> float:
+    """The largest `Fragmentation.hole_share` among the pools of the family of `template` (0 without pools)."""
+    return max((f.hole_share for f in fragmentation(template).values()), default=0.0)
+
+
 @torch.no_grad()
 def defragment(template: PagedCache, holders: Sequence[Holder] = (), keep_free: int | None = None) -> None:
     """Pack the blocks in use of every pool of `template`'s family to ids 1..n (see the module docstring), also

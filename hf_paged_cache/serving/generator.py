@@ -35,12 +35,12 @@ from ..blocks.pool import BlockPool
 from ..cache import PagedCache
 from ..config import PagedCacheConfig
 from ..errors import UnsupportedAttentionError
-from ..memory.defragment import Fragmentation, defragment, fragmentation
+from ..memory.defragment import Fragmentation, defragment, fragmentation, largest_hole_share
 from ..paged_attention import ATTENTION_NAME, check_model_features
 from .batch_config import BatchConfig, pools_up_front, split_options
 from .metrics import BatchMetrics, ServingCounters
 from .compiled import CompiledModules
-from .packed_cache import layer_sliding, packed_logits
+from .packed_cache import check_packable, layer_sliding, packed_logits
 from .preemption import RECOMPUTE, SWAP
 from .prefix_cache import PrefixCache
 from .recurrent import PerRequestLayers
@@ -72,7 +72,7 @@ class BatchGenerator:
         check_model_features(model.config)  # the packed forward always runs the "paged" attention
         self.template = PagedCache(model.config, pools_up_front(PagedCacheConfig(**cache_options), model,
                                                                 self.config.max_num_seqs))  # fmt: skip
-        _check_model(self.template)
+        check_packable(self.template)
         self.room = BlockRoom(self.template, self.config.swap_threshold)
         self.sliding = layer_sliding(self.template)
         self.per_request = PerRequestLayers.of(model, self.template)  # recurrent layers: one call per request
@@ -177,10 +177,10 @@ class BatchGenerator:
             self._forward(batch)
             self.counters.forward_seconds += time.perf_counter() - started
             self.counters.forward_tokens += sum(q for _, q in batch)
-        holes = _largest_hole_share(self.template)
+        holes = largest_hole_share(self.template)
         if self.config.compact_threshold is not None and holes > self.config.compact_threshold:
             self.compact()
-            holes = _largest_hole_share(self.template)
+            holes = largest_hole_share(self.template)
         self._record(sum(q for _, q in batch), holes)
 
     def _schedule(self) -> tuple[Batch, dict[BlockPool, int]]:
@@ -445,17 +445,3 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]],
         generator.add_request(prompt)
     return generator.run()
 
-
-def _check_model(template: PagedCache) -> None:
-    """Layers the packed forward can serve: stored in blocks (full, sliding or chunked), or run per request."""
-    for index, (layer, layer_type) in enumerate(zip(template.layers, template.layer_types)):
-        kind = layer_type.packing_refusal(layer)
-        if kind is not None:
-            raise ValueError(
-                f"Layer {index} is {kind}: the batch generator serves models whose layers are full, sliding-window "
-                "or chunked attention, or recurrent; use `model.generate` with a `PagedCache` for this model"
-            )
-
-
-def _largest_hole_share(template: PagedCache) -> float:
-    return max((f.hole_share for f in fragmentation(template).values()), default=0.0)

@@ -102,6 +102,18 @@ class PackedCache(Cache):
         return parts
 
 
+def check_packable(template: PagedCache) -> None:
+    """Refuse a model whose layers the packed forward cannot serve: it serves layers stored in blocks (full, sliding
+    or chunked attention) and layers run per request."""
+    for index, (layer, layer_type) in enumerate(zip(template.layers, template.layer_types)):
+        kind = layer_type.packing_refusal(layer)
+        if kind is not None:
+            raise ValueError(
+                f"Layer {index} is {kind}: the batch generator serves models whose layers are full, sliding-window "
+                "or chunked attention, or recurrent; use `model.generate` with a `PagedCache` for this model"
+            )
+
+
 def layer_sliding(cache: PagedCache) -> list[bool]:
     """transformers' `is_sliding` of each layer of `cache` (False for a layer that holds recurrent state only)."""
     return [isinstance(layer, CacheLayerMixin) and layer.is_sliding for layer in cache.layers]
