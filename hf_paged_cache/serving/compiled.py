@@ -10,12 +10,11 @@ in for the packed forwards alone, so the user's model runs as before everywhere 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import torch
 
-from .recurrent import decoder_layers
+from .recurrent import decoder_layers, swapped_forwards
 
 
 def maps_one_tensor(module: torch.nn.Module) -> bool:
@@ -44,17 +43,6 @@ class CompiledModules:
             )
         self.compiled = [torch.compile(module.forward, dynamic=True) for module in self.modules]
 
-    @contextmanager
-    def active(self) -> Iterator[None]:
+    def active(self) -> AbstractContextManager[None]:
         """Within the block, the modules run their compiled forwards."""
-        saved = [module.__dict__.get("forward") for module in self.modules]  # an accelerate hook sets its own
-        try:
-            for module, compiled in zip(self.modules, self.compiled):
-                module.forward = compiled
-            yield
-        finally:
-            for module, forward in zip(self.modules, saved):
-                if forward is None:
-                    del module.forward
-                else:
-                    module.forward = forward
+        return swapped_forwards(self.modules, self.compiled)

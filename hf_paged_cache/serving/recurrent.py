@@ -10,7 +10,7 @@ empty before its first chunk), and the outputs are concatenated back in order.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
@@ -47,20 +47,26 @@ class PerRequestLayers:
             )
         return cls(model, indices, len(template.layers))
 
-    @contextmanager
-    def split(self, caches: list[PagedCache], spans: list[tuple[int, int]]) -> Iterator[None]:
+    def split(self, caches: list[PagedCache], spans: list[tuple[int, int]]) -> AbstractContextManager[None]:
         """Within the block, the layers run per request (`caches[i]` takes tokens `spans[i]`)."""
-        saved = [module.__dict__.get("forward") for module in self.layers]  # an accelerate hook sets its own
-        try:
-            for module in self.layers:
-                module.forward = _per_request(module, module.forward, caches, spans)
-            yield
-        finally:
-            for module, forward in zip(self.layers, saved):
-                if forward is None:
-                    del module.forward
-                else:
-                    module.forward = forward
+        return swapped_forwards(self.layers, [_per_request(module, module.forward, caches, spans)
+                                              for module in self.layers])  # fmt: skip
+
+
+@contextmanager
+def swapped_forwards(modules: list[torch.nn.Module], forwards: list) -> Iterator[None]:
+    """Within the block, `modules[i]` runs `forwards[i]`; after it, each runs what it ran before."""
+    saved = [module.__dict__.get("forward") for module in modules]  # an accelerate hook sets its own
+    try:
+        for module, forward in zip(modules, forwards):
+            module.forward = forward
+        yield
+    finally:
+        for module, forward in zip(modules, saved):
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
 
 
 def _per_request(module: torch.nn.Module, forward, caches: list[PagedCache], spans: list[tuple[int, int]]):
