@@ -17,6 +17,8 @@ naming it. A format is named by the registry (`registry.register_format`), which
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -202,16 +204,22 @@ class QuantFormat:
         if dtype != torch.float32 or (self.rotate and not rotated):
             raise ValueError(f"dequantize(out=...) decodes float32 codes as stored: pass dtype=torch.float32"
                              f"{' and rotated=True' if self.rotate else ''}, got dtype={dtype}, rotated={rotated}")
-        decoded = self._decode(parts, out)
+        decoded = self._decode(parts, out) if _decodes_into(type(self)) else self._decode(parts)
         return decoded if decoded is out else out.copy_(decoded)
 
     def _encode(self, x: Tensor) -> dict[str, Tensor]:
         raise NotImplementedError
 
     def _decode(self, fields: dict[str, Tensor], out: Tensor | None = None) -> Tensor:
-        """The fields of n blocks as float32 `[n, block_size, kv_heads, head_dim]`, written into `out` if given
-        (a format may ignore it: `dequantize` then copies)."""
+        """The fields of n blocks as float32 `[n, block_size, kv_heads, head_dim]`, written into `out` if given (a
+        format may ignore it or leave the parameter out: `dequantize` then copies)."""
         raise NotImplementedError
+
+
+@functools.lru_cache(maxsize=None)
+def _decodes_into(cls: type) -> bool:
+    """Whether a format class's `_decode` takes an `out` buffer (a format written before it could does not)."""
+    return "out" in inspect.signature(cls._decode).parameters
 
 
 @dataclass(frozen=True)

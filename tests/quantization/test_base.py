@@ -206,3 +206,18 @@ def test_dequantize_into_a_view_of_a_larger_buffer_writes_what_it_returns(fmt):
     if fmt.rotate:
         with pytest.raises(ValueError, match="rotated=True"):
             fmt.dequantize(pool, slice(1, 4), torch.float32, out=target)
+
+
+def test_a_format_whose_decode_takes_no_buffer_is_copied_into_one():
+    """A format written before `out=` existed (`_decode(fields)`) still decodes into a reader's buffer."""
+
+    class Plain(Int8):
+        def _decode(self, fields):
+            return super()._decode(fields)
+
+    fmt = Plain()
+    pool = fmt.allocate(3, 4, 2, 8)
+    fmt.quantize(torch.randn(2, 4, 2, 8, generator=torch.Generator().manual_seed(0)), pool, [1, 2])
+    target = torch.empty(2, 4, 2, 8)
+    assert fmt.dequantize(pool, [1, 2], out=target) is target
+    assert torch.equal(target, Int8().dequantize(pool, [1, 2]))
