@@ -14,6 +14,10 @@ Workloads (greedy, prompts cut from a public-domain text at different offsets):
   with LRU victims, swap with the weighted score, recompute-only, auto, and swap with fp8 host copies.
 - capacity: KV bytes per running request with the model's dtype and with int4 blocks (measured at the
   last step with the most requests running), so the requests that fit in one pool compare.
+- quant (issue 25; not run by default): the mixed prompts through the batch generator unquantized and with each
+  --quant format (--residual-length, default the library's), alternating, --quant-repeats times: tokens/s, the ratio to the
+  unquantized run of the same round, KV bytes per running request at the peak (so the requests one pool holds
+  compare) and whether each round's outputs equal the first round's.
 
 vLLM's CPU engine as a peer (issue 25) runs in its own venv, on prompts written here as token ids:
 `--write-prompts FILE` writes the mixed and shared prompts and exits; eval/vllm_cpu.py generates from them;
@@ -23,6 +27,7 @@ vLLM's CPU engine as a peer (issue 25) runs in its own venv, on prompts written 
     python eval/serving.py --model tiny-llama --requests 6 --min-len 20 --max-len 60 --new-tokens 4 --shared-requests 3
     python eval/serving.py --workloads pressure --skip-hf    # memory pressure at 25% of the demand
     python eval/serving.py --write-prompts eval/results/serving_prompts.json  # for eval/vllm_cpu.py
+    python eval/serving.py --workloads quant --requests 12 --max-len 800 --new-tokens 24 --quant int4 int8
 """
 
 from __future__ import annotations
@@ -257,28 +262,54 @@ def pressure(model, tokens, args) -> list[dict]:
     return rows
 
 
+def run_with_peak(model, prompts, args, **options) -> tuple[list[list[int]], dict]:
+    """One batch generator run over `prompts`: (outputs, a row of seconds, tokens/s and the KV bytes per running
+    request at the last step with the most requests running; quantized prompts are sealed by then, since a
+    quantized prompt is held in full precision until the step after its prefill)."""
+    generator = BatchGenerator(model, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None,
+                               block_size=16, prefix_caching=False, **options)  # fmt: skip
+    for prompt in prompts:
+        generator.add_request(prompt)
+    start = time.perf_counter()
+    outputs = [o.generated_tokens for o in generator.run()]
+    seconds = time.perf_counter() - start
+    peak = max(generator.history, key=lambda m: (m.running, m.step))
+    return outputs, {"seconds": seconds, "tokens_per_s": sum(map(len, outputs)) / seconds,
+                     "kv_bytes_per_request": peak.kv_bytes / peak.running, "peak_running": peak.running}  # fmt: skip
+
+
 def capacity(model, tokens, args) -> list[dict]:
     prompts = [tokens[i * 991 : i * 991 + args.capacity_len] for i in range(args.capacity_requests)]
     rows = []
     for label, options in (("model dtype", {}), ("int4", {"quant": "int4", "residual_length": 0})):
-        generator = BatchGenerator(model, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None,
-                                   block_size=16, max_num_seqs=args.capacity_requests, prefix_caching=False,
-                                   **options)  # fmt: skip
-        for prompt in prompts:
-            generator.add_request(prompt)
-        start = time.perf_counter()
-        outputs = generator.run()
-        seconds = time.perf_counter() - start
-        # The last step with the most requests running: prompts are sealed by then (a quantized prompt is
-        # held in full precision until the step after its prefill).
-        peak = max(generator.history, key=lambda m: (m.running, m.step))
-        per_request = peak.kv_bytes / peak.running
-        rows.append({"system": label, "kv_bytes_per_request": per_request, "peak_running": peak.running,
-                     "tokens_per_s": sum(len(o.generated_tokens) for o in outputs) / seconds})  # fmt: skip
+        _outputs, row = run_with_peak(model, prompts, args, max_num_seqs=args.capacity_requests, **options)
+        rows.append({"system": label, **{key: row[key] for key in ("kv_bytes_per_request", "peak_running", "tokens_per_s")}})
         print(rows[-1], flush=True)
     rows.append({"system": "int4 requests per pool vs model dtype",
                  "ratio": rows[0]["kv_bytes_per_request"] / rows[1]["kv_bytes_per_request"]})  # fmt: skip
     print(rows[-1], flush=True)
+    return rows
+
+
+def quant(model, tokens, args) -> list[dict]:
+    """The mixed prompts unquantized and with each --quant format, alternating round by round (so a machine's load
+    drifting over the run touches every system alike)."""
+    prompts = mixed_prompts(tokens, args)
+    options = {"max_batch_tokens": args.max_batch_tokens, "max_num_seqs": args.max_num_seqs}
+    residual = {} if args.residual_length is None else {"residual_length": args.residual_length}
+    rows, first = [], {}
+    for round_ in range(args.quant_repeats):
+        base = None
+        for spec in ("none", *args.quant):
+            quantized = {} if spec == "none" else {"quant": spec, **residual}
+            outputs, row = run_with_peak(model, prompts, args, **options, **quantized)
+            first.setdefault(spec, outputs)
+            base = base or row
+            row = {"system": spec, "round": round_, **row, "identical_to_first_round": outputs == first[spec],
+                   "vs_unquantized": row["tokens_per_s"] / base["tokens_per_s"],
+                   "requests_per_pool_vs_unquantized": base["kv_bytes_per_request"] / row["kv_bytes_per_request"]}  # fmt: skip
+            print(row, flush=True)
+            rows.append(row)
     return rows
 
 
@@ -299,6 +330,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--pressure", type=float, default=0.25, help="pool size as a share of the total demand")
     parser.add_argument("--capacity-requests", type=int, default=16)
     parser.add_argument("--capacity-len", type=int, default=1000)
+    parser.add_argument("--quant", nargs="+", default=["int4", "int8"], help="formats of the quant workload")
+    parser.add_argument("--quant-repeats", type=int, default=2, help="rounds of the quant workload")
+    parser.add_argument("--residual-length", type=int, help="the quant workload's residual window (default: the library's)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compile", action="store_true",
                         help="our generator with BatchConfig(compile=True), compiled in a warm-up before the workloads")
@@ -323,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
         results["compile_seconds"] = compile_warm_up(model, tokens)
         print({"compile_seconds": results["compile_seconds"]}, flush=True)
     for workload in args.workloads:
-        run = {"mixed": mixed, "shared": shared, "capacity": capacity, "pressure": pressure}[workload]
+        run = {"mixed": mixed, "shared": shared, "capacity": capacity, "pressure": pressure, "quant": quant}[workload]
         results[workload] = run(model, tokens, args)
     common.write_json(f"{args.out}.json", results)
     return results

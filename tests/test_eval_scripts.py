@@ -290,6 +290,22 @@ def test_serving_mixed_workload_compiled_tiny(tmp_path):
     assert ours["identical_to_one_by_one"] == 4 and ours["tokens_per_s"] > 0
 
 
+def test_serving_quant_workload_tiny(tmp_path):
+    """Unquantized, int4 and int8 alternate round by round; each repeats its own outputs, and the quantized runs
+    hold fewer KV bytes per running request (int4 fewest), so more requests fit one pool."""
+    out = tmp_path / "serving"
+    _run("serving.py", "--model", "tiny-llama", "--workloads", "quant", "--requests", "4", "--min-len", "40",
+         "--max-len", "80", "--new-tokens", "4", "--max-batch-tokens", "64", "--threads", "1", "--quant", "int4",
+         "int8", "--quant-repeats", "2", "--residual-length", "4", "--out", str(out))  # fmt: skip
+    rows = json.loads(out.with_suffix(".json").read_text())["quant"]
+    assert [(row["system"], row["round"]) for row in rows] == [(s, r) for r in (0, 1) for s in ("none", "int4", "int8")]
+    assert all(row["identical_to_first_round"] and row["tokens_per_s"] > 0 for row in rows)
+    none, int4, int8 = rows[:3]
+    assert none["kv_bytes_per_request"] > int8["kv_bytes_per_request"] > int4["kv_bytes_per_request"]
+    assert int4["requests_per_pool_vs_unquantized"] == none["kv_bytes_per_request"] / int4["kv_bytes_per_request"]
+    assert int4["vs_unquantized"] == int4["tokens_per_s"] / none["tokens_per_s"]
+
+
 def test_swap_overlap_tiny(tmp_path):
     out = tmp_path / "overlap"
     _run("swap_overlap.py", "--model", "tiny-llama", "--requests", "8", "--min-len", "20", "--max-len", "120",

@@ -14,7 +14,9 @@ import os
 import pytest
 import torch
 import transformers
-from tiny_models import MODELS, MODELS_BY_NAME, PAD_ID, VOCAB, feed_chunks, make_model, padded_batch, tiny_config
+from tiny_models import (
+    MODELS, MODELS_BY_NAME, PAD_ID, VOCAB, feed_chunks, make_model, padded_batch, tiny_config, token_by_token,
+)
 
 from hf_paged_cache import OutOfBlocksError, PagedCache, PagedCacheConfig, estimate_kv_bytes
 from hf_paged_cache.blocks.sealing import QuantizedBlockTables
@@ -151,12 +153,7 @@ def test_paged_read_matches_gather_read():
     for attn in ("sdpa", "paged"):
         model.set_attn_implementation(attn)
         cache = PagedCache(model.config, block_size=BLOCK, quant="int4", residual_length=0)
-        with torch.no_grad():
-            logits.append(torch.cat([
-                model(input_ids=input_ids[:, i : i + 1], attention_mask=attention_mask[:, : i + 1],
-                      past_key_values=cache, use_cache=True).logits
-                for i in range(input_ids.shape[1])
-            ], dim=1))  # fmt: skip
+        logits.append(token_by_token(model, cache, input_ids, attention_mask))
         assert cache.metrics().quantized_tokens >= 2 * 76
     torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
 

@@ -276,6 +276,16 @@ def feed_chunks(model, cache, tokens, chunks):
     return torch.cat(logits, dim=1)
 
 
+def token_by_token(model, cache, input_ids, attention_mask) -> torch.Tensor:
+    """The logits of a (padded) batch fed one position at a time with its attention mask."""
+    with torch.no_grad():
+        return torch.cat([
+            model(input_ids=input_ids[:, i : i + 1], attention_mask=attention_mask[:, : i + 1], past_key_values=cache,
+                  use_cache=True).logits
+            for i in range(input_ids.shape[1])
+        ], dim=1)  # fmt: skip
+
+
 def padded_batch(pads: tuple[int, ...], length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Random prompts of `length` tokens, row `i` left-padded with `pads[i]` pad tokens, and their mask."""
     generator = torch.Generator().manual_seed(seed)

@@ -123,42 +123,65 @@ def visible_columns(row_mask: torch.Tensor, first: int, count: int) -> torch.Ten
 
 class OnlineSoftmax:
     """Attention of one row's queries `[heads, q, d]` over K/V chunks `[kv_heads, n, d]` (grouped heads),
-    merged with a running max, sum and accumulator (float32), so no chunk outlives its `update`; the
-    sinks (if any) join the sum once, in `result`. Fully masked queries give 0."""
+    merged by their log-sum-exp (float32), so no chunk outlives its `update`; the sinks (if any) join the
+    sum once, in `result`. Fully masked queries give 0.
+
+    A chunk is attended by the CPU flash kernel, which returns its log-sum-exp, where it can (CPU, no softcap,
+    keys and values of one width): one fused call instead of materialising the chunk's logits; elsewhere
+    through the shared grouped logits."""
 
     def __init__(self, query: torch.Tensor, scale: float, softcap: float | None, sinks: torch.Tensor | None = None):
         self.heads, self.q_len, _ = query.shape
         self.query, self.scale, self.softcap, self.sinks = query.float(), scale, softcap, sinks
-        self.max = self.total = self.acc = None
+        self.lse = self.out = None  # [kv_heads, g * q] and [kv_heads, g * q, d]: normalised over the chunks so far
 
-    def update(self, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> None:
+    def update(self, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None) -> None:
+        if keys.shape[1] == 0:
+            return
         kv_heads = keys.shape[0]
         group = self.heads // kv_heads
         query = self.query.reshape(kv_heads, group * self.q_len, -1)
-        logits = grouped_logits(query, keys.to(query.device), self.scale, self.softcap)
-        logits = logits.masked_fill(~group_visibility(visible.to(logits.device), group), float("-inf"))
-        chunk_max = logits.amax(-1, keepdim=True)
-        new_max = chunk_max if self.max is None else torch.maximum(self.max, chunk_max)
-        safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-        weights = torch.exp(logits - safe)
-        chunk = torch.matmul(weights, values.to(query.device).float())
-        if self.max is None:
-            self.total, self.acc = weights.sum(-1, keepdim=True), chunk
-        else:
-            decay = torch.exp(self.max - safe)
-            self.total = self.total * decay + weights.sum(-1, keepdim=True)
-            self.acc = self.acc * decay + chunk
-        self.max = new_max
+        keys, values = keys.to(query.device, torch.float32), values.to(query.device, torch.float32)
+        if visible is not None:  # None: every key of the chunk is visible
+            visible = visible.to(query.device)
+            visible = None if bool(visible.all()) else group_visibility(visible, group)
+        out, lse = _chunk_attention(query, keys, values, visible, self.scale, self.softcap)
+        if self.out is None:
+            self.out, self.lse = out, lse
+            return
+        total = torch.logaddexp(self.lse, lse)
+        safe = total.masked_fill(torch.isinf(total), 0.0)  # queries that saw nothing yet: both weights 0
+        self.out = self.out * torch.exp(self.lse - safe)[..., None] + out * torch.exp(lse - safe)[..., None]
+        self.lse = total
 
     def result(self) -> torch.Tensor:
-        total, acc = self.total, self.acc
-        if self.sinks is not None:  # a logit with no value: merged like a chunk whose values are 0
-            sink = grouped_sinks(self.sinks.to(acc.device), acc.shape[0], self.q_len)
-            new_max = torch.maximum(self.max, sink)
-            decay = torch.exp(self.max - new_max)
-            total, acc = total * decay + torch.exp(sink - new_max), acc * decay
-        out = torch.where(total > 0, acc / total.clamp(min=1e-30), torch.zeros_like(acc))
+        out = self.out
+        if self.sinks is not None:  # a logit with no value: it only adds to the denominator
+            sink = grouped_sinks(self.sinks.to(out.device), out.shape[0], self.q_len)[..., 0]
+            out = out * torch.exp(self.lse - torch.logaddexp(self.lse, sink))[..., None]
         return out.reshape(self.heads, self.q_len, -1)
+
+
+def _chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
+                     scale: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Grouped float32 `query` `[kv_heads, gq, d]` over one chunk, `visible` `[1, gq, n]` (None: every key):
+    (the softmax-weighted values `[kv_heads, gq, dv]`, the log-sum-exp of the visible logits `[kv_heads, gq]`,
+    -inf where none is)."""
+    if softcap is None and query.device.type == "cpu" and keys.shape[-1] == values.shape[-1]:
+        mask = None if visible is None else torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[None]
+        out, lse = _FLASH_CPU(query[None], keys[None], values[None], attn_mask=mask, scale=scale)
+        if visible is not None:  # the kernel gives a query that sees nothing a log-sum-exp of 0
+            lse = lse.masked_fill(~visible.any(-1)[None], float("-inf"))
+        return out[0], lse[0]
+    logits = grouped_logits(query, keys, scale, softcap)
+    if visible is not None:
+        logits = logits.masked_fill_(~visible, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    weights = torch.exp(logits - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
+    return torch.matmul(weights, values), lse
+
+
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (out, log-sum-exp): chunks merge exactly
 
 
 def attention_mass(

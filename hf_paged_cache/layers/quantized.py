@@ -274,7 +274,7 @@ class QuantizedLayer(PagedLayer):
         if not self._reads_quantized(plan) and not any(plan.transition):
             return super().attend(query, plan, mask, scale, softcap, sinks)
         width = plan.new_len - plan.kv_offset
-        if mask is None:
+        if mask is None and (q_len > 1 or plan.kv_offset):  # one query, no mask, nothing cut: it sees every key
             mask = causal_mask(q_len, width, query.device)
         key_format, value_format = self.kv_format.key, self.kv_format.value
         out = []
@@ -283,25 +283,59 @@ class QuantizedLayer(PagedLayer):
             transition = self._transition_kv(plan, row) if plan.transition[row] else None
             tiles = []
             for q0 in range(0, q_len, QUERY_TILE):  # bounded transients (logits of a tile x a chunk) for long steps
-                row_mask = mask[row if mask.shape[0] > 1 else 0, 0, q0 : q0 + QUERY_TILE]
+                row_mask = None if mask is None else mask[row if mask.shape[0] > 1 else 0, 0, q0 : q0 + QUERY_TILE]
                 softmax = OnlineSoftmax(row_query[:, q0 : q0 + QUERY_TILE], scale, softcap, sinks)
                 if transition is not None:
                     row_mask = self._attend_transition(softmax, plan, transition, row_mask, q0)
-                for blocks, first in self._quantized_chunks(plan, row):
-                    keys, values = self._dequantized(blocks, torch.float32, rotated=True)
-                    softmax.update(keys, values, visible_columns(row_mask, first - plan.kv_offset, keys.shape[1]))
-                start, stop = plan.read_start[row], plan.read_stop[row]
-                if stop > start:
-                    keys, values = (part.float() for part in self.row_kv(plan, row))
-                    keys, values = key_format.code_space(keys), value_format.code_space(values)
-                    first = plan.base[row] + start - plan.kv_offset
-                    softmax.update(keys, values, row_mask[:, first : first + stop - start])
+                for keys, values, first in self._read_parts(plan, row):
+                    visible = None if row_mask is None else visible_columns(row_mask, first - plan.kv_offset, keys.shape[1])
+                    softmax.update(keys, values, visible)
                 tiles.append(softmax.result())
             result = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
             out.append(value_format.code_space(result))
         if not self.read_by_others:  # the transient copy is not needed again this step
             self._arrived = {}
-        return torch.stack(out).to(query.dtype)
+        return (out[0][None] if batch == 1 else torch.stack(out)).to(query.dtype)
+
+    def _read_parts(self, plan: StepPlan, row: int):
+        """The row's read as float32 `(keys, values, first position)` parts in the code space, `[kv_heads, n, d]`:
+        its quantized chunks decoded (at most `CHUNK_TOKENS` tokens each) and its full-precision suffix. A suffix
+        that continues the last chunk is copied into the end of that chunk's buffer, so the two are attended
+        in one call (the suffix is at most the residual window and a block)."""
+        chunks = self._quantized_chunks(plan, row)
+        start, stop = plan.read_start[row], plan.read_stop[row]
+        suffix_first = plan.base[row] + start
+        for index, (blocks, first) in enumerate(chunks):
+            tokens = (blocks.stop - blocks.start) * self.tables.block_size
+            joined = index == len(chunks) - 1 and stop > start and first + tokens == suffix_first
+            extra = stop - start if joined else 0
+            keys, values = self._decoded_buffer(blocks, tokens, extra)
+            if joined:
+                suffix_keys, suffix_values = self._suffix(plan, row)
+                keys[:, tokens:], values[:, tokens:] = suffix_keys, suffix_values
+                stop = start  # the suffix is read
+            yield keys, values, first
+        if stop > start:
+            keys, values = self._suffix(plan, row)
+            yield keys, values, suffix_first
+
+    def _decoded_buffer(self, blocks: slice, tokens: int, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantized blocks decoded (rotated sides as stored) into float32 `[kv_heads, tokens + extra, d]` K and V
+        buffers, whose last `extra` columns are left for the caller."""
+        bs, heads = self.tables.block_size, self.kv_shape[0]
+        out = []
+        for fmt, fields, dim in ((self.kv_format.key, self.qkey, self.kv_shape[1]),
+                                 (self.kv_format.value, self.qvalue, self.value_dim)):  # fmt: skip
+            buffer = torch.empty(heads, tokens + extra, dim, device=self.device)
+            target = buffer[:, :tokens].unflatten(1, (tokens // bs, bs)).permute(1, 2, 0, 3)
+            fmt.dequantize(fields, blocks, torch.float32, rotated=True, out=target)
+            out.append(buffer)
+        return out[0], out[1]
+
+    def _suffix(self, plan: StepPlan, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row's full-precision read range, float32 in the code space, `[kv_heads, n, d]`."""
+        keys, values = (part.float() for part in self.row_kv(plan, row))
+        return self.kv_format.key.code_space(keys), self.kv_format.value.code_space(values)
 
     def _transition_kv(self, plan: StepPlan, row: int) -> tuple[int, tuple, tuple]:
         """The row's transition blocks both ways, once per step: their first position, their full-precision K/V

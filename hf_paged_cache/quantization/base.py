@@ -17,6 +17,8 @@ naming it. A format is named by the registry (`registry.register_format`), which
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,10 +40,12 @@ def as_ids(ids: BlockIds, device: torch.device) -> Tensor:
     return torch.as_tensor(ids, dtype=torch.long, device=device).reshape(-1)
 
 
-def head_major_float(codes: Tensor, head_dim: int) -> Tensor:
+def head_major_float(codes: Tensor, head_dim: int, out: Tensor | None = None) -> Tensor:
     """An uninitialised float32 `[n, block, heads, head_dim]` laid out head-major in memory (a permuted
     view of `[heads, n, block, head_dim]`), so that each head's decoded tokens are contiguous for the
-    attention matmuls that read them."""
+    attention matmuls that read them; `out` (a caller's buffer of that shape) if given."""
+    if out is not None:
+        return out
     n, block, heads = codes.shape[:3]
     return torch.empty((heads, n, block, head_dim), dtype=torch.float32, device=codes.device).permute(1, 2, 0, 3)
 
@@ -182,20 +186,40 @@ class QuantFormat:
         blocks: BlockIds | slice,
         dtype: torch.dtype = torch.float32,
         rotated: bool = False,
+        out: Tensor | None = None,
     ) -> Tensor:
         """Blocks `blocks` (ids, or a slice of consecutive ids) of the pool `fields`, decoded:
         `[number of blocks, block_size, kv_heads, head_dim]`. A rotated format's vectors are rotated back,
-        unless `rotated` (a reader that rotates its queries and outputs instead takes them as stored)."""
+        unless `rotated` (a reader that rotates its queries and outputs instead takes them as stored).
+
+        `out`: a float32 tensor of that shape (e.g. a view of a reader's larger buffer) to decode into, so a
+        reader that attends over decoded blocks and more tokens at once copies nothing; needs float32 and, for a
+        rotating format, `rotated`."""
         if not isinstance(blocks, slice):  # a slice reads views of the pool; ids gather copies
             blocks = as_ids(blocks, next(iter(fields.values())).device)
-        decoded = self._decode({name: tensor[blocks] for name, tensor in fields.items()})
-        return (decoded if rotated else self.code_space(decoded)).to(dtype)
+        parts = {name: tensor[blocks] for name, tensor in fields.items()}
+        if out is None:
+            decoded = self._decode(parts)
+            return (decoded if rotated else self.code_space(decoded)).to(dtype)
+        if dtype != torch.float32 or (self.rotate and not rotated):
+            raise ValueError(f"dequantize(out=...) decodes float32 codes as stored: pass dtype=torch.float32"
+                             f"{' and rotated=True' if self.rotate else ''}, got dtype={dtype}, rotated={rotated}")
+        decoded = self._decode(parts, out) if _decodes_into(type(self)) else self._decode(parts)
+        return decoded if decoded is out else out.copy_(decoded)
 
     def _encode(self, x: Tensor) -> dict[str, Tensor]:
         raise NotImplementedError
 
-    def _decode(self, fields: dict[str, Tensor]) -> Tensor:
+    def _decode(self, fields: dict[str, Tensor], out: Tensor | None = None) -> Tensor:
+        """The fields of n blocks as float32 `[n, block_size, kv_heads, head_dim]`, written into `out` if given (a
+        format may ignore it or leave the parameter out: `dequantize` then copies)."""
         raise NotImplementedError
+
+
+@functools.lru_cache(maxsize=None)
+def _decodes_into(cls: type) -> bool:
+    """Whether a format class's `_decode` takes an `out` buffer (a format written before it could does not)."""
+    return "out" in inspect.signature(cls._decode).parameters
 
 
 @dataclass(frozen=True)

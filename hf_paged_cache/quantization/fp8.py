@@ -77,11 +77,11 @@ class FP8(QuantFormat):
         scale = scale.squeeze(-1) if self.granularity == "token" else scale.squeeze(-1).squeeze(1)
         return {"codes": codes, "scale": scale}
 
-    def _decode(self, fields: dict[str, Tensor]) -> Tensor:
+    def _decode(self, fields: dict[str, Tensor], out: Tensor | None = None) -> Tensor:
         scale = fields["scale"].float()
         scale = scale.unsqueeze(-1) if self.granularity == "token" else scale[:, None, :, None]
         codes = fields["codes"].view(self.fp8_dtype)
-        return head_major_float(codes, codes.shape[-1]).copy_(codes).mul_(scale)
+        return head_major_float(codes, codes.shape[-1], out).copy_(codes).mul_(scale)
 
 
 register_format("fp8", FP8)

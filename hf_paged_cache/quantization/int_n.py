@@ -52,9 +52,9 @@ class Int8(QuantFormat):
         codes = torch.round(x / nonzero(scale)).clamp_(-self.QMAX, self.QMAX).to(torch.int8)
         return {"codes": codes, "scale": scale.squeeze(-1)}
 
-    def _decode(self, fields: dict[str, Tensor]) -> Tensor:
+    def _decode(self, fields: dict[str, Tensor], out: Tensor | None = None) -> Tensor:
         codes = fields["codes"]
-        out = head_major_float(codes, codes.shape[-1]).copy_(codes)
+        out = head_major_float(codes, codes.shape[-1], out).copy_(codes)
         return out.mul_(fields["scale"].float().unsqueeze(-1))
 
 
@@ -200,9 +200,9 @@ class IntN(QuantFormat):
             scale = torch.cat([scale, scale.new_zeros(*scale.shape[:-1], 1)], -1)
         return {"codes": pack_codes(codes.flatten(-2), self.bits), "scale": scale, "zero": zero}
 
-    def _decode(self, fields: dict[str, Tensor]) -> Tensor:
+    def _decode(self, fields: dict[str, Tensor], out: Tensor | None = None) -> Tensor:
         packed = fields["codes"]
-        codes = unpack_codes(packed, self.bits, head_major_float(packed, packed.shape[-1] * 8 // self.bits))
+        codes = unpack_codes(packed, self.bits, head_major_float(packed, packed.shape[-1] * 8 // self.bits, out))
         scale, zero = fields["scale"], fields["zero"]  # [n, (block,) heads, groups]
         if self.scale_bits == 8:  # steps x unit, the unit after the zero points
             scale, zero = scale[..., :-1].float() * zero[..., -1:].float(), zero[..., :-1]

@@ -33,5 +33,8 @@ def unpack_codes(packed: Tensor, bits: int, out: Tensor | None = None) -> Tensor
         out = packed.new_empty((*packed.shape[:-1], m * per_byte))
     mask = (1 << bits) - 1
     for k in range(per_byte):
-        out[..., k * m : (k + 1) * m] = (packed >> (k * bits)) & mask if k else packed & mask
+        if k == per_byte - 1:  # the top plane needs no mask
+            out[..., k * m :] = packed >> (k * bits)
+        else:
+            out[..., k * m : (k + 1) * m] = (packed >> (k * bits)) & mask if k else packed & mask
     return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import VOCAB, feed_chunks, shared_model
+from tiny_models import VOCAB, feed_chunks, padded_batch, shared_model, token_by_token
 
 from hf_paged_cache import PagedCache
 from hf_paged_cache.layers import quantized as quantized_layers
@@ -68,3 +68,23 @@ def test_a_long_chunk_seals_its_own_blocks_as_they_arrive():
     (group,) = cache.groups.values()
     assert len(group.qtables[0]) == (42 - RESIDUAL) // BLOCK and group.pool.num_used == 2  # [36, 42): 6 tokens
     assert group.pool.num_blocks <= 3  # the pool never staged the chunk's sealed blocks in full precision
+
+
+@pytest.mark.parametrize("chunk_tokens", [8, 2048])
+@pytest.mark.parametrize("spec", ["int8", "int4", "int2", "fp8_e4m3"])
+@pytest.mark.parametrize("name", ["llama_gqa", "gemma2", "gpt_oss"])
+def test_the_paged_read_is_attention_over_the_dequantized_copy(name, spec, chunk_tokens, monkeypatch):
+    """The paged read (chunks decoded into buffers, the suffix joined to the last one, merged by log-sum-exp) gives
+    the logits of eager attention over the transient dequantized copy that `update()` hands other implementations:
+    a padded batch token by token, with soft-capping and sliding windows (Gemma-2), sinks (gpt-oss), one chunk or
+    several per row."""
+    monkeypatch.setattr(quantized_layers, "CHUNK_TOKENS", chunk_tokens)
+    model = shared_model(name)
+    input_ids, attention_mask = padded_batch((0, 3), 30, seed=4)
+    logits = []
+    for attn in ("eager", "paged"):
+        model.set_attn_implementation(attn)
+        cache = PagedCache(model.config, block_size=BLOCK, quant=spec, residual_length=RESIDUAL)
+        logits.append(token_by_token(model, cache, input_ids, attention_mask))
+        assert cache.metrics().quantized_tokens > 0
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)

@@ -189,3 +189,35 @@ def test_code_space_rotates_for_rotating_formats_only(fmt):
         torch.testing.assert_close(fmt.code_space(mapped), x.float(), atol=1e-3, rtol=1e-3)
     else:
         assert mapped is x
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=repr)
+def test_dequantize_into_a_view_of_a_larger_buffer_writes_what_it_returns(fmt):
+    """`out=` (a view of a reader's head-major buffer with room for more tokens) gets exactly the decoded blocks
+    as stored, and leaves the rest of the buffer alone; a rotating side asks for `rotated=True`."""
+    blocks, bs, heads, dim, extra = 3, 16, 2, 32, 5
+    pool = fmt.allocate(blocks + 1, bs, heads, dim)
+    fmt.quantize(torch.randn(blocks, bs, heads, dim, generator=torch.Generator().manual_seed(0)), pool, range(1, 4))
+    buffer = torch.full((heads, blocks * bs + extra, dim), 7.0)
+    target = buffer[:, : blocks * bs].unflatten(1, (blocks, bs)).permute(1, 2, 0, 3)
+    fmt.dequantize(pool, slice(1, 4), torch.float32, rotated=True, out=target)
+    assert torch.equal(target, fmt.dequantize(pool, slice(1, 4), torch.float32, rotated=True))
+    assert torch.all(buffer[:, blocks * bs :] == 7.0)
+    if fmt.rotate:
+        with pytest.raises(ValueError, match="rotated=True"):
+            fmt.dequantize(pool, slice(1, 4), torch.float32, out=target)
+
+
+def test_a_format_whose_decode_takes_no_buffer_is_copied_into_one():
+    """A format written before `out=` existed (`_decode(fields)`) still decodes into a reader's buffer."""
+
+    class Plain(Int8):
+        def _decode(self, fields):
+            return super()._decode(fields)
+
+    fmt = Plain()
+    pool = fmt.allocate(3, 4, 2, 8)
+    fmt.quantize(torch.randn(2, 4, 2, 8, generator=torch.Generator().manual_seed(0)), pool, [1, 2])
+    target = torch.empty(2, 4, 2, 8)
+    assert fmt.dequantize(pool, [1, 2], out=target) is target
+    assert torch.equal(target, Int8().dequantize(pool, [1, 2]))
