@@ -19,6 +19,7 @@ from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerM
 
 from .layer_types.registry import layer_type_for
 
+
 @dataclass(frozen=True)
 class StateTensor:
     """One state tensor of one sequence: layer `layer`'s `kind` state number `index`, `shape` with the batch

@@ -306,6 +306,14 @@ def test_serving_quant_workload_tiny(tmp_path):
     assert int4["vs_unquantized"] == int4["tokens_per_s"] / none["tokens_per_s"]
 
 
+def test_packed_step_tiny(tmp_path):
+    out = tmp_path / "step"
+    _run("packed_step.py", "--requests", "4", "--min-len", "10", "--max-len", "40", "--steps", "2", "--repeats", "2",
+         "--threads", "1", "--out", str(out))  # fmt: skip
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert len(result["windows"]) == 2 and result["step_seconds"] > 0
+
+
 def test_swap_overlap_tiny(tmp_path):
     out = tmp_path / "overlap"
     _run("swap_overlap.py", "--model", "tiny-llama", "--requests", "8", "--min-len", "20", "--max-len", "120",
