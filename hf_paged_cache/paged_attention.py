@@ -104,16 +104,16 @@ def paged_attention_forward(
 def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, softcap: float | None,
                    sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     """A packed forward: each sequence's queries over its own blocks, `[1, q, heads, d]`. The one-token sequences (the
-    decode tokens) whose rows the torch path reads from one storage are attended together, in one call over their
-    histories gathered into one padded batch, instead of one call per sequence."""
+    decode tokens) whose rows the torch path reads from one storage are attended together, a call per bucket of
+    similar history lengths over their histories gathered into one padded batch, instead of one call per sequence."""
     together = [(start, part) for start, stop, part in packed.parts if stop - start == 1 and part.reads_with_others]
     together = [(start, part) for start, part in together if part.layer.storage is together[0][1].layer.storage]
     if len(together) < 2:
         together = []
     pieces = []
-    if together:
-        tokens = torch.tensor([start for start, _part in together], device=query.device)
-        keys, values, mask = together[0][1].layer.gather_rows([part.plan for _start, part in together], packed.memo)
+    for bucket in _similar_lengths(together):
+        tokens = torch.tensor([start for start, _part in bucket], device=query.device)
+        keys, values, mask = bucket[0][1].layer.gather_rows([part.plan for _start, part in bucket], packed.memo)
         queries = query[0].index_select(1, tokens).transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, d]
         pieces.append((tokens, attention(queries, keys, values, mask, scale, softcap, sinks)[:, :, 0]))
     read = {start for start, _part in together}
@@ -126,6 +126,17 @@ def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, sof
     for where, piece in pieces:
         out[where] = piece
     return out[None]
+
+
+def _similar_lengths(parts: list[tuple[int, PagedKV]], spread: float = 1.5) -> list[list[tuple[int, PagedKV]]]:
+    """`parts` in buckets of similar read lengths (the longest at most `spread` x the shortest), so a padded batch
+    copies and attends over few more keys than its rows read, in a few calls rather than one per row."""
+    buckets: list[list[tuple[int, PagedKV]]] = []
+    for part in sorted(parts, key=lambda item: item[1].read_len):
+        if not buckets or part[1].read_len > spread * buckets[-1][0][1].read_len:
+            buckets.append([])
+        buckets[-1].append(part)
+    return buckets
 
 
 def _attend_gathered(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: PackedPagedKV, scale: float,
