@@ -70,6 +70,9 @@ class BatchConfig:
         compile: run the packed forwards with the decoder layers' feed-forward blocks and norms compiled
             (`torch.compile`, dynamic shapes; `compiled.py`): faster steps after a compile on the first ones. Fused
             kernels round differently in the last bits, so a greedy token may, rarely, differ from eager `generate`.
+        onednn: run the packed forwards' `nn.Linear` layers whose weights are on the CPU through oneDNN's matrix
+            product (`onednn.py`) rather than torch's BLAS, which is slower on some CPUs; no effect elsewhere. Its
+            kernels round differently in the last bits, so a greedy token may, rarely, differ from eager `generate`.
     """
 
     max_batch_tokens: int = 512
@@ -87,13 +90,14 @@ class BatchConfig:
     compact_threshold: float | None = None
     scheduler: str | Scheduler = "decode_first"
     compile: bool = False
+    onednn: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive int, got {value!r}")
-        for name in ("prefix_caching", "progress", "compile"):
+        for name in ("prefix_caching", "progress", "compile", "onednn"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}")
         for name, table, base in (("preemption", PREEMPTIONS, Preemption), ("victim_policy", VICTIM_POLICIES,

@@ -40,6 +40,7 @@ from ..paged_attention import ATTENTION_NAME, check_model_features
 from .batch_config import BatchConfig, pools_up_front, split_options
 from .metrics import BatchMetrics, ServingCounters
 from .compiled import CompiledModules
+from .onednn import OneDnnLinears
 from .packed_cache import check_packable, layer_sliding, packed_logits
 from .preemption import RECOMPUTE, SWAP
 from .prefix_cache import PrefixCache
@@ -78,6 +79,7 @@ class BatchGenerator:
         self.per_request = PerRequestLayers.of(model, self.template)  # recurrent layers: one call per request
         self.states = StatePool.of(model, self.template, self.config.max_num_seqs)  # their state: a slot per request
         self.compiled = CompiledModules(model, len(self.template.layers)) if self.config.compile else None
+        self.onednn = OneDnnLinears(model) if self.config.onednn else None
         cacheable = self.config.prefix_caching and self.template.options.sharing and PrefixCache.supports(self.template)
         self.prefix_cache = PrefixCache(self.template) if cacheable else None
         self.swap = self.preemption.swap_space(self.template, model.device)
@@ -339,7 +341,7 @@ class BatchGenerator:
         chunks = [(request.cache, request.tokens[request.fed : request.fed + q], request.fed) for request, q in batch]
         states = [request.settings.snapshot() for request, _ in batch]
         try:
-            logits = packed_logits(self.model, chunks, self.sliding, self.per_request, self.compiled)
+            logits = packed_logits(self.model, chunks, self.sliding, self.per_request, self.compiled, self.onednn)
             samples = [request.next_token(q, logits[index]) for index, (request, q) in enumerate(batch)]
         except BaseException:
             self._roll_back(batch, states)

@@ -22,6 +22,7 @@ from ..attention.contract import PAGED_KV_KWARG
 from ..layers.handle import PackedPagedKV, PagedKV
 from ..attention.paged_states import paged_only
 from .compiled import CompiledModules
+from .onednn import OneDnnLinears
 from .recurrent import PerRequestLayers
 
 
@@ -120,10 +121,12 @@ def layer_sliding(cache: PagedCache) -> list[bool]:
 
 
 def packed_logits(model, chunks: list[tuple[PagedCache, list[int], int]], sliding: list[bool],
-                  per_request: PerRequestLayers | None = None, compiled: CompiledModules | None = None) -> torch.Tensor:
+                  per_request: PerRequestLayers | None = None, compiled: CompiledModules | None = None,
+                  onednn: OneDnnLinears | None = None) -> torch.Tensor:  # fmt: skip
     """One forward of every chunk (its cache, its tokens, the position of the first) packed into one row; the
     logits of each chunk's last token, one row per chunk (`sliding`: which layers are sliding-window;
-    `per_request`: the layers that run once per chunk, recurrent ones; `compiled`: modules run compiled)."""
+    `per_request`: the layers that run once per chunk, recurrent ones; `compiled`: modules run compiled;
+    `onednn`: linear layers run on oneDNN)."""
     tokens, positions, spans, keep = [], [], [], []
     for _cache, chunk, start in chunks:
         spans.append((len(tokens), len(tokens) + len(chunk)))
@@ -135,6 +138,8 @@ def packed_logits(model, chunks: list[tuple[PagedCache, list[int], int]], slidin
     with contextlib.ExitStack() as patches:
         if per_request is not None:
             patches.enter_context(per_request.split(caches, spans))
+        if onednn is not None:
+            patches.enter_context(onednn.active())
         if compiled is not None:
             patches.enter_context(compiled.active())
         return model(input_ids=ids, position_ids=position_ids, cache=PackedCache(caches, spans, sliding, position_ids),

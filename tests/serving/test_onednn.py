@@ -1,0 +1,87 @@
+"""`BatchConfig(onednn=True)`: the packed forwards run the model's CPU `nn.Linear` layers on oneDNN's matrix product,
+the user's model is left as it was, and the tokens stay those of each prompt run alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from batch_workloads import NEW, alone, random_prompts, tiny_model
+from tiny_models import MODELS_BY_NAME
+from transformers import DynamicCache
+
+from hf_paged_cache.serving.batch_config import BatchConfig
+from hf_paged_cache.serving.generator import BatchGenerator
+from hf_paged_cache.serving.onednn import OneDnnLinears, onednn_available
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN"),
+]
+
+
+class _Scaled(torch.nn.Linear):
+    """A linear subclass with math of its own (as a quantized linear has): it must keep its forward."""
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(inputs)
+
+
+def test_every_plain_cpu_linear_of_the_model_runs_on_onednn():
+    model = tiny_model("llama_gqa")
+    linears = OneDnnLinears(model)
+    plain = [module for module in model.modules() if type(module) is torch.nn.Linear]
+    assert linears.modules == plain and len(plain) == 7 * model.config.num_hidden_layers + 1  # + the LM head
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_forward_is_the_linear_layer_up_to_rounding(dtype, bias):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 80, bias=bias).to(dtype)
+    linears = OneDnnLinears(layer)
+    inputs = torch.randn(3, 37, 48, dtype=dtype)[:, ::2]  # a strided view, as the model's slices are
+    expected = layer(inputs)
+    with linears.active():
+        assert "forward" in layer.__dict__
+        got = layer(inputs)
+        if dtype == torch.bfloat16:  # another input dtype takes the module's own math, and its error
+            with pytest.raises(RuntimeError, match="dtype"):
+                layer(inputs.float())
+    assert "forward" not in layer.__dict__  # the model's own forward is back
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got, expected, **tolerance)
+
+
+def test_subclasses_and_hooked_linears_keep_their_own_forward():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Scaled(4, 4), torch.nn.Linear(4, 4))
+    hook = model[2].forward
+    model[2].forward = hook  # an accelerate hook sets an instance forward of its own
+    linears = OneDnnLinears(model)
+    assert linears.modules == [model[0]]
+    with linears.active():
+        assert model[2].forward is hook and "forward" not in model[1].__dict__
+
+
+def test_a_model_elsewhere_than_the_cpu_has_nothing_to_swap():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, device="meta"), torch.nn.Linear(4, 4, dtype=torch.float16))
+    assert OneDnnLinears(model).modules == []  # not on the CPU; a dtype oneDNN's CPU linear does not take
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+@pytest.mark.parametrize("name", ["llama_gqa", "mistral_sliding"])
+def test_packed_forwards_on_onednn_give_the_tokens_of_each_prompt_alone(name, onednn):
+    model = tiny_model(name)
+    prompts = random_prompts((5, 17, 9, 30), seed=3)
+    generator = BatchGenerator(model, max_new_tokens=NEW, block_size=4, max_batch_tokens=16, onednn=onednn)
+    assert (generator.onednn is not None) == onednn
+    for prompt in prompts:
+        generator.add_request(prompt)
+    outputs = generator.run()
+    for prompt, output in zip(prompts, outputs):
+        assert output.generated_tokens == alone(model, prompt, DynamicCache(), MODELS_BY_NAME[name].gather_impl)
+    assert all("forward" not in module.__dict__ for module in model.modules())
+
+
+def test_onednn_must_be_a_bool():
+    with pytest.raises(ValueError, match="`onednn` must be a bool"):
+        BatchConfig(onednn=1)
