@@ -114,8 +114,9 @@ def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, sof
     for bucket in _similar_lengths(together):
         tokens = torch.tensor([start for start, _part in bucket], device=query.device)
         keys, values, mask = bucket[0][1].layer.gather_rows([part.plan for _start, part in bucket], packed.memo)
-        queries = query[0].index_select(1, tokens).transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, d]
-        pieces.append((tokens, attention(queries, keys, values, mask, scale, softcap, sinks)[:, :, 0]))
+        # [rows, heads, 1, d], in the precision the rows are read in (float32 for a quantized history)
+        queries = query[0].index_select(1, tokens).transpose(0, 1).unsqueeze(2).to(keys.dtype)
+        pieces.append((tokens, attention(queries, keys, values, mask, scale, softcap, sinks)[:, :, 0].to(query.dtype)))
     read = {start for start, _part in together}
     for start, stop, part in packed.parts:
         if start not in read:

@@ -246,7 +246,7 @@ class PagedLayer(CacheLayerMixin):
         tables = self.tables
         return (tables.plan is plan and plan is not None and plan.q_len == q_len
                 and self.seq_len + q_len == tables.length and len(plan.read_start) == 1 and not plan.mirrors
-                and plan.write_tokens is None and not self.is_quantized and not self.uses_kernels(device))  # fmt: skip
+                and plan.write_tokens is None and not self.uses_kernels(device))  # fmt: skip
 
     def write_rows(self, plans: list[StepPlan], key_states: torch.Tensor, value_states: torch.Tensor,
                    memo: dict) -> None:  # fmt: skip
@@ -281,10 +281,10 @@ class PagedLayer(CacheLayerMixin):
         return [flat[:, slot : slot + count] for _column, slot, count in runs]
 
     def reads_plain_row(self, plan: StepPlan) -> bool:
-        """Whether the torch path reads `plan`'s one row as its stored range of full-precision blocks (no kernels, no
-        compaction, no quantized history), so `gather_rows` can read it together with other plans' rows."""
-        return (len(plan.read_start) == 1 and not self.is_quantized and not plan.tables.compacted
-                and not self.uses_kernels() and plan.read_stop[0] > plan.read_start[0])  # fmt: skip
+        """Whether the torch path reads `plan`'s one row as its stored blocks in order (no kernels, no compaction), so
+        `gather_rows` can read it together with other plans' rows."""
+        return (len(plan.read_start) == 1 and not plan.tables.compacted and not self.uses_kernels()
+                and plan.read_stop[0] > plan.read_start[0])  # fmt: skip
 
     def gather_rows(self, plans: list[StepPlan], memo: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The stored ranges of the one-row `plans` (sequences whose caches share this layer's storage), copied once

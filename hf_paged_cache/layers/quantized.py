@@ -8,7 +8,8 @@ edge during a multi-token step (`StepPlan.transition`) are read both ways, each 
 
 Reads: the `"paged"` attention (`QuantizedLayer.attend`) dequantizes runs of at most `CHUNK_TOKENS`
 quantized tokens at a time and merges the chunks with an online softmax, so no full-precision copy of
-the quantized history ever exists (only a bounded transient one per chunk).
+the quantized history ever exists (only a bounded transient one per chunk). A packed forward's decode tokens
+whose histories fit in a chunk are read together (`gather_rows`): their blocks decoded in one call per K / V.
 Other attention implementations need K/V tensors from `update()`: they get a transient dequantized copy.
 Under the Triton backend the kernels read the quantized prefix themselves (dequantizing in registers,
 `kernels.QuantizedKV`) and `kernels.quantize_blocks` seals blocks in one launch.
@@ -29,6 +30,9 @@ from ..attention.torch_path import OnlineSoftmax, causal_mask, visible_columns
 
 CHUNK_TOKENS = 2048  # quantized tokens dequantized at a time by the paged read (a bounded transient)
 QUERY_TILE = 512  # queries of a long step attended at a time by that read (its logits: a tile x a chunk)
+# Queries of a step with a transition attended at a time: each tile reads only the span of columns it sees each way,
+# so smaller tiles skip most of what a long step's early queries cannot see.
+TRANSITION_TILE = 128
 
 
 class QuantizedLayer(PagedLayer):
@@ -126,6 +130,10 @@ class QuantizedLayer(PagedLayer):
                 self._arrived = {row: pair for row, pair in arrived.items() if plan.transition[row]}
         return super().update(key_states, value_states, plan, attention_kwargs, *hooks)
 
+    def writes_plain_row(self, plan: StepPlan, q_len: int, device: torch.device) -> bool:
+        """`PagedLayer.writes_plain_row`, for a step that seals none of its own tokens (`StepPlan.arrivals`)."""
+        return super().writes_plain_row(plan, q_len, device) and not plan.arrivals
+
     @torch.no_grad()
     def _seal_arrivals(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor) -> dict:
         """Quantize each arriving block from the step's K/V (and the stored tokens among them, from the copies
@@ -200,8 +208,9 @@ class QuantizedLayer(PagedLayer):
         return result
 
     # ------------------------------------------------------------------ reading
-    def _quantized_chunks(self, plan: StepPlan, row: int) -> list[tuple[slice | list[int], int]]:
-        """(blocks, logical position of their first token) covering the row's readable quantized prefix.
+    def _quantized_chunks(self, plan: StepPlan, row: int, drop: int = 0) -> list[tuple[slice | list[int], int]]:
+        """(blocks, logical position of their first token) covering the row's readable quantized prefix, but its last
+        `drop` blocks (read apart: a transition, `_transition_pieces`).
 
         Runs of consecutive ids (the pool continues a row's run when it can) become slices, so decoding
         them reads views of the pool; each chunk holds at most `CHUNK_TOKENS` tokens. Computed once per
@@ -211,9 +220,9 @@ class QuantizedLayer(PagedLayer):
             bs, table = self.tables.block_size, plan.quantized_tables[row]
             start = plan.base[row] - len(table) * bs
             first = max(plan.kv_offset - start, 0) // bs
-            return [(ids, start + index * bs) for ids, index in _id_runs(table, first, bs)]
+            return [(ids, start + index * bs) for ids, index in _id_runs(table[: len(table) - drop], first, bs)]
 
-        return plan.cached(("quantized_chunks", row), build)
+        return plan.cached(("quantized_chunks", row, drop), build)
 
     def _dequantized(
         self, blocks: slice, dtype: torch.dtype, rotated: bool = False
@@ -257,15 +266,68 @@ class QuantizedLayer(PagedLayer):
                 values[row][:, columns] = chunk_values[:, skip:]
         return keys, values
 
+    def reads_plain_row(self, plan: StepPlan) -> bool:
+        """`PagedLayer.reads_plain_row`, for a step that reads no block both ways (`StepPlan.transition`) and at most
+        `CHUNK_TOKENS` positions (so a batch's decoded copy stays within a chunk per row, as `attend`'s does)."""
+        return (super().reads_plain_row(plan) and not any(plan.transition)
+                and plan.new_len - plan.kv_offset <= CHUNK_TOKENS)  # fmt: skip
+
+    def gather_rows(self, plans: list[StepPlan], memo: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`PagedLayer.gather_rows` over quantized histories, in float32 (the precision `attend` reads them in): each
+        row's readable quantized blocks (null-padded to the longest such table), decoded straight into the batch in
+        one call per K / V for every row, then its full-precision range. Columns before `kv_offset` are masked."""
+
+        def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            bs, reads = self.tables.block_size, []
+            for plan in plans:
+                table = plan.quantized_tables[0]
+                start = plan.base[0] - len(table) * bs
+                first = max(plan.kv_offset - start, 0) // bs
+                hidden = max(plan.kv_offset - start - first * bs, 0)  # positions of the first block before kv_offset
+                reads.append((table[first:], hidden, plan.read_stop[0] - plan.read_start[0]))
+            width = max(len(ids) for ids, _hidden, _stored in reads)
+            stored_width = max(stored for _ids, _hidden, stored in reads)
+            blocks = torch.zeros(len(plans), width, dtype=torch.long)  # block 0: the null block, decoded as zeros
+            slots = torch.zeros(len(plans), stored_width, dtype=torch.long)  # slot 0: the null block's first
+            mask = torch.zeros(len(plans), width * bs + stored_width, dtype=torch.bool)
+            for index, (plan, (ids, hidden, stored)) in enumerate(zip(plans, reads)):
+                blocks[index, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+                slots[index, :stored] = plan.slots(0, plan.read_start[0], stored)
+                mask[index, hidden : len(ids) * bs] = True
+                mask[index, width * bs : width * bs + stored] = True
+            return blocks.to(self.device), slots.flatten().to(self.device), mask[:, None, None, :].to(self.device)
+
+        key = ("gather_quantized_rows", tuple(map(id, plans)), self.device)
+        if key not in memo:
+            memo[key] = build()
+        blocks, slots, mask = memo[key]
+        rows, quantized = blocks.shape[0], blocks.shape[1] * self.tables.block_size
+        out = []
+        for fmt, fields, storage in ((self.kv_format.key, self.qkey, self.key_blocks),
+                                     (self.kv_format.value, self.qvalue, self.value_blocks)):  # fmt: skip
+            batch = torch.empty(rows, mask.shape[-1], *storage.shape[2:], device=self.device)  # [rows, n, kv_heads, d]
+            if quantized:
+                target = batch[:, :quantized].unflatten(1, blocks.shape[1:] + (-1,))
+                if fmt.rotate:  # rotated back, then copied
+                    target.copy_(fmt.dequantize(fields, blocks, torch.float32))
+                else:
+                    fmt.dequantize(fields, blocks, torch.float32, out=target)
+            flat = storage.view(-1, *storage.shape[2:])
+            batch[:, quantized:] = flat.index_select(0, slots).view(rows, -1, *flat.shape[1:])
+            out.append(batch.transpose(1, 2))
+        return out[0], out[1], mask
+
     def attend(
         self, query: torch.Tensor, plan: StepPlan, mask: torch.Tensor | None, scale: float, softcap: float | None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The `"paged"` attention over this layer: `[batch, heads, q, head_dim]`, like `attention.attend`.
 
-        Row by row, and `QUERY_TILE` queries at a time (so a long prompt chunk's transients stay bounded), the
-        quantized prefix is decoded at most `CHUNK_TOKENS` tokens at a time and the full-precision suffix is read
-        as a view (or gathered); the chunks are merged with an online softmax in float32. Steps that read nothing quantized take the unquantized path unchanged.
+        Row by row: the quantized prefix is decoded at most `CHUNK_TOKENS` tokens at a time, each chunk attended by
+        every tile of `QUERY_TILE` queries (so a long prompt chunk's transients stay bounded), and the chunks merged
+        with an online softmax in float32. A row's transition blocks (`StepPlan.transition`) and its full-precision
+        suffix are attended last, in one call per tile of `TRANSITION_TILE` queries over the columns it sees.
+        Steps that read nothing quantized take the unquantized path unchanged.
         A rotated side is read as stored: the queries (rotated keys) and the short full-precision suffix are
         mapped into its code space instead (`QuantFormat.code_space`), and the output (rotated values) back
         once at the end, as the Triton kernels do -- not every decoded token of a long history.
@@ -281,42 +343,53 @@ class QuantizedLayer(PagedLayer):
         for row in range(batch):
             row_query = key_format.code_space(query[row])
             transition = self._transition_kv(plan, row) if plan.transition[row] else None
-            tiles = []
-            for q0 in range(0, q_len, QUERY_TILE):  # bounded transients (logits of a tile x a chunk) for long steps
-                row_mask = None if mask is None else mask[row if mask.shape[0] > 1 else 0, 0, q0 : q0 + QUERY_TILE]
-                softmax = OnlineSoftmax(row_query[:, q0 : q0 + QUERY_TILE], scale, softcap, sinks)
-                if transition is not None:
-                    row_mask = self._attend_transition(softmax, plan, transition, row_mask, q0)
-                for keys, values, first in self._read_parts(plan, row):
+            tile = QUERY_TILE if transition is None else TRANSITION_TILE
+            tiles = [(q0, None if mask is None else mask[row if mask.shape[0] > 1 else 0, 0, q0 : q0 + tile],
+                      OnlineSoftmax(row_query[:, q0 : q0 + tile], scale, softcap, sinks))
+                     for q0 in range(0, q_len, tile)]  # fmt: skip
+            span = None if transition is None else (transition[0], transition[0] + transition[1][0].shape[1])
+            suffix = None
+            for keys, values, first in self._read_parts(plan, row, span):
+                if span is not None and first >= span[1]:  # the suffix after a transition: attended with it
+                    suffix = keys, values, first
+                    continue
+                for _q0, row_mask, softmax in tiles:
                     visible = None if row_mask is None else visible_columns(row_mask, first - plan.kv_offset, keys.shape[1])
                     softmax.update(keys, values, visible)
-                tiles.append(softmax.result())
-            result = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
+            if transition is not None:
+                for q0, row_mask, softmax in tiles:
+                    for keys, values, visible in self._transition_pieces(plan, transition, suffix, row_mask, q0):
+                        softmax.update(keys, values, visible)
+            result = torch.cat([softmax.result() for _q0, _mask, softmax in tiles], dim=1)
             out.append(value_format.code_space(result))
         if not self.read_by_others:  # the transient copy is not needed again this step
             self._arrived = {}
         return (out[0][None] if batch == 1 else torch.stack(out)).to(query.dtype)
 
-    def _read_parts(self, plan: StepPlan, row: int):
+    def _read_parts(self, plan: StepPlan, row: int, span: tuple[int, int] | None = None):
         """The row's read as float32 `(keys, values, first position)` parts in the code space, `[kv_heads, n, d]`:
-        its quantized chunks decoded (at most `CHUNK_TOKENS` tokens each) and its full-precision suffix. A suffix
-        that continues the last chunk is copied into the end of that chunk's buffer, so the two are attended
-        in one call (the suffix is at most the residual window and a block)."""
-        chunks = self._quantized_chunks(plan, row)
-        start, stop = plan.read_start[row], plan.read_stop[row]
-        suffix_first = plan.base[row] + start
+        its quantized chunks decoded (at most `CHUNK_TOKENS` tokens each) and its full-precision suffix, but the
+        positions `span` (a transition's blocks, read apart). A suffix that continues the last chunk is copied into
+        the end of that chunk's buffer, so the two are attended in one call (the suffix is at most the residual
+        window and a block)."""
+        base, start, stop = plan.base[row], plan.read_start[row], plan.read_stop[row]
+        span = span or (base, base)
+        chunks = self._quantized_chunks(plan, row, max(base - span[0], 0) // self.tables.block_size)
+        skip = max(min(span[1] - base, stop) - start, 0)  # suffix tokens within the span
+        start += skip
+        suffix_first = base + start
         for index, (blocks, first) in enumerate(chunks):
             tokens = (blocks.stop - blocks.start) * self.tables.block_size
             joined = index == len(chunks) - 1 and stop > start and first + tokens == suffix_first
             extra = stop - start if joined else 0
             keys, values = self._decoded_buffer(blocks, tokens, extra)
             if joined:
-                suffix_keys, suffix_values = self._suffix(plan, row)
+                suffix_keys, suffix_values = self._suffix(plan, row, skip)
                 keys[:, tokens:], values[:, tokens:] = suffix_keys, suffix_values
                 stop = start  # the suffix is read
             yield keys, values, first
         if stop > start:
-            keys, values = self._suffix(plan, row)
+            keys, values = self._suffix(plan, row, skip)
             yield keys, values, suffix_first
 
     def _decoded_buffer(self, blocks: slice, tokens: int, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -332,9 +405,10 @@ class QuantizedLayer(PagedLayer):
             out.append(buffer)
         return out[0], out[1]
 
-    def _suffix(self, plan: StepPlan, row: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The row's full-precision read range, float32 in the code space, `[kv_heads, n, d]`."""
-        keys, values = (part.float() for part in self.row_kv(plan, row))
+    def _suffix(self, plan: StepPlan, row: int, skip: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row's full-precision read range but its first `skip` tokens, float32 in the code space,
+        `[kv_heads, n, d]`."""
+        keys, values = (part[:, skip:].float() for part in self.row_kv(plan, row))
         return self.kv_format.key.code_space(keys), self.kv_format.value.code_space(values)
 
     def _transition_kv(self, plan: StepPlan, row: int) -> tuple[int, tuple, tuple]:
@@ -361,28 +435,33 @@ class QuantizedLayer(PagedLayer):
         keys, values = self.kv_format.key.code_space(keys), self.kv_format.value.code_space(values)
         return first, (keys, values), quantized
 
-    def _attend_transition(self, softmax: OnlineSoftmax, plan: StepPlan, transition: tuple, row_mask: torch.Tensor,
-                           q0: int) -> torch.Tensor:  # fmt: skip
-        """Attend a row's transition blocks (`_transition_kv`) as each query of the tile starting at step token `q0`
-        would read them one token at a time: quantized when they end `window` positions or more before the
-        query's own position + 1, else in full precision. Returns the tile's mask with their columns hidden from
-        the other reads."""
-        first, (keys, values), quantized = transition
-        n = keys.shape[1]
+    def _transition_pieces(self, plan: StepPlan, transition: tuple, suffix: tuple | None, row_mask: torch.Tensor,
+                           q0: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
+        """A row's transition blocks (`_transition_kv`) as each query of the tile starting at step token `q0` would
+        read them one token at a time: quantized when they end `window` positions or more before the query's own
+        position + 1, else in full precision; then the row's `suffix` (keys, values, first position), if any.
+        Returns `(keys, values, visible)` pieces of at most `CHUNK_TOKENS` columns each way (a bounded transient,
+        as for the quantized prefix), of only the columns some query of the tile sees that way, the suffix joined
+        to the last piece: one call each."""
+        first, full, quantized = transition
+        n = full[0].shape[1]
         start_position = plan.new_len - plan.q_len + q0
         positions = torch.arange(start_position, start_position + row_mask.shape[0], device=row_mask.device)
         ends = first + (torch.arange(n, device=row_mask.device) // self.tables.block_size + 1) * self.tables.block_size
         reads_quantized = ends[None, :] <= positions[:, None] + 1 - self.tables.window
         visible = visible_columns(row_mask, first - plan.kv_offset, n)
-        for start in range(0, n, CHUNK_TOKENS):  # a bounded transient, as for the quantized prefix
+        pieces = []
+        for start in range(0, n, CHUNK_TOKENS):
             columns = slice(start, start + CHUNK_TOKENS)
-            quantized_part = (side[:, columns] for side in quantized)
-            softmax.update(*quantized_part, visible[:, columns] & reads_quantized[:, columns])
-            softmax.update(keys[:, columns], values[:, columns], visible[:, columns] & ~reads_quantized[:, columns])
-        hidden = row_mask.clone()
-        hidden[:, max(first - plan.kv_offset, 0) : max(first + n - plan.kv_offset, 0)] = False
-        return hidden
-
+            parts = [(*side, visible[:, columns] & reads) for side, reads in (
+                ((quantized[0][:, columns], quantized[1][:, columns]), reads_quantized[:, columns]),
+                ((full[0][:, columns], full[1][:, columns]), ~reads_quantized[:, columns]))]  # fmt: skip
+            if suffix is not None and start + CHUNK_TOKENS >= n:
+                keys, values, suffix_first = suffix
+                parts.append((keys, values, visible_columns(row_mask, suffix_first - plan.kv_offset, keys.shape[1])))
+            parts = [_seen_columns(*part) for part in parts]
+            pieces.append(tuple(torch.cat(side, 1) for side in zip(*parts)))
+        return pieces
 
     # ------------------------------------------------------------------ state
     def state_dict(self, blocks: list[int], quantized: list[int]) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -424,3 +503,12 @@ def _id_runs(table: list[int], first: int, block_size: int) -> list[tuple[slice,
         runs.append((slice(table[index], table[index] + run), index))
         index += run
     return runs
+
+
+def _seen_columns(keys: torch.Tensor, values: torch.Tensor,
+                  visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`keys` / values `[kv_heads, n, d]` and `visible` `[q, n]` cut to the span of columns some query sees (one
+    column, unseen, if none is: a query that sees nothing anywhere still gets its log-sum-exp of -inf)."""
+    seen = visible.any(0).nonzero()
+    columns = slice(int(seen[0]), int(seen[-1]) + 1) if seen.numel() else slice(0, min(keys.shape[1], 1))
+    return keys[:, columns], values[:, columns], visible[:, columns]

@@ -41,13 +41,14 @@ def as_ids(ids: BlockIds, device: torch.device) -> Tensor:
 
 
 def head_major_float(codes: Tensor, head_dim: int, out: Tensor | None = None) -> Tensor:
-    """An uninitialised float32 `[n, block, heads, head_dim]` laid out head-major in memory (a permuted
-    view of `[heads, n, block, head_dim]`), so that each head's decoded tokens are contiguous for the
-    attention matmuls that read them; `out` (a caller's buffer of that shape) if given."""
+    """An uninitialised float32 `[..., block, heads, head_dim]` (the codes' leading dims) laid out head-major in
+    memory (a permuted view of `[heads, ..., block, head_dim]`), so that each head's decoded tokens are contiguous
+    for the attention matmuls that read them; `out` (a caller's buffer of that shape) if given."""
     if out is not None:
         return out
-    n, block, heads = codes.shape[:3]
-    return torch.empty((heads, n, block, head_dim), dtype=torch.float32, device=codes.device).permute(1, 2, 0, 3)
+    *leading, block, heads = codes.shape[:-1]
+    buffer = torch.empty((heads, *leading, block, head_dim), dtype=torch.float32, device=codes.device)
+    return buffer.permute(*range(1, len(leading) + 2), 0, len(leading) + 2)
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class QuantFormat:
 
     `_encode` maps float32 `[..., block_size, kv_heads, head_dim]` (whole blocks) or, for per-token
     formats, `[..., kv_heads, head_dim]` to the field values with the same leading dims; `_decode`
-    maps the fields of n blocks back to float32 `[n, block_size, kv_heads, head_dim]`.
+    maps the fields of blocks (any leading dims) back to float32 `[..., block_size, kv_heads, head_dim]`.
     A class that names cache-wide formats in spec strings overrides `parse_spec` and `SPECS`.
     """
 
@@ -188,16 +189,23 @@ class QuantFormat:
         rotated: bool = False,
         out: Tensor | None = None,
     ) -> Tensor:
-        """Blocks `blocks` (ids, or a slice of consecutive ids) of the pool `fields`, decoded:
-        `[number of blocks, block_size, kv_heads, head_dim]`. A rotated format's vectors are rotated back,
-        unless `rotated` (a reader that rotates its queries and outputs instead takes them as stored).
+        """Blocks `blocks` (ids, a slice of consecutive ids, or a 2-D tensor of ids: a table of rows) of the pool
+        `fields`, decoded: `[*ids shape, block_size, kv_heads, head_dim]`. A rotated format's vectors are rotated
+        back, unless `rotated` (a reader that rotates its queries and outputs instead takes them as stored).
 
         `out`: a float32 tensor of that shape (e.g. a view of a reader's larger buffer) to decode into, so a
         reader that attends over decoded blocks and more tokens at once copies nothing; needs float32 and, for a
         rotating format, `rotated`."""
-        if not isinstance(blocks, slice):  # a slice reads views of the pool; ids gather copies
-            blocks = as_ids(blocks, next(iter(fields.values())).device)
-        parts = {name: tensor[blocks] for name, tensor in fields.items()}
+        device = next(iter(fields.values())).device
+        if isinstance(blocks, Tensor) and blocks.dim() == 2:  # a table: its shape is kept
+            blocks = blocks.to(device=device, dtype=torch.long)
+        elif not isinstance(blocks, slice):  # a slice reads views of the pool; ids gather copies
+            blocks = as_ids(blocks, device)
+        if isinstance(blocks, slice):
+            parts = {name: tensor[blocks] for name, tensor in fields.items()}
+        else:
+            parts = {name: tensor.index_select(0, blocks.flatten()).view(*blocks.shape, *tensor.shape[1:])
+                     for name, tensor in fields.items()}  # fmt: skip
         if out is None:
             decoded = self._decode(parts)
             return (decoded if rotated else self.code_space(decoded)).to(dtype)
@@ -211,7 +219,7 @@ class QuantFormat:
         raise NotImplementedError
 
     def _decode(self, fields: dict[str, Tensor], out: Tensor | None = None) -> Tensor:
-        """The fields of n blocks as float32 `[n, block_size, kv_heads, head_dim]`, written into `out` if given (a
+        """The fields of blocks as float32 `[..., block_size, kv_heads, head_dim]`, written into `out` if given (a
         format may ignore it or leave the parameter out: `dequantize` then copies)."""
         raise NotImplementedError
 

@@ -79,7 +79,7 @@ class FP8(QuantFormat):
 
     def _decode(self, fields: dict[str, Tensor], out: Tensor | None = None) -> Tensor:
         scale = fields["scale"].float()
-        scale = scale.unsqueeze(-1) if self.granularity == "token" else scale[:, None, :, None]
+        scale = scale.unsqueeze(-1) if self.granularity == "token" else scale[..., None, :, None]
         codes = fields["codes"].view(self.fp8_dtype)
         return head_major_float(codes, codes.shape[-1], out).copy_(codes).mul_(scale)
 

@@ -203,11 +203,11 @@ class IntN(QuantFormat):
     def _decode(self, fields: dict[str, Tensor], out: Tensor | None = None) -> Tensor:
         packed = fields["codes"]
         codes = unpack_codes(packed, self.bits, head_major_float(packed, packed.shape[-1] * 8 // self.bits, out))
-        scale, zero = fields["scale"], fields["zero"]  # [n, (block,) heads, groups]
+        scale, zero = fields["scale"], fields["zero"]  # [..., (block,) heads, groups]
         if self.scale_bits == 8:  # steps x unit, the unit after the zero points
             scale, zero = scale[..., :-1].float() * zero[..., -1:].float(), zero[..., :-1]
-        if self.axis == "channel":
-            scale, zero = scale.unsqueeze(1), zero.unsqueeze(1)
+        if self.axis == "channel":  # one per block: broadcast over its tokens
+            scale, zero = scale.unsqueeze(-3), zero.unsqueeze(-3)
         if 1 < scale.shape[-1] < codes.shape[-1]:  # several groups: expand the (small) metadata per channel
             group = codes.shape[-1] // scale.shape[-1]
             scale, zero = scale.repeat_interleave(group, -1), zero.repeat_interleave(group, -1)

@@ -43,15 +43,17 @@ def test_contents_and_logits_follow_positions_not_step_sizes(spec):
 
 @pytest.mark.parametrize("spec", ["int8", "int4"])
 def test_a_long_chunk_read_in_query_tiles_gives_the_untiled_logits(spec, monkeypatch):
-    """A long step's queries are attended `QUERY_TILE` at a time (bounded transients on long prompts): with tiles
-    of 5 queries the prompt's and the next tokens' logits are the untiled read's, whose transition blocks, prefix
-    and suffix reads each query sees the same way."""
+    """A long step's queries are attended `QUERY_TILE` (`TRANSITION_TILE` in a step with a transition) at a time:
+    bounded transients on long prompts, and each tile reads only the columns it sees. With tiles of 5 queries the
+    prompt's and the next tokens' logits are the untiled read's, whose transition blocks, prefix and suffix reads
+    each query sees the same way."""
     model = shared_model("llama_gqa")
     model.set_attn_implementation("paged")
     tokens = torch.randint(3, VOCAB, (1, 45), generator=torch.Generator().manual_seed(3))
     results = []
     for tile in (10**6, 5):
         monkeypatch.setattr(quantized_layers, "QUERY_TILE", tile)
+        monkeypatch.setattr(quantized_layers, "TRANSITION_TILE", tile)
         cache = PagedCache(model.config, block_size=BLOCK, quant=spec, residual_length=RESIDUAL)
         results.append(feed_chunks(model, cache, tokens, [7, 30, 1, 1]))  # a warm chunk over a quantized prefix too
     torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=0)

@@ -208,6 +208,26 @@ def test_dequantize_into_a_view_of_a_larger_buffer_writes_what_it_returns(fmt):
             fmt.dequantize(pool, slice(1, 4), torch.float32, out=target)
 
 
+@pytest.mark.parametrize("fmt", ALL_FORMATS + ROTATED, ids=repr)
+def test_dequantize_reads_a_table_of_rows_into_a_strided_batch(fmt):
+    """A 2-D table of ids (rows of a batch, null-padded) decodes as its rows do one by one, into a view of a
+    batch whose rows hold more tokens (a batched read of several sequences' quantized histories)."""
+    bs, heads, dim = 16, 2, 32
+    pool = fmt.allocate(6, bs, heads, dim)
+    fmt.quantize(torch.randn(5, bs, heads, dim, generator=torch.Generator().manual_seed(1)), pool, range(1, 6))
+    table = torch.tensor([[4, 1, 2], [5, 0, 0]])
+    decoded = fmt.dequantize(pool, table)
+    assert decoded.shape == (2, 3, bs, heads, dim)
+    for row, ids in zip(decoded, table):
+        assert torch.equal(row, fmt.dequantize(pool, ids))
+    assert torch.equal(decoded[1, 1:], torch.zeros(2, bs, heads, dim))  # the null block decodes to zeros
+    batch = torch.full((2, 3 * bs + 4, heads, dim), 7.0)
+    target = batch[:, : 3 * bs].unflatten(1, (3, bs))
+    fmt.dequantize(pool, table, torch.float32, rotated=True, out=target)
+    assert torch.equal(target, fmt.dequantize(pool, table, rotated=True))
+    assert torch.all(batch[:, 3 * bs :] == 7.0)
+
+
 def test_a_format_whose_decode_takes_no_buffer_is_copied_into_one():
     """A format written before `out=` existed (`_decode(fields)`) still decodes into a reader's buffer."""
 

@@ -9,9 +9,23 @@ from transformers import LlamaConfig
 
 from hf_paged_cache import PagedCache
 from hf_paged_cache.layers.paged import PagedLayer
+from hf_paged_cache.layers import quantized as quantized_layers
+from hf_paged_cache.layers.quantized import QuantizedLayer
 from hf_paged_cache.serving.packed_cache import layer_sliding, packed_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def counted_plans(monkeypatch, cls, name: str) -> list[int]:
+    """Record how many plans each call of `cls.<name>(plans, ...)` (a read or write of several sequences) took."""
+    counts, method = [], getattr(cls, name)
+
+    def counted(layer, plans, *args):
+        counts.append(len(plans))
+        return method(layer, plans, *args)
+
+    monkeypatch.setattr(cls, name, counted)
+    return counts
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "mistral_sliding"])
@@ -49,21 +63,8 @@ def test_decode_tokens_attended_together_give_the_logits_of_each_alone(name, mon
     template = PagedCache(model.config, block_size=4, num_blocks=80)
     prompts = random_prompts((11, 12, 30, 6), seed=5)
     caches = [template.sibling() for _ in prompts]
-    gathered = []
-    gather_rows = PagedLayer.gather_rows
-
-    def counted(layer, plans, memo):
-        gathered.append(len(plans))
-        return gather_rows(layer, plans, memo)
-
-    monkeypatch.setattr(PagedLayer, "gather_rows", counted)
-    written, write_rows = [], PagedLayer.write_rows
-
-    def writes(layer, plans, *args):
-        written.append(len(plans))
-        return write_rows(layer, plans, *args)
-
-    monkeypatch.setattr(PagedLayer, "write_rows", writes)
+    gathered = counted_plans(monkeypatch, PagedLayer, "gather_rows")
+    written = counted_plans(monkeypatch, PagedLayer, "write_rows")
     with torch.no_grad():
         for cache, prompt in zip(caches[:3], prompts[:3]):  # three sequences decode, the fourth starts its prompt
             model(input_ids=torch.tensor([prompt[:-1]]), cache=cache)
@@ -79,4 +80,39 @@ def test_decode_tokens_attended_together_give_the_logits_of_each_alone(name, mon
     # The layers after the first (which planned every group's step of every cache) wrote all four caches in one copy.
     assert written == [4] * (len(template.layers) - 1)
     for row, reference in zip(logits, expected):
+        torch.testing.assert_close(row, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_tokens", [2048, 30])
+@pytest.mark.parametrize("quant", ["int4", "int2", "fp8", "K2rV2r"])
+def test_quantized_decode_tokens_attended_together_give_the_logits_of_each_alone(quant, chunk_tokens, monkeypatch):
+    """Decode tokens of sequences whose quantized histories differ in length (one not sealed yet, a rotated format)
+    are read in one batch per bucket (their quantized blocks decoded together), written in one copy after the first
+    layer, and give each sequence's logits of a decode alone through the quantized read. Histories longer than a
+    chunk are read row by row, chunk by chunk (a batch's decoded copy stays within a chunk per row)."""
+    monkeypatch.setattr(quantized_layers, "CHUNK_TOKENS", chunk_tokens)
+    model = tiny_model("llama_gqa")
+    model.set_attn_implementation("paged")
+    options = dict(block_size=4, num_blocks=80, quant=quant, residual_length=4)
+    template = PagedCache(model.config, **options)
+    prompts = random_prompts((3, 21, 26, 33), seed=8)
+    caches = [template.sibling() for _ in prompts]
+    gathered = counted_plans(monkeypatch, QuantizedLayer, "gather_rows")
+    written = counted_plans(monkeypatch, PagedLayer, "write_rows")
+    with torch.no_grad():
+        references = []
+        for cache, prompt in zip(caches, prompts):
+            model(input_ids=torch.tensor([prompt[:-1]]), cache=cache)
+            alone = PagedCache(model.config, **options)
+            model(input_ids=torch.tensor([prompt[:-1]]), cache=alone)
+            references.append(model(input_ids=torch.tensor([prompt[-1:]]), cache=alone).logits[0, -1])
+        sliding = [layer.is_sliding for layer in template.layers]
+        logits = packed_logits(model, [(cache, prompt[-1:], len(prompt) - 1) for cache, prompt in zip(caches, prompts)],
+                               sliding)  # fmt: skip
+    together = sum(len(prompt) <= chunk_tokens for prompt in prompts)  # 4, or 3 (all but the 33-token history)
+    assert sum(gathered) == together * len(template.layers)  # every decode token that fits read in a batch
+    assert len(gathered) < together * len(template.layers)
+    later = len(template.layers) - 1  # a decode step seals none of its own tokens: its later layers write together
+    assert written[-later:] == [4] * later
+    for row, reference in zip(logits, references):
         torch.testing.assert_close(row, reference, rtol=1e-5, atol=1e-5)
