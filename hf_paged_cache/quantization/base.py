@@ -196,15 +196,13 @@ class QuantFormat:
         `out`: a float32 tensor of that shape (e.g. a view of a reader's larger buffer) to decode into, so a
         reader that attends over decoded blocks and more tokens at once copies nothing; needs float32 and, for a
         rotating format, `rotated`."""
-        device = next(iter(fields.values())).device
-        if isinstance(blocks, Tensor) and blocks.dim() == 2:  # a table: its shape is kept
-            blocks = blocks.to(device=device, dtype=torch.long)
-        elif not isinstance(blocks, slice):  # a slice reads views of the pool; ids gather copies
-            blocks = as_ids(blocks, device)
-        if isinstance(blocks, slice):
+        if isinstance(blocks, slice):  # a slice reads views of the pool; ids gather copies
             parts = {name: tensor[blocks] for name, tensor in fields.items()}
         else:
-            parts = {name: tensor.index_select(0, blocks.flatten()).view(*blocks.shape, *tensor.shape[1:])
+            device = next(iter(fields.values())).device
+            table = isinstance(blocks, Tensor) and blocks.dim() == 2  # a table keeps its shape
+            ids = blocks.to(device=device, dtype=torch.long) if table else as_ids(blocks, device)
+            parts = {name: tensor.index_select(0, ids.flatten()).view(*ids.shape, *tensor.shape[1:])
                      for name, tensor in fields.items()}  # fmt: skip
         if out is None:
             decoded = self._decode(parts)
