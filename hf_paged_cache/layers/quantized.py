@@ -218,11 +218,16 @@ class QuantizedLayer(PagedLayer):
         """
         def build() -> list[tuple[slice, int]]:
             bs, table = self.tables.block_size, plan.quantized_tables[row]
-            start = plan.base[row] - len(table) * bs
-            first = max(plan.kv_offset - start, 0) // bs
+            first, start = self._first_readable(plan, row)
             return [(ids, start + index * bs) for ids, index in _id_runs(table[: len(table) - drop], first, bs)]
 
         return plan.cached(("quantized_chunks", row, drop), build)
+
+    def _first_readable(self, plan: StepPlan, row: int) -> tuple[int, int]:
+        """(the index in the row's quantized table of its first block the step reads (one ending after
+        `kv_offset`), the logical position of the table's first token)."""
+        start = plan.base[row] - len(plan.quantized_tables[row]) * self.tables.block_size
+        return max(plan.kv_offset - start, 0) // self.tables.block_size, start
 
     def _dequantized(
         self, blocks: slice, dtype: torch.dtype, rotated: bool = False
@@ -280,11 +285,9 @@ class QuantizedLayer(PagedLayer):
         def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             bs, reads = self.tables.block_size, []
             for plan in plans:
-                table = plan.quantized_tables[0]
-                start = plan.base[0] - len(table) * bs
-                first = max(plan.kv_offset - start, 0) // bs
+                first, start = self._first_readable(plan, 0)
                 hidden = max(plan.kv_offset - start - first * bs, 0)  # positions of the first block before kv_offset
-                reads.append((table[first:], hidden, plan.read_stop[0] - plan.read_start[0]))
+                reads.append((plan.quantized_tables[0][first:], hidden, plan.read_stop[0] - plan.read_start[0]))
             width = max(len(ids) for ids, _hidden, _stored in reads)
             stored_width = max(stored for _ids, _hidden, stored in reads)
             blocks = torch.zeros(len(plans), width, dtype=torch.long)  # block 0: the null block, decoded as zeros
