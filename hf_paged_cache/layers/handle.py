@@ -14,6 +14,10 @@ if TYPE_CHECKING:
 
     from ..blocks.plan import StepPlan
 
+# A decode row's history of at least this many bytes (keys and values) is read in place rather than copied into a
+# batch with others': past it the copy costs more than the attention call the batch saves (`PagedKV.reads_in_place`).
+IN_PLACE_BYTES = 256 * 1024
+
 # (plan, query, mask, scale, softcap, sinks): what runs after a layer's attention (eviction), bound by the cache.
 AfterAttention = Callable[["StepPlan", torch.Tensor, "torch.Tensor | None", float, "float | None",
                            "torch.Tensor | None"], None]  # fmt: skip
@@ -81,6 +85,14 @@ class PagedKV:
             return None
         return self.plan.cached(("own_mask", q_len, device), lambda: self.layer.layer_type.read_mask(
             self.layer.tables, q_len, self.plan.kv_offset, self.read_len, device))  # the group's layers share it
+
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether a one-token query of this handle is best attended on its own, over views of its blocks: its history
+        is full precision and long enough that copying it into a batch with other sequences' (`reads_with_others`)
+        costs more than the call the batch saves."""
+        layer = self.layer
+        return not layer.is_quantized and self.read_len * layer.block_bytes >= IN_PLACE_BYTES * layer.tables.block_size
 
     @property
     def reads_with_others(self) -> bool:

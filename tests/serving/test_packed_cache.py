@@ -9,6 +9,7 @@ from transformers import LlamaConfig
 
 from hf_paged_cache import PagedCache
 from hf_paged_cache.layers.paged import PagedLayer
+from hf_paged_cache.layers import handle
 from hf_paged_cache.layers import quantized as quantized_layers
 from hf_paged_cache.layers.quantized import QuantizedLayer
 from hf_paged_cache.serving.packed_cache import layer_sliding, packed_logits
@@ -79,6 +80,31 @@ def test_decode_tokens_attended_together_give_the_logits_of_each_alone(name, mon
     assert sum(gathered) == 3 * layers and len(gathered) == windowed + 2 * (layers - windowed)
     # The layers after the first (which planned every group's step of every cache) wrote all four caches in one copy.
     assert written == [4] * (len(template.layers) - 1)
+    for row, reference in zip(logits, expected):
+        torch.testing.assert_close(row, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_long_decode_histories_are_read_in_place_and_give_the_logits_of_each_alone(monkeypatch):
+    """A decode token whose full-precision history is at least `IN_PLACE_BYTES` attends alone over views of its
+    blocks, while the shorter ones are still gathered into one batch; each gives its logits of a forward alone."""
+    model = tiny_model("llama_gqa")
+    model.set_attn_implementation("paged")
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    monkeypatch.setattr(handle, "IN_PLACE_BYTES", 20 * 2 * config.num_key_value_heads * head_dim * 4)  # 20 tokens
+    template = PagedCache(model.config, block_size=4, num_blocks=80)
+    prompts = random_prompts((11, 12, 30), seed=5)
+    caches = [template.sibling() for _ in prompts]
+    gathered = counted_plans(monkeypatch, PagedLayer, "gather_rows")
+    with torch.no_grad():
+        for cache, prompt in zip(caches, prompts):
+            model(input_ids=torch.tensor([prompt[:-1]]), cache=cache)
+        sliding = [layer.is_sliding for layer in template.layers]
+        logits = packed_logits(model, [(cache, prompt[-1:], len(prompt) - 1) for cache, prompt in zip(caches, prompts)],
+                               sliding)  # fmt: skip
+        expected = [model(input_ids=torch.tensor([prompt]), cache=PagedCache(model.config, block_size=4)).logits[0, -1]
+                    for prompt in prompts]  # fmt: skip
+    assert gathered == [2] * len(template.layers)  # the histories of 10 and 11 together; the 29-token one in place
     for row, reference in zip(logits, expected):
         torch.testing.assert_close(row, reference, rtol=1e-5, atol=1e-5)
 
