@@ -106,8 +106,8 @@ def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, sof
     """A packed forward: each sequence's queries over its own blocks, `[1, q, heads, d]`. The one-token sequences (the
     decode tokens) whose rows the torch path reads from one storage are attended together, a call per bucket of
     similar history lengths over their histories gathered into one padded batch, instead of one call per sequence;
-    a decode token with a long full-precision history (`PagedKV.reads_in_place`) attends alone over views of its
-    blocks, since copying it would cost more than the call."""
+    a decode token with a long full-precision history (`PagedKV.reads_in_place`) attends alone over its own blocks,
+    since copying it into the padded batch would cost more than the call."""
     together = [(start, part) for start, stop, part in packed.parts
                 if stop - start == 1 and part.reads_with_others and not part.reads_in_place]  # fmt: skip
     together = [(start, part) for start, part in together if part.layer.storage is together[0][1].layer.storage]

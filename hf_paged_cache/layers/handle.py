@@ -88,9 +88,9 @@ class PagedKV:
 
     @property
     def reads_in_place(self) -> bool:
-        """Whether a one-token query of this handle is best attended on its own, over views of its blocks: its history
-        is full precision and long enough that copying it into a batch with other sequences' (`reads_with_others`)
-        costs more than the call the batch saves."""
+        """Whether a one-token query of this handle is attended on its own, over its blocks as they lie (views where
+        they form one run, `PagedLayer.row_kv`): its history is full precision and long enough that copying it into a
+        padded batch with other sequences' (`reads_with_others`) costs more than the call the batch saves."""
         layer = self.layer
         return not layer.is_quantized and self.read_len * layer.block_bytes >= IN_PLACE_BYTES * layer.tables.block_size
 
