@@ -75,13 +75,17 @@ def attend(
 
 
 def attention(query, key, value, mask: torch.Tensor | None, scale: float, softcap: float | None,
-              sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+              sinks: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:  # fmt: skip
     """`attend` without its last step: query rows that see no key are left as SDPA makes them (NaN), so a
-    caller attending in parts fixes them once (`zero_unattended`). `mask` None means no masking."""
+    caller attending in parts fixes them once (`zero_unattended`). `mask` None means no masking; `causal` (with no
+    `mask`) that the queries are the keys themselves, in order: SDPA masks that square without a mask tensor and
+    skips the tiles above the diagonal."""
     key, value = key.to(query.dtype), value.to(query.dtype)
+    if causal and (softcap is not None or sinks is not None):
+        mask = causal_mask(query.shape[2], key.shape[2], query.device)
     if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
+            query, key, value, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
         )
     else:  # SDPA can neither soft-cap nor take a sink logit (a virtual sink key would need a per-head float mask as
         # large as the logits themselves): one row at a time through the shared grouped logits

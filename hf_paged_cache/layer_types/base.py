@@ -82,10 +82,13 @@ class LayerType:
         """The window a mask made by the cache itself (a packed row's) restricts reads to, None for none."""
         return None
 
-    def read_mask(self, tables: BlockTables, q_len: int, kv_offset: int, n: int, device: torch.device) -> torch.Tensor:
+    def read_mask(self, tables: BlockTables, q_len: int, kv_offset: int, n: int,
+                  device: torch.device) -> torch.Tensor | None:  # fmt: skip
         """The boolean `[1, 1, q_len, n]` mask of a row without a model-made mask (a packed row, no padding) whose
-        queries are the last `q_len` of the `n` positions read from `kv_offset` on."""
-        return causal_mask(q_len, n, device, self.read_window(tables))
+        queries are the last `q_len` of the `n` positions read from `kv_offset` on; None for plain causality, which
+        every reader takes a missing mask for (and attends without building one where it can)."""
+        window = self.read_window(tables)
+        return None if window is None else causal_mask(q_len, n, device, window)
 
     def kernel_window(self, tables: BlockTables) -> int:
         """The window constant the Triton kernels mask by (0: none)."""

@@ -80,7 +80,8 @@ class PagedKV:
 
     def own_mask(self, q_len: int, device: torch.device) -> torch.Tensor | None:
         """The mask of a sequence that has no model-made mask (a packed batch), as its layer type reads (causal over
-        the read range, within a window or a chunk); None for one query, which sees the whole read range."""
+        the read range, within a window or a chunk); None for plain causality (`ReadRules.read_mask`) and for one
+        query, which sees the whole read range."""
         if q_len == 1:
             return None
         return self.plan.cached(("own_mask", q_len, device), lambda: self.layer.layer_type.read_mask(

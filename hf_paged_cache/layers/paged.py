@@ -353,19 +353,29 @@ class PagedLayer(CacheLayerMixin):
         q_len = query.shape[2]
         if plan.tables.compacted:
             return attend(query, *self.read_with_mask(plan, mask, q_len), scale, softcap, sinks)
-        if mask is None and q_len > 1:
-            mask = causal_mask(q_len, plan.new_len - plan.kv_offset, query.device)
+        causal = mask is None and q_len > 1  # plain causality: every query sees at least its own key
+        if causal:
+            mask = self.causal_mask(plan, q_len, query.device)
         out = []
         for row, runs in enumerate(plan.runs()):
             if not runs:  # nothing stored in range: a fully masked row, zeroed below
                 out.append(query.new_zeros(1, query.shape[1], q_len, self.value_dim))
                 continue
-            row_mask = None if mask is None else mask[row if mask.shape[0] > 1 else 0, None, :, :, runs[0][0] :]
             keys, values = self.row_kv(plan, row)
-            out.append(attention(query[row : row + 1], keys[None], values[None], row_mask, scale, softcap, sinks))
+            own = causal and keys.shape[1] == q_len  # the row reads only its queries' own keys: SDPA's causal flag
+            row_mask = None if mask is None or own else mask[row if mask.shape[0] > 1 else 0, None, :, :, runs[0][0] :]
+            out.append(attention(query[row : row + 1], keys[None], values[None], row_mask, scale, softcap, sinks,
+                                 causal=own))  # fmt: skip
+        out = out[0] if len(out) == 1 else torch.cat(out)
         # The columns before a row's first run are its padding, hidden by the model's mask: the whole mask
         # tells which query rows see no key at all.
-        return zero_unattended(torch.cat(out), mask)
+        return out if causal else zero_unattended(out, mask)
+
+    @staticmethod
+    def causal_mask(plan: StepPlan, q_len: int, device: torch.device) -> torch.Tensor:
+        """The causal mask of the step's read range (`q_len` queries, the last of its keys), built once per step."""
+        return plan.cached(("causal_mask", q_len, device),
+                           lambda: causal_mask(q_len, plan.new_len - plan.kv_offset, device))  # fmt: skip
 
     def read_with_mask(
         self, plan: StepPlan, mask: torch.Tensor | None, q_len: int

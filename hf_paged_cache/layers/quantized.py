@@ -340,7 +340,7 @@ class QuantizedLayer(PagedLayer):
             return super().attend(query, plan, mask, scale, softcap, sinks)
         width = plan.new_len - plan.kv_offset
         if mask is None and (q_len > 1 or plan.kv_offset):  # one query, no mask, nothing cut: it sees every key
-            mask = causal_mask(q_len, width, query.device)
+            mask = self.causal_mask(plan, q_len, query.device)
         key_format, value_format = self.kv_format.key, self.kv_format.value
         out = []
         for row in range(batch):

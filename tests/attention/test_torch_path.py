@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_paged_cache.attention.torch_path import OnlineSoftmax, attend, attention_mass, causal_mask, visible_columns
+from hf_paged_cache.attention.torch_path import (
+    OnlineSoftmax,
+    attend,
+    attention,
+    attention_mass,
+    causal_mask,
+    visible_columns,
+)
 
 
 def _dense(query, key, value, visible, scale, softcap):
@@ -32,6 +39,16 @@ def test_attend_matches_a_dense_softmax_and_zeroes_rows_that_see_nothing(softcap
         _probs, expected = _dense(query[row], key[row], value[row], mask[row, 0], 0.3, softcap)
         torch.testing.assert_close(out[row], expected, atol=1e-5, rtol=1e-5)
     assert torch.all(out[1, :, 0] == 0)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_the_causal_flag_is_the_square_causal_mask(softcap):
+    gen = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(1, h, 7, 8, generator=gen) for h in (4, 2, 2))
+    expected = attention(query, key, value, causal_mask(7, 7, query.device), 0.3, softcap)
+    dense = _dense(query[0], key[0], value[0], causal_mask(7, 7, query.device)[0, 0], 0.3, softcap)[1]
+    assert torch.allclose(attention(query, key, value, None, 0.3, softcap, causal=True), expected, atol=1e-6)
+    assert torch.allclose(expected[0], dense, atol=1e-5)
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0])

@@ -40,12 +40,19 @@ def test_a_packed_handle_acts_for_every_sequence():
 
 @torch.no_grad()
 def test_the_own_mask_is_causal_over_the_read_range():
-    model = shared_model("llama_gqa")
-    model.set_attn_implementation("sdpa")
-    cache = PagedCache(model.config, block_size=4)
-    model(input_ids=torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0)), cache=cache)
-    layer = cache.layers[0]
-    handle = PagedKV(layer, layer.tables.plan)
-    assert handle.read_len == 6
-    assert handle.own_mask(1, torch.device("cpu")) is None
-    assert torch.equal(handle.own_mask(6, torch.device("cpu")), causal_mask(6, 6, torch.device("cpu")))
+    """Plain causality is no mask (every reader takes a missing mask for it); a sliding layer's is windowed."""
+    cpu = torch.device("cpu")
+    for name, layer_index, window in (("llama_gqa", 0, None), ("qwen2_sliding", 0, 8), ("qwen2_sliding", 1, None)):
+        model = shared_model(name)
+        model.set_attn_implementation("sdpa")
+        cache = PagedCache(model.config, block_size=4)
+        model(input_ids=torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(0)), cache=cache)
+        layer = cache.layers[layer_index]
+        handle = PagedKV(layer, layer.tables.plan)
+        assert handle.read_len == 10
+        assert handle.own_mask(1, cpu) is None
+        if window is None:
+            assert handle.own_mask(10, cpu) is None
+        else:
+            assert torch.equal(handle.own_mask(10, cpu), causal_mask(10, 10, cpu, window))
+        assert torch.equal(layer.causal_mask(layer.tables.plan, 10, cpu), causal_mask(10, 10, cpu))
