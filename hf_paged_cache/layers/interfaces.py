@@ -25,6 +25,9 @@ class ReadRules(Protocol):
 
     def read_window(self, tables: BlockTables) -> int | None: ...
 
+    def read_mask(self, tables: BlockTables, q_len: int, kv_offset: int, n: int,
+                  device: torch.device) -> torch.Tensor | None: ...  # fmt: skip  (None: plain causality)
+
     def kernel_window(self, tables: BlockTables) -> int: ...
 
 

@@ -26,7 +26,7 @@ from ..blocks.sealing import QuantizedBlockTables
 from .paged import PagedLayer, storage_field
 from ..quantization.base import KVFormat
 from ..quantization.registry import kv_format_fields
-from ..attention.torch_path import OnlineSoftmax, causal_mask, visible_columns
+from ..attention.torch_path import OnlineSoftmax, visible_columns
 
 CHUNK_TOKENS = 2048  # quantized tokens dequantized at a time by the paged read (a bounded transient)
 QUERY_TILE = 512  # queries of a long step attended at a time by that read (its logits: a tile x a chunk)
