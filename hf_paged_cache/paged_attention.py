@@ -12,6 +12,8 @@ the attention math and the keyword contract it applies live below them, in `atte
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import AttentionInterface, PretrainedConfig
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -25,12 +27,17 @@ from .attention.contract import (
     sink_logits,
 )
 from .attention.paged_states import reused_paged_kv
-from .attention.torch_path import attend, attention
+from .attention.torch_path import attend, attention, merge_partials, partial_attention
 from .errors import UnsupportedAttentionError
 from .layer_types.registry import is_known, layer_type_for
 from .layers.handle import PackedPagedKV, PagedKV
 
 ATTENTION_NAME = "paged"
+# Decode tokens of a packed forward whose histories begin with a prefix of at least this many stored tokens in the
+# same blocks read it once for all of them (`_attend_shared_prefix`), when reading it once per token would read at
+# least SHARED_PREFIX_MIN_REREAD of its tokens again: below that, the call and merge it adds cost more than it saves.
+SHARED_PREFIX_MIN_TOKENS = 64
+SHARED_PREFIX_MIN_REREAD = 1536
 
 
 def register_paged_attention() -> None:
@@ -104,23 +111,28 @@ def paged_attention_forward(
 def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, softcap: float | None,
                    sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     """A packed forward: each sequence's queries over its own blocks, `[1, q, heads, d]`. The one-token sequences (the
-    decode tokens) whose rows the torch path reads from one storage are attended together, a call per bucket of
-    similar history lengths over their histories gathered into one padded batch, instead of one call per sequence;
-    a decode token with a long full-precision history (`PagedKV.reads_in_place`) attends alone over its own blocks,
+    decode tokens) whose rows the torch path reads from one storage are attended together: those whose histories
+    begin with a prefix they share (`_shared_prefixes`) read it once for all of them; the others in a call per bucket
+    of similar history lengths over their histories gathered into one padded batch, instead of one call per sequence.
+    A decode token with a long full-precision history (`PagedKV.reads_in_place`) attends alone over its own blocks,
     since copying it into the padded batch would cost more than the call."""
-    together = [(start, part) for start, stop, part in packed.parts
-                if stop - start == 1 and part.reads_with_others and not part.reads_in_place]  # fmt: skip
-    together = [(start, part) for start, part in together if part.layer.storage is together[0][1].layer.storage]
+    decode = [(start, part) for start, stop, part in packed.parts if stop - start == 1 and part.reads_with_others]
+    decode = [(start, part) for start, part in decode if part.layer.storage is decode[0][1].layer.storage]
+    pieces, read = [], set()
+    for members, prefix in _shared_prefixes(decode, packed.memo) if decode and sinks is None else []:
+        group = [decode[index] for index in members]
+        pieces += _attend_shared_prefix(query, group, prefix, packed.memo, scale, softcap)
+        read.update(start for start, _part in group)
+    together = [(start, part) for start, part in decode if start not in read and not part.reads_in_place]
     if len(together) < 2:
         together = []
-    pieces = []
-    for bucket in _similar_lengths(together):
+    for bucket in _similar_lengths(together, lambda item: item[1].read_len):
         tokens = torch.tensor([start for start, _part in bucket], device=query.device)
         keys, values, mask = bucket[0][1].layer.gather_rows([part.plan for _start, part in bucket], packed.memo)
         # [rows, heads, 1, d], in the precision the rows are read in (float32 for a quantized history)
         queries = query[0].index_select(1, tokens).transpose(0, 1).unsqueeze(2).to(keys.dtype)
         pieces.append((tokens, attention(queries, keys, values, mask, scale, softcap, sinks)[:, :, 0].to(query.dtype)))
-    read = {start for start, _part in together}
+    read.update(start for start, _part in together)
     for start, stop, part in packed.parts:
         if start not in read:
             mask = part.own_mask(stop - start, query.device)
@@ -132,14 +144,75 @@ def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, sof
     return out[None]
 
 
-def _similar_lengths(parts: list[tuple[int, PagedKV]], spread: float = 1.5) -> list[list[tuple[int, PagedKV]]]:
-    """`parts` in buckets of similar read lengths (the longest at most `spread` x the shortest), so a padded batch
+def _shared_prefixes(decode: list[tuple[int, PagedKV]], memo: dict) -> list[tuple[list[int], int]]:
+    """The decode tokens whose stored read ranges begin in the same blocks (a cached prefix), as (their indices in
+    `decode`, the prefix's tokens), for prefixes of at least `SHARED_PREFIX_MIN_TOKENS` of which reads apart would read
+    at least `SHARED_PREFIX_MIN_REREAD` tokens again; each token keeps at least its own key past the prefix. Sorted by
+    their blocks, the tokens of a prefix stand together, and the prefix a run of them shares is what its first and last
+    share. Found once per forward (`memo`) for every layer of the tokens' group."""
+    key = ("shared_prefixes", tuple(id(part.plan) for _start, part in decode))
+    if key in memo:
+        return memo[key]
+    block_size = decode[0][1].layer.tables.block_size
+    reads = sorted((part.plan.read_start[0], part.layer.read_blocks(part.plan), index)
+                   for index, (_start, part) in enumerate(decode))  # fmt: skip
+
+    def shared(one, other) -> int:  # the tokens two reads share from their first
+        if one[0] != other[0] or not one[1]:
+            return 0
+        blocks = next((at for at, (a, b) in enumerate(zip(one[1], other[1])) if a != b), min(len(one[1]), len(other[1])))
+        return blocks * block_size - one[0] % block_size
+
+    found, run = [], reads[:1]
+    for read in [*reads[1:], None]:
+        if read is not None and shared(run[0], read) >= SHARED_PREFIX_MIN_TOKENS:
+            run.append(read)
+            continue
+        if len(run) > 1:
+            plans = [decode[index][1].plan for _first, _blocks, index in run]
+            prefix = min(shared(run[0], run[-1]), *(plan.read_stop[0] - plan.read_start[0] - 1 for plan in plans))
+            if prefix >= SHARED_PREFIX_MIN_TOKENS and (len(run) - 1) * prefix >= SHARED_PREFIX_MIN_REREAD:
+                found.append(([index for _first, _blocks, index in run], prefix))
+        run = [read]
+    memo[key] = found
+    return found
+
+
+def _attend_shared_prefix(query: torch.Tensor, group: list[tuple[int, PagedKV]], prefix: int, memo: dict, scale: float,
+                          softcap: float | None) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """Decode tokens `group` (starts in the packed `query` `[1, heads, q, d]`) whose read ranges begin with the same
+    `prefix` stored tokens: all of them over the prefix in one call (its keys read once, as views of its blocks),
+    then each over the rest of its own range (gathered in buckets of similar lengths), merged by log-sum-exp
+    (cascade attention). Returns (token indices, outputs `[tokens, heads, d]`) pieces."""
+    layer, heads, head_dim = group[0][1].layer, query.shape[1], query.shape[-1]
+    kv_heads = layer.kv_shape[0]
+    tokens = torch.tensor([start for start, _part in group], device=query.device)
+    queries = query[0].index_select(1, tokens).float()  # [heads, rows, d]
+    keys, values = layer.row_kv(group[0][1].plan, 0, prefix)  # [kv_heads, prefix, d]
+    out, lse = partial_attention(queries.reshape(1, kv_heads, -1, head_dim), keys[None].float(), values[None].float(),
+                                 None, scale, softcap)  # fmt: skip
+    out, lse = out.reshape(heads, len(group), -1).transpose(0, 1), lse.reshape(heads, len(group)).transpose(0, 1)
+    queries = queries.transpose(0, 1)  # [rows, heads, d]
+    pieces = []
+    for bucket in _similar_lengths(list(range(len(group))), lambda index: group[index][1].read_len - prefix):
+        rows = torch.tensor(bucket, device=query.device)
+        keys, values, mask = layer.gather_rows([group[index][1].plan for index in bucket], memo, skip=prefix)
+        rest, rest_lse = partial_attention(queries[rows].reshape(len(bucket), kv_heads, -1, head_dim), keys.float(),
+                                           values.float(), mask, scale, softcap)  # fmt: skip
+        merged, _lse = merge_partials(out[rows], lse[rows], rest.reshape(len(bucket), heads, -1),
+                                      rest_lse.reshape(len(bucket), heads))  # fmt: skip
+        pieces.append((tokens[rows], merged.to(query.dtype)))
+    return pieces
+
+
+def _similar_lengths(items: list, length: Callable, spread: float = 1.5) -> list[list]:
+    """`items` in buckets of similar read `length`s (the longest at most `spread` x the shortest), so a padded batch
     copies and attends over few more keys than its rows read, in a few calls rather than one per row."""
-    buckets: list[list[tuple[int, PagedKV]]] = []
-    for part in sorted(parts, key=lambda item: item[1].read_len):
-        if not buckets or part[1].read_len > spread * buckets[-1][0][1].read_len:
+    buckets: list[list] = []
+    for item in sorted(items, key=length):
+        if not buckets or length(item) > spread * length(buckets[-1][0]):
             buckets.append([])
-        buckets[-1].append(part)
+        buckets[-1].append(item)
     return buckets
 
 

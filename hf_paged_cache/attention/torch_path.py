@@ -128,11 +128,7 @@ def visible_columns(row_mask: torch.Tensor, first: int, count: int) -> torch.Ten
 class OnlineSoftmax:
     """Attention of one row's queries `[heads, q, d]` over K/V chunks `[kv_heads, n, d]` (grouped heads),
     merged by their log-sum-exp (float32), so no chunk outlives its `update`; the sinks (if any) join the
-    sum once, in `result`. Fully masked queries give 0.
-
-    A chunk is attended by the CPU flash kernel, which returns its log-sum-exp, where it can (CPU, no softcap,
-    keys and values of one width): one fused call instead of materialising the chunk's logits; elsewhere
-    through the shared grouped logits."""
+    sum once, in `result`. Fully masked queries give 0. Each chunk is a `partial_attention`."""
 
     def __init__(self, query: torch.Tensor, scale: float, softcap: float | None, sinks: torch.Tensor | None = None):
         self.heads, self.q_len, _ = query.shape
@@ -148,15 +144,12 @@ class OnlineSoftmax:
         keys, values = keys.to(query.device, torch.float32), values.to(query.device, torch.float32)
         if visible is not None:  # None: every key of the chunk is visible
             visible = visible.to(query.device)
-            visible = None if bool(visible.all()) else group_visibility(visible, group)
-        out, lse = _chunk_attention(query, keys, values, visible, self.scale, self.softcap)
+            visible = None if bool(visible.all()) else group_visibility(visible, group)[None]
+        out, lse = partial_attention(query[None], keys[None], values[None], visible, self.scale, self.softcap)
         if self.out is None:
-            self.out, self.lse = out, lse
+            self.out, self.lse = out[0], lse[0]
             return
-        total = torch.logaddexp(self.lse, lse)
-        safe = total.masked_fill(torch.isinf(total), 0.0)  # queries that saw nothing yet: both weights 0
-        self.out = self.out * torch.exp(self.lse - safe)[..., None] + out * torch.exp(lse - safe)[..., None]
-        self.lse = total
+        self.out, self.lse = merge_partials(self.out, self.lse, out[0], lse[0])
 
     def result(self) -> torch.Tensor:
         out = self.out
@@ -166,23 +159,36 @@ class OnlineSoftmax:
         return out.reshape(self.heads, self.q_len, -1)
 
 
-def _chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
-                     scale: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Grouped float32 `query` `[kv_heads, gq, d]` over one chunk, `visible` `[1, gq, n]` (None: every key):
-    (the softmax-weighted values `[kv_heads, gq, dv]`, the log-sum-exp of the visible logits `[kv_heads, gq]`,
-    -inf where none is)."""
+def partial_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
+                      scale: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Grouped float32 `query` `[b, kv_heads, gq, d]` over a part of the keys `[b, kv_heads, n, d]`, `visible` a
+    boolean mask broadcastable to `[b, 1, gq, n]` (None: every key): (the softmax-weighted values
+    `[b, kv_heads, gq, dv]`, the log-sum-exp of the visible logits `[b, kv_heads, gq]`, -inf where none is), so
+    parts attended apart merge exactly (`merge_partials`).
+
+    Attended by the CPU flash kernel, which returns its log-sum-exp, where it can (CPU, no softcap, keys and values
+    of one width): one fused call instead of materialising the logits; elsewhere through the shared grouped logits."""
     if softcap is None and query.device.type == "cpu" and keys.shape[-1] == values.shape[-1]:
-        mask = None if visible is None else torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[None]
-        out, lse = _FLASH_CPU(query[None], keys[None], values[None], attn_mask=mask, scale=scale)
+        mask = None if visible is None else torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+        out, lse = _FLASH_CPU(query, keys, values, attn_mask=mask, scale=scale)
         if visible is not None:  # the kernel gives a query that sees nothing a log-sum-exp of 0
-            lse = lse.masked_fill(~visible.any(-1)[None], float("-inf"))
-        return out[0], lse[0]
+            lse = lse.masked_fill(~visible.any(-1), float("-inf"))
+        return out, lse
     logits = grouped_logits(query, keys, scale, softcap)
     if visible is not None:
         logits = logits.masked_fill_(~visible, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)
     weights = torch.exp(logits - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
     return torch.matmul(weights, values), lse
+
+
+def merge_partials(out: torch.Tensor, lse: torch.Tensor, other_out: torch.Tensor,
+                   other_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Two `partial_attention` results of the same queries over disjoint keys, as one over both: each weighted by
+    its share of the joint softmax denominator (queries that saw nothing in either keep 0)."""
+    total = torch.logaddexp(lse, other_lse)
+    safe = total.masked_fill(torch.isinf(total), 0.0)
+    return out * torch.exp(lse - safe)[..., None] + other_out * torch.exp(other_lse - safe)[..., None], total
 
 
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (out, log-sum-exp): chunks merge exactly

@@ -260,25 +260,38 @@ class PagedLayer(CacheLayerMixin):
         self._store(memo[key], key_states, value_states)
 
     # ------------------------------------------------------------------ reading
-    def row_kv(self, plan: StepPlan, row: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row `row`'s stored read range as K/V `[kv_heads, tokens, head_dim]`: views of the storage when
-        its blocks form one run, else one copy (`_row_pieces`)."""
-        pieces = [self._row_pieces(blocks, plan, row) for blocks in (self.key_blocks, self.value_blocks)]
+    def row_kv(self, plan: StepPlan, row: int, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `row`'s stored read range (its first `count` tokens, if given) as K/V `[kv_heads, tokens, head_dim]`:
+        views of the storage when its blocks form one run, else one copy (`_row_pieces`)."""
+        pieces = [self._row_pieces(blocks, plan, row, count) for blocks in (self.key_blocks, self.value_blocks)]
         keys, values = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1) for parts in pieces)
         return keys, values
 
-    def _row_pieces(self, blocks: torch.Tensor, plan: StepPlan, row: int) -> list[torch.Tensor]:
-        """Row `row`'s stored read range of `blocks` as `[kv_heads, n_i, head_dim]` pieces in order: views of
-        its runs (`StepPlan.runs`), or one slot-by-slot gather when it is cut into more than `MAX_RUNS`
-        runs (one index beats many small copies)."""
+    def _row_pieces(self, blocks: torch.Tensor, plan: StepPlan, row: int,
+                    count: int | None = None) -> list[torch.Tensor]:  # fmt: skip
+        """Row `row`'s stored read range of `blocks` (its first `count` tokens, if given) as `[kv_heads, n_i, head_dim]`
+        pieces in order: views of its runs (`StepPlan.runs`), or one slot-by-slot gather when it is cut into more
+        than `MAX_RUNS` runs (one index beats many small copies)."""
         runs = plan.runs()[row]
+        start = plan.read_start[row]
+        count = plan.read_stop[row] - start if count is None else count
         if len(runs) > MAX_RUNS:
-            start, stop = plan.read_start[row], plan.read_stop[row]
-            slots = plan.cached(("row_slots", row, self.device),
-                                lambda: plan.slots(row, start, stop - start).to(self.device))  # fmt: skip
+            slots = plan.cached(("row_slots", row, count, self.device),
+                                lambda: plan.slots(row, start, count).to(self.device))  # fmt: skip
             return [blocks.view(-1, *blocks.shape[2:]).index_select(0, slots).transpose(0, 1)]
-        flat = _heads_first(blocks)
-        return [flat[:, slot : slot + count] for _column, slot, count in runs]
+        flat, pieces = _heads_first(blocks), []
+        for _column, slot, tokens in runs:
+            if count <= 0:
+                break
+            pieces.append(flat[:, slot : slot + min(tokens, count)])
+            count -= tokens
+        return pieces
+
+    def read_blocks(self, plan: StepPlan) -> list[int]:
+        """The ids of the blocks the one-row `plan`'s stored read range lies in, in order. Rows of one storage whose
+        lists start alike (a cached prefix) read the same keys there, so a packed forward reads them once for all."""
+        block_size, ids = self.tables.block_size, plan.tables.rows[0].blocks.ids
+        return ids[plan.read_start[0] // block_size : -(-plan.read_stop[0] // block_size)]
 
     def reads_plain_row(self, plan: StepPlan) -> bool:
         """Whether the torch path reads `plan`'s one row as its stored blocks in order (no kernels, no compaction), so
@@ -286,22 +299,24 @@ class PagedLayer(CacheLayerMixin):
         return (len(plan.read_start) == 1 and not plan.tables.compacted and not self.uses_kernels()
                 and plan.read_stop[0] > plan.read_start[0])  # fmt: skip
 
-    def gather_rows(self, plans: list[StepPlan], memo: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def gather_rows(self, plans: list[StepPlan], memo: dict,
+                    skip: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """The stored ranges of the one-row `plans` (sequences whose caches share this layer's storage), copied once
         into one batch: K/V `[len(plans), kv_heads, longest, d]` and the boolean mask `[len(plans), 1, 1, longest]`
-        of their stored tokens (the rest read the null block). `memo` keeps the slot indices for the other layers
-        of the plans' group in the same forward."""
+        of their stored tokens (the rest read the null block). `skip` leaves out the first tokens of every range (a
+        prefix they share, read once). `memo` keeps the slot indices for the other layers of the plans' group in the
+        same forward."""
 
         def build() -> tuple[torch.Tensor, torch.Tensor]:
-            lengths = [plan.read_stop[0] - plan.read_start[0] for plan in plans]
+            lengths = [plan.read_stop[0] - plan.read_start[0] - skip for plan in plans]
             longest = max(lengths)
             slots = torch.zeros(len(plans), longest, dtype=torch.long)  # slot 0: the null block's first
             for index, (plan, length) in enumerate(zip(plans, lengths)):
-                slots[index, :length] = plan.slots(0, plan.read_start[0], length)
+                slots[index, :length] = plan.slots(0, plan.read_start[0] + skip, length)
             mask = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
             return slots.flatten().to(self.device), mask[:, None, None, :].to(self.device)
 
-        key = ("gather_rows", tuple(map(id, plans)), self.device)
+        key = ("gather_rows", tuple(map(id, plans)), skip, self.device)
         if key not in memo:
             memo[key] = build()
         slots, mask = memo[key]

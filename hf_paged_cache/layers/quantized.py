@@ -277,10 +277,18 @@ class QuantizedLayer(PagedLayer):
         return (super().reads_plain_row(plan) and not any(plan.transition)
                 and plan.new_len - plan.kv_offset <= CHUNK_TOKENS)  # fmt: skip
 
-    def gather_rows(self, plans: list[StepPlan], memo: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def read_blocks(self, plan: StepPlan) -> list[int]:
+        """None: a quantized history is decoded as it is read, so no rows read a prefix of it together."""
+        return []
+
+    def gather_rows(self, plans: list[StepPlan], memo: dict,
+                    skip: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """`PagedLayer.gather_rows` over quantized histories, in float32 (the precision `attend` reads them in): each
         row's readable quantized blocks (null-padded to the longest such table), decoded straight into the batch in
         one call per K / V for every row, then its full-precision range. Columns before `kv_offset` are masked."""
+        if skip:
+            raise ValueError("gather_rows(skip=...) reads past a shared prefix, which a quantized layer has none of "
+                             "(`read_blocks` is empty): read the whole ranges (skip=0)")  # fmt: skip
 
         def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             bs, reads = self.tables.block_size, []

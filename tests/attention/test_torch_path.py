@@ -12,6 +12,8 @@ from hf_paged_cache.attention.torch_path import (
     attention,
     attention_mass,
     causal_mask,
+    merge_partials,
+    partial_attention,
     visible_columns,
 )
 
@@ -61,6 +63,33 @@ def test_online_softmax_over_chunks_equals_attention_over_the_whole(softcap):
         softmax.update(key[:, lo:hi], value[:, lo:hi], visible[:, lo:hi])
     _probs, expected = _dense(query, key, value, visible, 0.3, softcap)
     torch.testing.assert_close(softmax.result(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_partial_attentions_merged_equal_attention_over_both_parts(softcap):
+    """A batch of rows over a part every row sees and a padded part of its own (the key mask broadcast over the
+    grouped queries), merged by log-sum-exp, is each row's attention over both; a part a row sees none of adds 0."""
+    gen = torch.Generator().manual_seed(7)
+    rows, heads, kv_heads, q_len, d = 3, 4, 2, 2, 8
+    query = torch.randn(rows, heads, q_len, d, generator=gen)
+    shared = [torch.randn(1, kv_heads, 6, d, generator=gen) for _ in range(2)]
+    own = [torch.randn(rows, kv_heads, 5, d, generator=gen) for _ in range(2)]
+    lengths = torch.tensor([5, 2, 0])  # the last row has nothing of its own
+    keys_seen = (torch.arange(5)[None, :] < lengths[:, None])[:, None, None, :]  # [rows, 1, 1, 5]
+    grouped = query.reshape(rows, kv_heads, -1, d)
+    everyone = grouped.transpose(0, 1).reshape(1, kv_heads, -1, d)  # every row's queries, per KV head
+    first, first_lse = partial_attention(everyone, *shared, None, 0.3, softcap)
+    first = first.reshape(kv_heads, rows, -1, d).transpose(0, 1)  # back to rows: [rows, kv_heads, g * q, d]
+    first_lse = first_lse.reshape(kv_heads, rows, -1).transpose(0, 1)
+    second, second_lse = partial_attention(grouped, *own, keys_seen, 0.3, softcap)
+    assert torch.all(torch.isinf(second_lse[2]))
+    merged, _lse = merge_partials(first, first_lse, second, second_lse)
+    for row in range(rows):
+        n = int(lengths[row])
+        key = torch.cat([shared[0][0], own[0][row, :, :n]], dim=1)
+        value = torch.cat([shared[1][0], own[1][row, :, :n]], dim=1)
+        _probs, expected = _dense(query[row], key, value, torch.ones(q_len, 6 + n, dtype=torch.bool), 0.3, softcap)
+        torch.testing.assert_close(merged[row].reshape(heads, q_len, d), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_attention_mass_is_the_probability_summed_over_the_group_and_queries():

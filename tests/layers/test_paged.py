@@ -40,6 +40,12 @@ def test_rows_cut_into_runs_read_like_dynamic_cache(attn, max_runs, monkeypatch)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     tables = cache.layers[0].tables
     assert max(len(runs) for runs in tables.plan.runs()) > 1
+    layer, plan = cache.layers[0], tables.plan
+    for row in range(len(PADS)):  # the first tokens of a row's read range (a prefix other rows share) cut its runs
+        keys, values = layer.row_kv(plan, row)
+        for count in (1, 3, keys.shape[1] - 1):
+            first_keys, first_values = layer.row_kv(plan, row, count)
+            assert torch.equal(first_keys, keys[:, :count]) and torch.equal(first_values, values[:, :count])
 
 
 def test_a_gathered_batch_is_contiguous_like_dynamic_cache():

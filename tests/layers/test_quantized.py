@@ -90,3 +90,18 @@ def test_the_paged_read_is_attention_over_the_dequantized_copy(name, spec, chunk
         logits.append(token_by_token(model, cache, input_ids, attention_mask))
         assert cache.metrics().quantized_tokens > 0
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_quantized_layer_reads_no_prefix_together_with_others():
+    """Sequences never read a quantized history's prefix together (it is decoded as it is read): no shared blocks,
+    and a read past a shared prefix is refused, naming the parameter."""
+    model = shared_model("llama_gqa")
+    model.set_attn_implementation("paged")
+    tokens = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(4))
+    cache = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=RESIDUAL)
+    feed_chunks(model, cache, tokens, [20])
+    layer = cache.layers[0]
+    plan = layer.tables.plan
+    assert layer.read_blocks(plan) == []
+    with pytest.raises(ValueError, match="skip"):
+        layer.gather_rows([plan], {}, skip=4)

@@ -7,11 +7,12 @@ import torch
 from batch_workloads import random_prompts, tiny_model
 from transformers import LlamaConfig
 
-from hf_paged_cache import PagedCache
+from hf_paged_cache import PagedCache, paged_attention
 from hf_paged_cache.layers.paged import PagedLayer
 from hf_paged_cache.layers import handle
 from hf_paged_cache.layers import quantized as quantized_layers
 from hf_paged_cache.layers.quantized import QuantizedLayer
+from hf_paged_cache.serving.generator import BatchGenerator
 from hf_paged_cache.serving.packed_cache import layer_sliding, packed_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -105,6 +106,49 @@ def test_long_decode_histories_are_read_in_place_and_give_the_logits_of_each_alo
         expected = [model(input_ids=torch.tensor([prompt]), cache=PagedCache(model.config, block_size=4)).logits[0, -1]
                     for prompt in prompts]  # fmt: skip
     assert gathered == [2] * len(template.layers)  # the histories of 10 and 11 together; the 29-token one in place
+    for row, reference in zip(logits, expected):
+        torch.testing.assert_close(row, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "gemma2", "gpt_oss"])
+def test_decode_tokens_sharing_a_cached_prefix_read_it_once_and_give_the_logits_of_each_alone(name, monkeypatch):
+    """Decode tokens whose histories begin with the same cached blocks attend over that prefix in one call and over
+    the rest of their own history apart, merged (soft-capping and a window included). Two prefixes that begin in the
+    same block are read apart, and a sequence of neither prefix as before; each sequence gives its logits of a forward
+    alone. Learned sinks take the other reads."""
+    monkeypatch.setattr(paged_attention, "SHARED_PREFIX_MIN_TOKENS", 8)
+    monkeypatch.setattr(paged_attention, "SHARED_PREFIX_MIN_REREAD", 12)
+    calls, method = [], paged_attention._attend_shared_prefix
+
+    def counted(query, group, prefix, *args):
+        calls.append((len(group), prefix))
+        return method(query, group, prefix, *args)
+
+    monkeypatch.setattr(paged_attention, "_attend_shared_prefix", counted)
+    model = tiny_model(name)
+    first, second = random_prompts((12, 8), seed=6, prefix=4)  # prefixes of 16 and 12 tokens, one block in common
+    tails = random_prompts((7, 2, 13, 5, 9, 20), seed=9)
+    prompts = [second + tail for tail in tails[:2]] + [first + tail for tail in tails[2:5]] + tails[5:]
+    generator = BatchGenerator(model, max_new_tokens=1, block_size=4, num_blocks=120)
+    generator.add_request(prompts[0])
+    generator.add_request(prompts[2])
+    generator.run()  # both prefixes are cached, in 3 and 4 blocks
+    caches = [generator.template.sibling() for _ in prompts]
+    with torch.no_grad():
+        for cache, prompt in zip(caches, prompts):
+            hit = generator.prefix_cache.attach(cache, prompt[:-1])
+            model(input_ids=torch.tensor([prompt[hit:-1]]), cache=cache)
+        sliding = [layer.is_sliding for layer in generator.template.layers]
+        logits = packed_logits(model, [(cache, prompt[-1:], len(prompt) - 1) for cache, prompt in zip(caches, prompts)],
+                               sliding)  # fmt: skip
+        expected = [model(input_ids=torch.tensor([prompt]), cache=PagedCache(model.config, block_size=4)).logits[0, -1]
+                    for prompt in prompts]  # fmt: skip
+    if name == "gpt_oss":
+        assert calls == []
+    else:  # every full layer: three sequences over the 16-token prefix, two over the 12-token one (gemma2's sliding
+        # layers read an 8-token window, which holds no shared prefix of the minimum length)
+        full = sum(not layer.is_sliding for layer in generator.template.layers)
+        assert sorted(calls) == sorted([(3, 16), (2, 12)] * full)
     for row, reference in zip(logits, expected):
         torch.testing.assert_close(row, reference, rtol=1e-5, atol=1e-5)
 
