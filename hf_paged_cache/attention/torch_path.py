@@ -168,6 +168,9 @@ def partial_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
 
     Attended by the CPU flash kernel, which returns its log-sum-exp, where it can (CPU, no softcap, keys and values
     of one width): one fused call instead of materialising the logits; elsewhere through the shared grouped logits."""
+    if keys.shape[-2] == 0:  # no key at all (the CPU kernel would divide by zero): nothing seen
+        out = query.new_zeros(*query.shape[:-1], values.shape[-1])
+        return out, query.new_full(query.shape[:-1], float("-inf"))
     if softcap is None and query.device.type == "cpu" and keys.shape[-1] == values.shape[-1]:
         mask = None if visible is None else torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
         out, lse = _FLASH_CPU(query, keys, values, attn_mask=mask, scale=scale)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hf_paged_cache.attention.torch_path import (
     OnlineSoftmax,
@@ -90,6 +92,25 @@ def test_partial_attentions_merged_equal_attention_over_both_parts(softcap):
         value = torch.cat([shared[1][0], own[1][row, :, :n]], dim=1)
         _probs, expected = _dense(query[row], key, value, torch.ones(q_len, 6 + n, dtype=torch.bool), 0.3, softcap)
         torch.testing.assert_close(merged[row].reshape(heads, q_len, d), expected, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 24), cuts=st.lists(st.integers(0, 24), max_size=3), seed=st.integers(0, 2**16))
+def test_merging_partial_attentions_over_any_split_of_the_keys_is_the_whole(n, cuts, seed):
+    """However the keys are cut into parts (empty ones included), the parts' partial attentions merged in order are the
+    attention over all of them, and the log-sum-exps add up to the whole's."""
+    gen = torch.Generator().manual_seed(seed)
+    query, key, value = (torch.randn(1, 2, 6, 8, generator=gen), torch.randn(1, 2, n, 8, generator=gen),
+                         torch.randn(1, 2, n, 8, generator=gen))  # fmt: skip
+    whole, whole_lse = partial_attention(query, key, value, None, 0.3, None)
+    bounds = [0, *sorted(min(cut, n) for cut in cuts), n]
+    out = lse = None
+    for lo, hi in zip(bounds, bounds[1:]):
+        part, part_lse = partial_attention(query, key[:, :, lo:hi], value[:, :, lo:hi],
+                                           torch.ones(1, 1, 6, hi - lo, dtype=torch.bool), 0.3, None)  # fmt: skip
+        out, lse = (part, part_lse) if out is None else merge_partials(out, lse, part, part_lse)
+    torch.testing.assert_close(out, whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, whole_lse, atol=1e-5, rtol=1e-5)
 
 
 def test_attention_mass_is_the_probability_summed_over_the_group_and_queries():
