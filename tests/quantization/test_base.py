@@ -218,8 +218,11 @@ def test_dequantize_reads_a_table_of_rows_into_a_strided_batch(fmt):
     table = torch.tensor([[4, 1, 2], [5, 0, 0]])
     decoded = fmt.dequantize(pool, table)
     assert decoded.shape == (2, 3, bs, heads, dim)
+    # A rotating format rotates back with one matrix product, whose rounding depends on the shape BLAS is handed
+    # (AMD EPYC's kernel for few rows rounds differently): equal to float32 rounding there, bit-equal otherwise.
+    tolerance = {"rtol": 1e-6, "atol": 1e-6} if fmt.rotate else {"rtol": 0, "atol": 0}
     for row, ids in zip(decoded, table):
-        assert torch.equal(row, fmt.dequantize(pool, ids))
+        torch.testing.assert_close(row, fmt.dequantize(pool, ids), **tolerance)
     assert torch.equal(decoded[1, 1:], torch.zeros(2, bs, heads, dim))  # the null block decodes to zeros
     batch = torch.full((2, 3 * bs + 4, heads, dim), 7.0)
     target = batch[:, : 3 * bs].unflatten(1, (3, bs))
