@@ -96,22 +96,20 @@ class PagedLayer(CacheLayerMixin):
             twin.storage = LayerStorage()
         return twin
 
-    def _allocate(self, head_dim: int, blocks: int | None = None) -> torch.Tensor:
+    def _allocate(self, head_dim: int, blocks: int | None = None, zeroed: bool = True) -> torch.Tensor:
         blocks = self.tables.pool.num_blocks + 1 if blocks is None else blocks
         # Zero-filled: the null block is what unstored positions (padding) read as, and whole-block reads
         # (`read_with_mask`) see the unwritten tail of a row's last block, masked but never NaN.
         return allocate_kv_blocks(blocks, self.tables.block_size, self.kv_shape[0], head_dim, self.dtype, self.device,
-                                  fill=0.0)
+                                  fill=0.0 if zeroed else None)
 
     def _fit_pool(self) -> None:
         """Size the storage to the pool: grown after the (growable) pool grew, existing blocks keeping their ids;
         cut after the pool was trimmed (the ids above its end are free), so the memory is given back."""
         blocks = self.tables.pool.num_blocks + 1
         if len(self.key_blocks) < blocks:
-            grown_keys, grown_values = self._allocate(self.kv_shape[1], blocks), self._allocate(self.value_dim, blocks)
-            grown_keys[: self.key_blocks.shape[0]] = self.key_blocks
-            grown_values[: self.value_blocks.shape[0]] = self.value_blocks
-            self.key_blocks, self.value_blocks = grown_keys, grown_values
+            self.key_blocks = grown_storage(self.key_blocks, self._allocate(self.kv_shape[1], blocks, zeroed=False))
+            self.value_blocks = grown_storage(self.value_blocks, self._allocate(self.value_dim, blocks, zeroed=False))
         elif len(self.key_blocks) > blocks:
             self.key_blocks, self.value_blocks = self.key_blocks[:blocks].clone(), self.value_blocks[:blocks].clone()
 
@@ -481,3 +479,13 @@ def _gather_blocks(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     rows, width = ids.shape
     gathered = heads_first.index_select(1, ids.reshape(-1))
     return gathered.view(heads_first.shape[0], rows, width * blocks.shape[1], blocks.shape[-1]).transpose(0, 1)
+
+
+
+def grown_storage(old: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """`fresh` (uninitialised, more blocks than `old`) holding `old`'s blocks first and zeros after them. Only the
+    new blocks are zeroed: a pool grows geometrically, so zero-filling all of each new storage touches every block
+    many times over a long run."""
+    fresh[: len(old)] = old
+    fresh[len(old) :] = 0
+    return fresh

@@ -23,7 +23,7 @@ import torch
 
 from ..blocks.plan import StepPlan
 from ..blocks.sealing import QuantizedBlockTables
-from .paged import PagedLayer, storage_field
+from .paged import PagedLayer, grown_storage, storage_field
 from ..quantization.base import KVFormat
 from ..quantization.registry import kv_format_fields
 from ..attention.torch_path import OnlineSoftmax, visible_columns
@@ -70,22 +70,22 @@ class QuantizedLayer(PagedLayer):
         """Drop the full-precision copies of this step's sealed blocks (a fork starts with none of its own)."""
         self._arrived, self._kept = {}, None
 
-    def _allocate_quantized(self, blocks: int) -> tuple[dict, dict]:
+    def _allocate_quantized(self, blocks: int, zeroed: bool = True) -> tuple[dict, dict]:
         bs, heads = self.tables.block_size, self.kv_shape[0]
         return (
-            self.kv_format.key.allocate(blocks, bs, heads, self.kv_shape[1], device=self.device),
-            self.kv_format.value.allocate(blocks, bs, heads, self.value_dim, device=self.device),
+            self.kv_format.key.allocate(blocks, bs, heads, self.kv_shape[1], device=self.device, zeroed=zeroed),
+            self.kv_format.value.allocate(blocks, bs, heads, self.value_dim, device=self.device, zeroed=zeroed),
         )
 
     def _fit_pool(self) -> None:
         super()._fit_pool()
         blocks = self.tables.qpool.num_blocks + 1
         if self.qkey["codes"].shape[0] < blocks:
-            grown = self._allocate_quantized(blocks)
-            for old, new in zip((self.qkey, self.qvalue), grown):
-                for name, tensor in old.items():
-                    new[name][: tensor.shape[0]] = tensor
-            self.qkey, self.qvalue = grown
+            fresh = self._allocate_quantized(blocks, zeroed=False)
+            self.qkey, self.qvalue = (
+                {name: grown_storage(tensor, new[name]) for name, tensor in old.items()}
+                for old, new in zip((self.qkey, self.qvalue), fresh)
+            )
 
     def cut_storage(self) -> None:
         super().cut_storage()

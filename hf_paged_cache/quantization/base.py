@@ -131,11 +131,13 @@ class QuantFormat:
         return self.bytes_per_token(kv_heads, head_dim, block_size) / (2 * kv_heads * head_dim)
 
     def allocate(
-        self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, device=None
+        self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, device=None, zeroed: bool = True
     ) -> dict[str, Tensor]:
-        """Zero-filled pool tensors `[num_blocks, *shape]` per field (zeros dequantize to zeros)."""
+        """Pool tensors `[num_blocks, *shape]` per field: zero-filled (zeros dequantize to zeros), or uninitialised
+        when not `zeroed` (for a caller that fills them itself)."""
+        make = torch.zeros if zeroed else torch.empty
         return {
-            name: torch.zeros((num_blocks, *shape), dtype=dtype, device=device)
+            name: make((num_blocks, *shape), dtype=dtype, device=device)
             for name, (shape, dtype) in self.fields(block_size, kv_heads, head_dim).items()
         }
 
