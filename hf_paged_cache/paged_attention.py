@@ -112,10 +112,11 @@ def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, sof
                    sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     """A packed forward: each sequence's queries over its own blocks, `[1, q, heads, d]`. The one-token sequences (the
     decode tokens) whose rows the torch path reads from one storage are attended together: those whose histories
-    begin with a prefix they share (`_shared_prefixes`) read it once for all of them; the others in a call per bucket
-    of similar history lengths over their histories gathered into one padded batch, instead of one call per sequence.
-    A decode token with a long full-precision history (`PagedKV.reads_in_place`) attends alone over its own blocks,
-    since copying it into the padded batch would cost more than the call."""
+    begin with a prefix they share (`_shared_prefixes`) read it once for all of them; the others in one call of the
+    C++ CPU decode kernel over their blocks where they lie, where the layer can (`PagedLayer.reads_rows_in_place`),
+    else in a call per bucket of similar history lengths over their histories gathered into one padded batch, instead
+    of one call per sequence. There a decode token with a long full-precision history (`PagedKV.reads_in_place`)
+    attends alone over its own blocks, since copying it into the padded batch would cost more than the call."""
     decode = [(start, part) for start, stop, part in packed.parts if stop - start == 1 and part.reads_with_others]
     decode = [(start, part) for start, part in decode if part.layer.storage is decode[0][1].layer.storage]
     pieces, read = [], set()
@@ -123,6 +124,14 @@ def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, sof
         group = [decode[index] for index in members]
         pieces += _attend_shared_prefix(query, group, prefix, packed.memo, scale, softcap)
         read.update(start for start, _part in group)
+    rest = [(start, part) for start, part in decode if start not in read]
+    layer = rest[0][1].layer if rest else None
+    if rest and softcap is None and sinks is None and layer.reads_rows_in_place(query.dtype):
+        tokens = torch.tensor([start for start, _part in rest], device=query.device)
+        queries = query[0].index_select(1, tokens).transpose(0, 1)  # [rows, heads, d]
+        pieces.append((tokens, layer.attend_rows_in_place(queries, [part.plan for _start, part in rest], packed.memo,
+                                                          scale)))  # fmt: skip
+        read.update(start for start, _part in rest)
     together = [(start, part) for start, part in decode if start not in read and not part.reads_in_place]
     if len(together) < 2:
         together = []

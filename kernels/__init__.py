@@ -21,6 +21,11 @@ with no value: the online softmax starts from it (max = sink, sum = 1); split-K 
 References (any device, plain torch): ``write_kv_ref``, ``paged_decode_attention_ref``,
 ``paged_prefill_attention_ref``, ``paged_attention_mass_ref``, ``quantize_blocks_ref``.
 
+One C++ kernel for the CPU (module ``cpu_decode``, built at first use where a compiler and ninja are found):
+``paged_decode_cpu(query, k_cache, v_cache, block_tables, seq_lens, first_tokens, scale)`` -- one float32 query
+per row over its tokens ``first_tokens[r]:seq_lens[r]``, the torch path's read of the batch generator's decode
+tokens; reference ``paged_decode_cpu_ref``.
+
 Quantized history: ``quantized=QuantizedKV(key_format, value_format, key_fields, value_fields,
 block_tables, lens)`` makes each row's first ``lens[row]`` stored tokens come from whole quantized blocks
 (formats and pools of ``hf_paged_cache.quantization``), dequantized in registers; the paged cache then

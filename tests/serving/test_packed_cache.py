@@ -8,6 +8,8 @@ from batch_workloads import random_prompts, tiny_model
 from transformers import LlamaConfig
 
 from hf_paged_cache import PagedCache, paged_attention
+from hf_paged_cache.blocks.pool import BlockPool
+from hf_paged_cache.kernels import cpu_decode
 from hf_paged_cache.layers.paged import PagedLayer
 from hf_paged_cache.layers import handle
 from hf_paged_cache.layers import quantized as quantized_layers
@@ -28,6 +30,12 @@ def counted_plans(monkeypatch, cls, name: str) -> list[int]:
 
     monkeypatch.setattr(cls, name, counted)
     return counts
+
+
+@pytest.fixture
+def torch_decode(monkeypatch):
+    """The torch path's reads of decode tokens (buckets, rows in place, shared prefixes), without the C++ kernel."""
+    monkeypatch.setattr(cpu_decode, "available", lambda: False)
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "mistral_sliding"])
@@ -57,6 +65,7 @@ def test_layer_sliding_is_false_for_layers_with_recurrent_state_only():
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "mistral_sliding", "gemma2", "gpt_oss"])
+@pytest.mark.usefixtures("torch_decode")
 def test_decode_tokens_attended_together_give_the_logits_of_each_alone(name, monkeypatch):
     """Decode tokens of several sequences (histories of different lengths, a window, soft-capping, sinks) attended in
     one call over their gathered histories, beside a prompt chunk, give each sequence's logits of a forward alone."""
@@ -85,6 +94,7 @@ def test_decode_tokens_attended_together_give_the_logits_of_each_alone(name, mon
         torch.testing.assert_close(row, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("torch_decode")
 def test_long_decode_histories_are_read_in_place_and_give_the_logits_of_each_alone(monkeypatch):
     """A decode token whose full-precision history is at least `IN_PLACE_BYTES` attends alone over views of its
     blocks, while the shorter ones are still gathered into one batch; each gives its logits of a forward alone."""
@@ -111,6 +121,7 @@ def test_long_decode_histories_are_read_in_place_and_give_the_logits_of_each_alo
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "gemma2", "gpt_oss"])
+@pytest.mark.usefixtures("torch_decode")
 def test_decode_tokens_sharing_a_cached_prefix_read_it_once_and_give_the_logits_of_each_alone(name, monkeypatch):
     """Decode tokens whose histories begin with the same cached blocks attend over that prefix in one call and over
     the rest of their own history apart, merged (soft-capping and a window included). Two prefixes that begin in the
@@ -149,6 +160,44 @@ def test_decode_tokens_sharing_a_cached_prefix_read_it_once_and_give_the_logits_
         # layers read an 8-token window, which holds no shared prefix of the minimum length)
         full = sum(not layer.is_sliding for layer in generator.template.layers)
         assert sorted(calls) == sorted([(3, 16), (2, 12)] * full)
+    for row, reference in zip(logits, expected):
+        torch.testing.assert_close(row, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_decode.available(), reason="the CPU decode kernel could not be built here")
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("name", ["llama_gqa", "mistral_sliding", "gemma2", "gpt_oss"])
+def test_decode_tokens_read_through_the_cpu_kernel_give_the_logits_of_each_alone(name, backend, monkeypatch):
+    """With the C++ decode kernel built, every decode token of a forward (histories cut into several runs, windows
+    starting mid-block) is attended in one kernel call per layer over its blocks where they lie, beside a prompt chunk;
+    soft-capping (gemma2), sinks (gpt-oss) and `backend="torch"` keep the torch path. Each sequence gives its logits
+    of a forward alone."""
+    calls, kernel = [], cpu_decode.paged_decode_cpu
+
+    def counted(query, *args):
+        calls.append(query.shape[0])
+        return kernel(query, *args)
+
+    monkeypatch.setattr(cpu_decode, "paged_decode_cpu", counted)
+    # Runs packed end to end (no gaps to grow into): rows growing in turns cut each other's runs.
+    monkeypatch.setattr(BlockPool, "allocate_runs", lambda pool, counts: [pool.allocate(count) for count in counts])
+    model = tiny_model(name)
+    model.set_attn_implementation("paged")
+    template = PagedCache(model.config, block_size=4, num_blocks=80, backend=backend)
+    prompts = random_prompts((11, 12, 30, 6), seed=5)
+    caches = [template.sibling() for _ in prompts]
+    with torch.no_grad():
+        for step in range(2):  # the three histories grow in turns: each one's blocks are cut into runs
+            for cache, prompt in zip(caches[:3], prompts[:3]):
+                part = prompt[: len(prompt) // 2] if step == 0 else prompt[len(prompt) // 2 : -1]
+                model(input_ids=torch.tensor([part]), cache=cache)
+        assert all(len(cache.layers[0].tables.plan.runs()[0]) > 1 for cache in caches[:3])
+        sliding = [layer.is_sliding for layer in template.layers]
+        chunks = [(cache, prompt[-1:], len(prompt) - 1) for cache, prompt in zip(caches[:3], prompts[:3])]
+        logits = packed_logits(model, [*chunks, (caches[3], prompts[3], 0)], sliding)
+        expected = [model(input_ids=torch.tensor([prompt]), cache=PagedCache(model.config, block_size=4)).logits[0, -1]
+                    for prompt in prompts]  # fmt: skip
+    assert calls == ([] if name in ("gemma2", "gpt_oss") or backend == "torch" else [3] * len(template.layers))
     for row, reference in zip(logits, expected):
         torch.testing.assert_close(row, reference, rtol=1e-5, atol=1e-5)
 
