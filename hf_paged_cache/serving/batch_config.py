@@ -71,8 +71,9 @@ class BatchConfig:
             (`torch.compile`, dynamic shapes; `compiled.py`): faster steps after a compile on the first ones. Fused
             kernels round differently in the last bits, so a greedy token may, rarely, differ from eager `generate`.
         onednn: run the packed forwards' `nn.Linear` layers whose weights are on the CPU through oneDNN's matrix
-            product (`onednn.py`) rather than torch's BLAS, which is slower on some CPUs; no effect elsewhere. Its
-            kernels round differently in the last bits, so a greedy token may, rarely, differ from eager `generate`.
+            product (`onednn.py`) rather than torch's BLAS, which is slower on some CPUs, and Llama-style gated-SiLU
+            MLPs as two fused products; no effect elsewhere. Its kernels round differently in the last bits, so a
+            greedy token may, rarely, differ from eager `generate`.
     """
 
     max_batch_tokens: int = 512

@@ -5,6 +5,10 @@ BLAS torch was built with (MKL), which on some processors takes a slow path (AMD
 also ships, has its own kernels for the instruction set the CPU reports. Each plain `nn.Linear` of the model whose
 weight is on the CPU runs `torch.ops.mkldnn._linear_pointwise` on its own weight (no packed copy is kept, so the
 model's memory does not grow) within the packed forwards alone; the user's model runs as before everywhere else.
+
+A gated-SiLU MLP (Llama's `down_proj(act_fn(gate_proj(x)) * up_proj(x))`) runs as two fused products: the SiLU is
+the gate product's post-op and the product with it the up product's, so the two `[tokens, intermediate]`
+elementwise passes, and the fresh memory their outputs take, are gone.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import functools
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+from transformers.activations import SiLUActivation
+from transformers.models.llama.modeling_llama import LlamaMLP
 
 from .recurrent import swapped_forwards
 
@@ -31,6 +37,28 @@ def _runs_on_onednn(module: torch.nn.Module) -> bool:
             and "forward" not in module.__dict__)  # fmt: skip
 
 
+def _same_code(first, second) -> bool:
+    return all(getattr(first.__code__, name) == getattr(second.__code__, name)
+               for name in ("co_code", "co_names", "co_consts", "co_varnames"))  # fmt: skip
+
+
+def _is_gated_silu_mlp(module: torch.nn.Module) -> bool:
+    """An MLP whose forward is Llama's code (the same bytecode: the modular copies, Qwen2's, Mistral's, ..., are) over
+    plain linears oneDNN runs, with no hooks the fused forward would skip, and a plain SiLU."""
+    if "forward" in module.__dict__ or not _same_code(type(module).forward, LlamaMLP.forward):
+        return False
+    linears = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    act = getattr(module, "act_fn", None)
+    return (all(isinstance(linear, torch.nn.Module) and _runs_on_onednn(linear) and not _hooked(linear) for linear in linears)
+            and type(act) in (torch.nn.SiLU, SiLUActivation) and "forward" not in act.__dict__ and not _hooked(act)
+            and len({linear.weight.dtype for linear in linears}) == 1)  # fmt: skip
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    # nn.Module has no public query for its hooks; the fused forward calls no child, so a child's hook would not run.
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
 @torch.compiler.disable  # Inductor lowers this op only for weights frozen into the graph: a compiled module calls it
 def _onednn_forward(module: torch.nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
     if inputs.dtype != module.weight.dtype or inputs.device.type != "cpu":  # mixed dtypes: the module's own math
@@ -38,13 +66,28 @@ def _onednn_forward(module: torch.nn.Linear, inputs: torch.Tensor) -> torch.Tens
     return torch.ops.mkldnn._linear_pointwise(inputs.contiguous(), module.weight, module.bias, "none", [], "")
 
 
+@torch.compiler.disable
+def _fused_mlp_forward(module: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    gate, up, down = module.gate_proj, module.up_proj, module.down_proj
+    if inputs.dtype != gate.weight.dtype or inputs.device.type != "cpu":
+        return type(module).forward(module, inputs)
+    inputs = inputs.contiguous()
+    act = torch.ops.mkldnn._linear_pointwise(inputs, gate.weight, gate.bias, "swish", [], "")  # swish: oneDNN's SiLU
+    hidden = torch.ops.mkldnn._linear_pointwise.binary(inputs, act, up.weight, up.bias, "mul")
+    return _onednn_forward(down, hidden)
+
+
 class OneDnnLinears:
-    """The CPU `nn.Linear` layers of `model` (none when oneDNN is missing or the model is elsewhere)."""
+    """The CPU `nn.Linear` layers of `model` and its gated-SiLU MLPs (none when oneDNN is missing or the model is
+    elsewhere)."""
 
     def __init__(self, model: torch.nn.Module):
         available = onednn_available()
-        self.modules = [module for module in model.modules() if available and _runs_on_onednn(module)]
-        self.forwards = [functools.partial(_onednn_forward, module) for module in self.modules]
+        linears = [module for module in model.modules() if available and _runs_on_onednn(module)]
+        mlps = [module for module in model.modules() if available and _is_gated_silu_mlp(module)]
+        self.modules = linears + mlps
+        self.forwards = [functools.partial(_onednn_forward, module) for module in linears]
+        self.forwards += [functools.partial(_fused_mlp_forward, module) for module in mlps]
 
     def active(self) -> AbstractContextManager[None]:
         """Within the block, the layers run their oneDNN forwards."""

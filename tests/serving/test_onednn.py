@@ -12,6 +12,8 @@ from transformers import DynamicCache
 from hf_paged_cache.serving.batch_config import BatchConfig
 from hf_paged_cache.serving.generator import BatchGenerator
 from hf_paged_cache.serving.onednn import OneDnnLinears, onednn_available
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -26,11 +28,51 @@ class _Scaled(torch.nn.Linear):
         return 2 * super().forward(inputs)
 
 
-def test_every_plain_cpu_linear_of_the_model_runs_on_onednn():
+class _Doubled(LlamaMLP):
+    """An MLP with Llama's layers and a forward of its own: it is not the Llama MLP's code, so it is not fused."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_every_plain_cpu_linear_and_gated_silu_mlp_of_the_model_runs_on_onednn():
     model = tiny_model("llama_gqa")
     linears = OneDnnLinears(model)
     plain = [module for module in model.modules() if type(module) is torch.nn.Linear]
-    assert linears.modules == plain and len(plain) == 7 * model.config.num_hidden_layers + 1  # + the LM head
+    mlps = [layer.mlp for layer in model.model.layers]
+    assert linears.modules == plain + mlps and len(plain) == 7 * model.config.num_hidden_layers + 1  # + the LM head
+
+
+def _mlp(bias: bool = False, act: str = "silu", cls=LlamaMLP) -> LlamaMLP:
+    torch.manual_seed(0)
+    return cls(LlamaConfig(hidden_size=48, intermediate_size=80, num_attention_heads=4, hidden_act=act, mlp_bias=bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_mlp_forward_is_the_mlp_up_to_rounding(dtype, bias):
+    mlp = _mlp(bias).to(dtype)
+    linears = OneDnnLinears(mlp)
+    assert mlp in linears.modules
+    inputs = torch.randn(2, 37, 48, dtype=dtype)[:, ::2]
+    expected = mlp(inputs)
+    with linears.active():
+        got = mlp(inputs)
+        assert "forward" in mlp.__dict__
+    assert "forward" not in mlp.__dict__
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got, expected, **tolerance)
+
+
+def test_mlps_the_fused_forward_would_change_keep_their_own():
+    other_act, own_forward, hooked = _mlp(act="gelu"), _mlp(cls=_Doubled), _mlp()
+    hooked.up_proj.register_forward_hook(lambda module, args, output: output * 0)  # a hook only the module's forward runs
+    for mlp in (other_act, own_forward, hooked):
+        assert mlp not in OneDnnLinears(mlp).modules
+    inputs = torch.randn(3, 48)
+    expected = hooked(inputs)
+    with OneDnnLinears(hooked).active():
+        torch.testing.assert_close(hooked(inputs), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
