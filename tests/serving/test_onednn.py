@@ -1,4 +1,4 @@
-"""`BatchConfig(onednn=True)`: the packed forwards run the model's CPU `nn.Linear` layers on oneDNN's matrix product,
+"""`BatchConfig(onednn=True)`: the packed forwards run the model's CPU `nn.Linear` layers (and gated-SiLU MLPs, fused) on oneDNN,
 the user's model is left as it was, and the tokens stay those of each prompt run alone."""
 
 from __future__ import annotations
@@ -7,13 +7,12 @@ import pytest
 import torch
 from batch_workloads import NEW, alone, random_prompts, tiny_model
 from tiny_models import MODELS_BY_NAME
-from transformers import DynamicCache
+from transformers import DynamicCache, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP
 
 from hf_paged_cache.serving.batch_config import BatchConfig
 from hf_paged_cache.serving.generator import BatchGenerator
 from hf_paged_cache.serving.onednn import OneDnnLinears, onednn_available
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
