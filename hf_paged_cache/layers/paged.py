@@ -9,6 +9,7 @@ tables (any attention implementation) or leaves them in place for the `"paged"` 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -22,22 +23,9 @@ from ..attention.paged_states import paged_only
 from ..attention.torch_path import attend, attention, causal_mask, zero_unattended
 from .handle import AfterAttention, PagedKV
 from .interfaces import ReadRules, StorageOptions
+from .storage import LayerStorage, grown_blocks, reserved_blocks, storage_field
 
 MAX_RUNS = 8  # a row's read cut into more runs of blocks than this is gathered slot by slot
-
-
-class LayerStorage:
-    """A layer's storage tensors, by name. The forks of a cache share its pools, so their layers share one
-    `LayerStorage`: storage that grows with a pool grows for every fork at once."""
-
-    def __init__(self):
-        self.tensors: dict[str, object] = {}
-
-
-def storage_field(name: str, default=None) -> property:
-    """A layer attribute that lives in its (possibly shared) `LayerStorage`."""
-    return property(lambda layer: layer.storage.tensors.get(name, default),
-                    lambda layer, value: layer.storage.tensors.__setitem__(name, value))  # fmt: skip
 
 
 class PagedLayer(CacheLayerMixin):
@@ -97,22 +85,34 @@ class PagedLayer(CacheLayerMixin):
             twin.storage = LayerStorage()
         return twin
 
-    def _allocate(self, head_dim: int, blocks: int | None = None, zeroed: bool = True) -> torch.Tensor:
-        blocks = self.tables.pool.num_blocks + 1 if blocks is None else blocks
+    def _allocate(self, head_dim: int) -> torch.Tensor:
+        blocks = self.tables.pool.num_blocks + 1
         # Zero-filled: the null block is what unstored positions (padding) read as, and whole-block reads
         # (`read_with_mask`) see the unwritten tail of a row's last block, masked but never NaN.
-        return allocate_kv_blocks(blocks, self.tables.block_size, self.kv_shape[0], head_dim, self.dtype, self.device,
-                                  fill=0.0 if zeroed else None)
+        shape = (self.tables.block_size, self.kv_shape[0], head_dim)
+        return allocate_kv_blocks(blocks, *shape, self.dtype, self.device, fill=0.0,
+                                  capacity=self._room(blocks, shape, self.dtype, self.device))
+
+    def _resized(self, storage: torch.Tensor, blocks: int) -> torch.Tensor:
+        """Uninitialised storage of `blocks` blocks in `storage`'s layout (room reserved as for a first allocation)."""
+        capacity = self._room(blocks, storage.shape[1:], storage.dtype, storage.device)
+        return allocate_kv_blocks(blocks, *storage.shape[1:], storage.dtype, storage.device, capacity=capacity)
+
+    def _room(self, blocks: int, block_shape, dtype: torch.dtype, device: torch.device) -> int:
+        block_bytes = math.prod(block_shape) * dtype.itemsize
+        return reserved_blocks(blocks, block_bytes, device, self.tables.pool.growable)
 
     def _fit_pool(self) -> None:
         """Size the storage to the pool: grown after the (growable) pool grew, existing blocks keeping their ids;
         cut after the pool was trimmed (the ids above its end are free), so the memory is given back."""
         blocks = self.tables.pool.num_blocks + 1
         if len(self.key_blocks) < blocks:
-            self.key_blocks = grown_storage(self.key_blocks, self._allocate(self.kv_shape[1], blocks, zeroed=False))
-            self.value_blocks = grown_storage(self.value_blocks, self._allocate(self.value_dim, blocks, zeroed=False))
+            self.key_blocks, self.value_blocks = (
+                grown_blocks(storage, blocks, lambda storage=storage: self._resized(storage, blocks))
+                for storage in (self.key_blocks, self.value_blocks)
+            )
         elif len(self.key_blocks) > blocks:
-            self.key_blocks, self.value_blocks = self.key_blocks[:blocks].clone(), self.value_blocks[:blocks].clone()
+            self.cut_storage()
 
     def fit_pool(self) -> None:
         """Size the storage to the pool now (a trimmed pool gives its memory back before the next write)."""
@@ -120,10 +120,14 @@ class PagedLayer(CacheLayerMixin):
             self._fit_pool()
 
     def cut_storage(self) -> None:
-        """Cut the storage (whichever of the forks allocated it) to its pool after the pool shrank."""
+        """Cut the storage (whichever of the forks allocated it) to its pool after the pool shrank: a fresh
+        allocation of the pool's size, in the storage's layout, so the memory above it is given back."""
         blocks = self.tables.pool.num_blocks + 1
         if self.key_blocks is not None and len(self.key_blocks) > blocks:
-            self.key_blocks, self.value_blocks = self.key_blocks[:blocks].clone(), self.value_blocks[:blocks].clone()
+            self.key_blocks, self.value_blocks = (
+                self._resized(storage, blocks).copy_(storage[:blocks])
+                for storage in (self.key_blocks, self.value_blocks)
+            )
 
     def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
         if self.is_initialized:
@@ -503,17 +507,7 @@ def _heads_first(blocks: torch.Tensor) -> torch.Tensor:
 def _gather_blocks(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Whole blocks `ids` `[rows, width]` of storage `[num_blocks, block_size, kv_heads, d]` (head-major
     underneath), as `[rows, kv_heads, width * block_size, d]`: one index per block, contiguous per head."""
-    heads_first = blocks.permute(2, 0, 1, 3)  # the contiguous [kv_heads, num_blocks, block_size, d] of the layout
+    heads_first = blocks.permute(2, 0, 1, 3)  # the [kv_heads, num_blocks, block_size, d] of the layout
     rows, width = ids.shape
     gathered = heads_first.index_select(1, ids.reshape(-1))
     return gathered.view(heads_first.shape[0], rows, width * blocks.shape[1], blocks.shape[-1]).transpose(0, 1)
-
-
-
-def grown_storage(old: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
-    """`fresh` (uninitialised, more blocks than `old`) holding `old`'s blocks first and zeros after them. Only the
-    new blocks are zeroed: a pool grows geometrically, so zero-filling all of each new storage touches every block
-    many times over a long run."""
-    fresh[: len(old)] = old
-    fresh[len(old) :] = 0
-    return fresh

@@ -18,12 +18,14 @@ Under the Triton backend the kernels read the quantized prefix themselves (dequa
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 
 from ..blocks.plan import StepPlan
 from ..blocks.sealing import QuantizedBlockTables
-from .paged import PagedLayer, grown_storage, storage_field
+from .paged import PagedLayer
+from .storage import grown_blocks, reserved_blocks, storage_field
 from ..quantization.base import KVFormat
 from ..quantization.registry import kv_format_fields
 from ..attention.torch_path import OnlineSoftmax, visible_columns
@@ -72,27 +74,35 @@ class QuantizedLayer(PagedLayer):
 
     def _allocate_quantized(self, blocks: int, zeroed: bool = True) -> tuple[dict, dict]:
         bs, heads = self.tables.block_size, self.kv_shape[0]
+        block_bytes = self.kv_format.key.bytes_per_block(bs, heads, self.kv_shape[1])
+        capacity = reserved_blocks(blocks, block_bytes, self.device, self.tables.qpool.growable)
         return (
-            self.kv_format.key.allocate(blocks, bs, heads, self.kv_shape[1], device=self.device, zeroed=zeroed),
-            self.kv_format.value.allocate(blocks, bs, heads, self.value_dim, device=self.device, zeroed=zeroed),
+            self.kv_format.key.allocate(blocks, bs, heads, self.kv_shape[1], self.device, zeroed, capacity),
+            self.kv_format.value.allocate(blocks, bs, heads, self.value_dim, self.device, zeroed, capacity),
         )
 
     def _fit_pool(self) -> None:
         super()._fit_pool()
         blocks = self.tables.qpool.num_blocks + 1
         if self.qkey["codes"].shape[0] < blocks:
-            fresh = self._allocate_quantized(blocks, zeroed=False)
+            fresh = functools.cache(lambda: self._allocate_quantized(blocks, zeroed=False))
             self.qkey, self.qvalue = (
-                {name: grown_storage(tensor, new[name]) for name, tensor in old.items()}
-                for old, new in zip((self.qkey, self.qvalue), fresh)
+                {name: grown_blocks(tensor, blocks, lambda name=name: fresh()[side][name])
+                 for name, tensor in old.items()}
+                for side, old in enumerate((self.qkey, self.qvalue))
             )
+        elif self.qkey["codes"].shape[0] > blocks:
+            self.cut_storage()
 
     def cut_storage(self) -> None:
         super().cut_storage()
         blocks = self.tables.qpool.num_blocks + 1
         if self.qkey and self.qkey["codes"].shape[0] > blocks:
-            self.qkey = {field: tensor[:blocks].clone() for field, tensor in self.qkey.items()}
-            self.qvalue = {field: tensor[:blocks].clone() for field, tensor in self.qvalue.items()}
+            fresh = self._allocate_quantized(blocks, zeroed=False)
+            self.qkey, self.qvalue = (
+                {name: new[name].copy_(tensor[:blocks]) for name, tensor in old.items()}
+                for old, new in zip((self.qkey, self.qvalue), fresh)
+            )
 
     @property
     def storage_bytes(self) -> int:

@@ -131,15 +131,21 @@ class QuantFormat:
         return self.bytes_per_token(kv_heads, head_dim, block_size) / (2 * kv_heads * head_dim)
 
     def allocate(
-        self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, device=None, zeroed: bool = True
+        self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, device=None, zeroed: bool = True,
+        capacity: int | None = None,
     ) -> dict[str, Tensor]:
         """Pool tensors `[num_blocks, *shape]` per field: zero-filled (zeros dequantize to zeros), or uninitialised
-        when not `zeroed` (for a caller that fills them itself)."""
-        make = torch.zeros if zeroed else torch.empty
-        return {
-            name: make((num_blocks, *shape), dtype=dtype, device=device)
+        when not `zeroed` (for a caller that fills them itself). `capacity` (at least `num_blocks`): the blocks
+        each field's allocation has room for, untouched after the first `num_blocks` (`layers/storage.py`)."""
+        capacity = max(num_blocks, capacity or 0)
+        tensors = {
+            name: torch.empty((capacity, *shape), dtype=dtype, device=device)[:num_blocks]
             for name, (shape, dtype) in self.fields(block_size, kv_heads, head_dim).items()
         }
+        if zeroed:
+            for tensor in tensors.values():
+                tensor.zero_()
+        return tensors
 
     @torch.no_grad()
     def quantize(self, x: Tensor, out: dict[str, Tensor], blocks: BlockIds, offsets: BlockIds | None = None) -> None:

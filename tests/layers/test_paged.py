@@ -64,13 +64,3 @@ def test_a_gathered_batch_is_contiguous_like_dynamic_cache():
         got.view(batch * heads, -1, dim)  # what GPT-NeoX-Japanese does: raised on the transposed gather
         for row, pad in enumerate(PADS):
             torch.testing.assert_close(got[row, :, pad:], want[row, :, pad:], rtol=0, atol=0)
-
-
-def test_grown_storage_keeps_the_old_blocks_and_zeroes_only_the_new_ones():
-    """Growth allocates uninitialised storage: the new blocks must read as zeros (masked reads of a row's last
-    block see them), whatever the memory held before."""
-    old = layers.allocate_kv_blocks(3, BLOCK_SIZE, 2, 4, torch.float32, fill=None).copy_(torch.randn(3, BLOCK_SIZE, 2, 4))
-    fresh = layers.allocate_kv_blocks(7, BLOCK_SIZE, 2, 4, torch.float32, fill=float("nan"))
-    grown = layers.grown_storage(old, fresh)
-    assert grown.stride() == fresh.stride() and torch.equal(grown[:3], old)
-    assert torch.equal(grown[3:], torch.zeros(4, BLOCK_SIZE, 2, 4))
