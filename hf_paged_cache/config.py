@@ -77,8 +77,8 @@ class PagedCacheConfig:
         initial_blocks: blocks a growable pool starts with (ignored for fixed pools); `None` sizes it
             from the first step's demand, so the pool never holds much more than it uses.
         backend: who reads and writes blocks under the `"paged"` attention: `"auto"` runs the Triton
-            kernels on CUDA tensors and torch elsewhere, where the batch generator's decode tokens go to a C++
-            kernel compiled at first use (`kernels.cpu_decode`; torch alone if it cannot be built); `"torch"`
+            kernels on CUDA tensors and torch elsewhere, where the batch generator's decode tokens and prompt chunks go to
+            a C++ kernel compiled at first use (`kernels.cpu_attention`; torch alone if it cannot be built); `"torch"`
             always torch alone; `"triton"` always the kernels (on CPU only under `TRITON_INTERPRET=1`, which is
             how the tests check them).
             Quantized layers run the kernels too (dequantizing in registers). "triton" without CUDA and
@@ -249,7 +249,7 @@ class PagedCacheConfig:
         return self.backend == "triton" or (self.backend == "auto" and device.type == "cuda")
 
     def uses_cpu_kernel(self, device: torch.device) -> bool:
-        """Whether decode tokens of blocks on `device` may be read by the C++ CPU kernel (where it builds)."""
+        """Whether packed queries over blocks on `device` may be read by the C++ CPU kernel (where it builds)."""
         return self.backend == "auto" and device.type == "cpu"
 
     def check_backend(self, device: torch.device | None) -> None:

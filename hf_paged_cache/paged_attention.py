@@ -112,11 +112,12 @@ def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, sof
                    sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     """A packed forward: each sequence's queries over its own blocks, `[1, q, heads, d]`. The one-token sequences (the
     decode tokens) whose rows the torch path reads from one storage are attended together: those whose histories
-    begin with a prefix they share (`_shared_prefixes`) read it once for all of them; the others in one call of the
-    C++ CPU decode kernel over their blocks where they lie, where the layer can (`PagedLayer.reads_rows_in_place`),
-    else in a call per bucket of similar history lengths over their histories gathered into one padded batch, instead
-    of one call per sequence. There a decode token with a long full-precision history (`PagedKV.reads_in_place`)
-    attends alone over its own blocks, since copying it into the padded batch would cost more than the call."""
+    begin with a prefix they share (`_shared_prefixes`) read it once for all of them. Where the layer can
+    (`PagedLayer.reads_rows_in_place`), the other decode tokens and the prompt chunks under plain causality go to one
+    call of the C++ CPU attention kernel over their blocks where they lie. Else the decode tokens are attended in a call
+    per bucket of similar history lengths over their histories gathered into one padded batch, instead of one call per
+    sequence; there a decode token with a long full-precision history (`PagedKV.reads_in_place`) attends alone over
+    its own blocks, since copying it into the padded batch would cost more than the call."""
     decode = [(start, part) for start, stop, part in packed.parts if stop - start == 1 and part.reads_with_others]
     decode = [(start, part) for start, part in decode if part.layer.storage is decode[0][1].layer.storage]
     pieces, read = [], set()
@@ -124,14 +125,19 @@ def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, sof
         group = [decode[index] for index in members]
         pieces += _attend_shared_prefix(query, group, prefix, packed.memo, scale, softcap)
         read.update(start for start, _part in group)
-    rest = [(start, part) for start, part in decode if start not in read]
-    layer = rest[0][1].layer if rest else None
-    if rest and softcap is None and sinks is None and layer.reads_rows_in_place(query.dtype):
-        tokens = torch.tensor([start for start, _part in rest], device=query.device)
-        queries = query[0].index_select(1, tokens).transpose(0, 1)  # [rows, heads, d]
-        pieces.append((tokens, layer.attend_rows_in_place(queries, [part.plan for _start, part in rest], packed.memo,
-                                                          scale)))  # fmt: skip
-        read.update(start for start, _part in rest)
+    if softcap is None and sinks is None:
+        rows = _rows_in_place(packed, read, query)
+        if rows:
+            spans = tuple((start, stop) for start, stop, _part in rows)
+            if ("row_tokens", spans) not in packed.memo:  # the same for every layer of the forward
+                packed.memo["row_tokens", spans] = torch.cat([torch.arange(*span) for span in spans]).to(query.device)
+            tokens = packed.memo["row_tokens", spans]
+            queries = query[0].index_select(1, tokens).transpose(0, 1)  # [tokens, heads, d]
+            layer = rows[0][2].layer
+            pieces.append((tokens, layer.attend_rows_in_place(queries, [part.plan for _start, _stop, part in rows],
+                                                              [stop - start for start, stop, _part in rows],
+                                                              packed.memo, scale)))  # fmt: skip
+            read.update(start for start, _stop, _part in rows)
     together = [(start, part) for start, part in decode if start not in read and not part.reads_in_place]
     if len(together) < 2:
         together = []
@@ -151,6 +157,17 @@ def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, sof
     for where, piece in pieces:
         out[where] = piece
     return out[None]
+
+
+def _rows_in_place(packed: PackedPagedKV, read: set[int], query: torch.Tensor) -> list[tuple[int, int, PagedKV]]:
+    """The parts not yet `read` that the C++ CPU attention kernel attends in one call: one-row plain reads of the
+    first such part's storage, where its layer allows the kernel, whose queries are one token or attend under plain
+    causality (no window or chunk mask)."""
+    rows = [(start, stop, part) for start, stop, part in packed.parts if start not in read and part.reads_with_others
+            and (stop - start == 1 or part.own_mask(stop - start, query.device) is None)]  # fmt: skip
+    if not rows or not rows[0][2].layer.reads_rows_in_place(query.dtype):
+        return []
+    return [row for row in rows if row[2].layer.storage is rows[0][2].layer.storage]
 
 
 def _shared_prefixes(decode: list[tuple[int, PagedKV]], memo: dict) -> list[tuple[list[int], int]]:

@@ -21,10 +21,11 @@ with no value: the online softmax starts from it (max = sink, sum = 1); split-K 
 References (any device, plain torch): ``write_kv_ref``, ``paged_decode_attention_ref``,
 ``paged_prefill_attention_ref``, ``paged_attention_mass_ref``, ``quantize_blocks_ref``.
 
-One C++ kernel for the CPU (module ``cpu_decode``, built at first use where a compiler and ninja are found):
-``paged_decode_cpu(query, k_cache, v_cache, block_tables, seq_lens, first_tokens, scale)`` -- one float32 query
-per row over its tokens ``first_tokens[r]:seq_lens[r]``, the torch path's read of the batch generator's decode
-tokens; reference ``paged_decode_cpu_ref``.
+One C++ kernel for the CPU (module ``cpu_attention``, built at first use where a compiler and ninja are found):
+``paged_attention_cpu(query, k_cache, v_cache, block_tables, query_starts, seq_lens, first_tokens, scale)`` --
+row r's float32 queries ``query[query_starts[r]:query_starts[r + 1]]``, the last of its tokens
+``first_tokens[r]:seq_lens[r]``, each attending causally over them: the torch path's read of the batch generator's
+decode tokens and prompt chunks; reference ``paged_attention_cpu_ref``.
 
 Quantized history: ``quantized=QuantizedKV(key_format, value_format, key_fields, value_fields,
 block_tables, lens)`` makes each row's first ``lens[row]`` stored tokens come from whole quantized blocks

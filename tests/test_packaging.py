@@ -38,7 +38,7 @@ def test_the_kernels_are_installed_from_their_folder():
 
 
 def test_the_kernels_c_plus_plus_sources_are_installed():
-    """The CPU decode kernel is compiled from its source where it runs: a wheel without the .cpp falls back silently."""
+    """The CPU attention kernel is compiled from its source where it runs: a wheel without the .cpp falls back silently."""
     patterns = _settings()["package-data"]["hf_paged_cache.kernels"]
     sources = sorted(path.name for path in (ROOT / "kernels").glob("*.cpp"))
     assert sources and all(any(Path(name).match(pattern) for pattern in patterns) for name in sources)

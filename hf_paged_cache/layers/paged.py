@@ -16,7 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..blocks.plan import StepPlan
 from ..blocks.tables import BlockTables
-from ..kernels import cpu_decode
+from ..kernels import cpu_attention
 from ..kernels.layout import allocate_kv_blocks
 from ..attention.contract import PAGED_KV_KWARG
 from ..attention.paged_states import paged_only
@@ -329,31 +329,34 @@ class PagedLayer(CacheLayerMixin):
         return keys, values, mask
 
     def reads_rows_in_place(self, dtype: torch.dtype) -> bool:
-        """Whether `attend_rows_in_place` can attend one-row plans' decode queries of `dtype` over this layer: the
-        backend allows the CPU decode kernel and it is built (`kernels.cpu_decode`), and the full-precision storage
-        and the queries are float32."""
+        """Whether `attend_rows_in_place` can attend one-row plans' queries of `dtype` over this layer: the backend
+        allows the CPU attention kernel and it is built (`kernels.cpu_attention`), and the full-precision storage and
+        the queries are float32."""
         return (not self.is_quantized and self.options.uses_cpu_kernel(self.device) and self.dtype == torch.float32
-                and dtype == torch.float32 and cpu_decode.available())  # fmt: skip
+                and dtype == torch.float32 and cpu_attention.available())  # fmt: skip
 
-    def attend_rows_in_place(self, queries: torch.Tensor, plans: list[StepPlan], memo: dict,
+    def attend_rows_in_place(self, queries: torch.Tensor, plans: list[StepPlan], counts: list[int], memo: dict,
                              scale: float) -> torch.Tensor:  # fmt: skip
-        """Decode queries `[len(plans), heads, d]`, one per one-row plan (sequences whose caches share this layer's
-        storage), each over its plan's stored read range, in one call that reads the blocks where they lie (no copy
-        of a history cut into runs, no call per row). `memo` keeps the block tables for the plans' other layers."""
+        """Queries `[sum(counts), heads, d]`, `counts[i]` of them for the one-row plan `plans[i]` (sequences whose
+        caches share this layer's storage): the last `counts[i]` tokens of its stored read range, each attending
+        causally over that range (a decode token sees all of it), in one call that reads the blocks where they lie (no
+        copy of a history cut into runs, no call per row). `memo` keeps the block tables for the plans' other
+        layers."""
 
-        def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        def build() -> tuple[torch.Tensor, ...]:
             bs, ids = self.tables.block_size, [self.read_blocks(plan) for plan in plans]
             table = torch.zeros(len(plans), max(map(len, ids)), dtype=torch.long)  # padded with the null block
             for row, blocks in enumerate(ids):
                 table[row, : len(blocks)] = torch.tensor(blocks)
             firsts = torch.tensor([plan.read_start[0] % bs for plan in plans])
             stops = firsts + torch.tensor([plan.read_stop[0] - plan.read_start[0] for plan in plans])
-            return table, stops, firsts
+            starts = torch.tensor([0, *counts]).cumsum(0)
+            return table, starts, stops, firsts
 
-        key = ("decode_tables", tuple(map(id, plans)))
+        key = ("row_tables", tuple(map(id, plans)), tuple(counts))
         if key not in memo:
             memo[key] = build()
-        return cpu_decode.paged_decode_cpu(queries, self.key_blocks, self.value_blocks, *memo[key], scale)
+        return cpu_attention.paged_attention_cpu(queries, self.key_blocks, self.value_blocks, *memo[key], scale)
 
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V at the given slots (any shape `S`), as `[*S[:-1], kv_heads, S[-1], head_dim]`."""

@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 
 from hf_paged_cache import PagedCache, paged_attention
 from hf_paged_cache.blocks.pool import BlockPool
-from hf_paged_cache.kernels import cpu_decode
+from hf_paged_cache.kernels import cpu_attention
 from hf_paged_cache.layers.paged import PagedLayer
 from hf_paged_cache.layers import handle
 from hf_paged_cache.layers import quantized as quantized_layers
@@ -35,7 +35,7 @@ def counted_plans(monkeypatch, cls, name: str) -> list[int]:
 @pytest.fixture
 def torch_decode(monkeypatch):
     """The torch path's reads of decode tokens (buckets, rows in place, shared prefixes), without the C++ kernel."""
-    monkeypatch.setattr(cpu_decode, "available", lambda: False)
+    monkeypatch.setattr(cpu_attention, "available", lambda: False)
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "mistral_sliding"])
@@ -164,21 +164,21 @@ def test_decode_tokens_sharing_a_cached_prefix_read_it_once_and_give_the_logits_
         torch.testing.assert_close(row, reference, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not cpu_decode.available(), reason="the CPU decode kernel could not be built here")
+@pytest.mark.skipif(not cpu_attention.available(), reason="the CPU attention kernel could not be built here")
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("name", ["llama_gqa", "mistral_sliding", "gemma2", "gpt_oss"])
-def test_decode_tokens_read_through_the_cpu_kernel_give_the_logits_of_each_alone(name, backend, monkeypatch):
-    """With the C++ decode kernel built, every decode token of a forward (histories cut into several runs, windows
-    starting mid-block) is attended in one kernel call per layer over its blocks where they lie, beside a prompt chunk;
-    soft-capping (gemma2), sinks (gpt-oss) and `backend="torch"` keep the torch path. Each sequence gives its logits
-    of a forward alone."""
-    calls, kernel = [], cpu_decode.paged_decode_cpu
+def test_packed_queries_read_through_the_cpu_kernel_give_the_logits_of_each_alone(name, backend, monkeypatch):
+    """With the C++ attention kernel built, every decode token of a forward (histories cut into several runs, windows
+    starting mid-block) and a prompt chunk under plain causality are attended in one kernel call per layer over their
+    blocks where they lie; a chunk in a sliding window keeps the torch path, and so do soft-capping (gemma2), sinks
+    (gpt-oss) and `backend="torch"`. Each sequence gives its logits of a forward alone."""
+    calls, kernel = [], cpu_attention.paged_attention_cpu
 
     def counted(query, *args):
         calls.append(query.shape[0])
         return kernel(query, *args)
 
-    monkeypatch.setattr(cpu_decode, "paged_decode_cpu", counted)
+    monkeypatch.setattr(cpu_attention, "paged_attention_cpu", counted)
     # Runs packed end to end (no gaps to grow into): rows growing in turns cut each other's runs.
     monkeypatch.setattr(BlockPool, "allocate_runs", lambda pool, counts: [pool.allocate(count) for count in counts])
     model = tiny_model(name)
@@ -197,7 +197,9 @@ def test_decode_tokens_read_through_the_cpu_kernel_give_the_logits_of_each_alone
         logits = packed_logits(model, [*chunks, (caches[3], prompts[3], 0)], sliding)
         expected = [model(input_ids=torch.tensor([prompt]), cache=PagedCache(model.config, block_size=4)).logits[0, -1]
                     for prompt in prompts]  # fmt: skip
-    assert calls == ([] if name in ("gemma2", "gpt_oss") or backend == "torch" else [3] * len(template.layers))
+    # llama_gqa: three decode tokens and the 6-token chunk; mistral_sliding: the chunk is masked by its window
+    per_layer = {"llama_gqa": 3 + 6, "mistral_sliding": 3}.get(name if backend == "auto" else None)
+    assert calls == ([per_layer] * len(template.layers) if per_layer else [])
     for row, reference in zip(logits, expected):
         torch.testing.assert_close(row, reference, rtol=1e-5, atol=1e-5)
 
