@@ -159,7 +159,8 @@ def mixed(model, tokens, args) -> list[dict]:
     rows = [base]
     systems = [("padded batches of 8, DynamicCache", padded_batches, {}),
                (OURS, ours, {"block_size": 16, "max_batch_tokens": args.max_batch_tokens,
-                             "max_num_seqs": args.max_num_seqs, "compile": args.compile})]  # fmt: skip
+                             "max_num_seqs": args.max_num_seqs, "compile": args.compile,
+                             "prepack_weights": args.prepack_weights})]  # fmt: skip
     if not args.skip_hf:
         systems.insert(1, ("transformers generate_batch", transformers_generate_batch, {}))
     for label, function, options in systems:
@@ -190,7 +191,8 @@ def shared(model, tokens, args) -> list[dict]:
     for caching in (False, True):
         generator = BatchGenerator(model, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None,
                                    block_size=16, max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
-                                   prefix_caching=caching, compile=args.compile)  # fmt: skip
+                                   prefix_caching=caching, compile=args.compile,
+                                   prepack_weights=args.prepack_weights)  # fmt: skip
         for prompt in prompts:
             generator.add_request(prompt)
         start = time.perf_counter()
@@ -267,7 +269,8 @@ def run_with_peak(model, prompts, args, **options) -> tuple[list[list[int]], dic
     request at the last step with the most requests running; quantized prompts are sealed by then, since a
     quantized prompt is held in full precision until the step after its prefill)."""
     generator = BatchGenerator(model, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None,
-                               block_size=16, prefix_caching=False, **options)  # fmt: skip
+                               block_size=16, prefix_caching=False, prepack_weights=args.prepack_weights,
+                               **options)  # fmt: skip
     for prompt in prompts:
         generator.add_request(prompt)
     start = time.perf_counter()
@@ -336,6 +339,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compile", action="store_true",
                         help="our generator with BatchConfig(compile=True), compiled in a warm-up before the workloads")
+    parser.add_argument("--prepack-weights", action="store_true",
+                        help="our generator with BatchConfig(prepack_weights=True) (packed when it is built: timed in "
+                             "mixed, whose generate_batch builds one per run; before the clock in the others)")
     parser.add_argument("--out", default="eval/results/serving")
     parser.add_argument("--write-prompts", metavar="FILE", help="write the mixed and shared prompts as token ids and exit")
     parser.add_argument("--vllm", metavar="RESULT", help="eval/vllm_cpu.py's result on --write-prompts' prompts")

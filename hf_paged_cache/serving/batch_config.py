@@ -74,6 +74,11 @@ class BatchConfig:
             product (`onednn.py`) rather than torch's BLAS, which is slower on some CPUs, and Llama-style gated-SiLU
             MLPs as two fused products; no effect elsewhere. Its kernels round differently in the last bits, so a
             greedy token may, rarely, differ from eager `generate`.
+        prepack_weights: with `onednn`, keep those layers' weights in oneDNN's own layout, packed once when the
+            generator is built, instead of reordered at every product: faster steps (most of all decode steps), for
+            a second copy of those weights in memory (`BatchMetrics.packed_weight_bytes`). A weight
+            replaced or changed in place by a torch op is packed again; a change through `.data` is not seen (build
+            a new generator after one).
     """
 
     max_batch_tokens: int = 512
@@ -92,15 +97,18 @@ class BatchConfig:
     scheduler: str | Scheduler = "decode_first"
     compile: bool = False
     onednn: bool = True
+    prepack_weights: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive int, got {value!r}")
-        for name in ("prefix_caching", "progress", "compile", "onednn"):
+        for name in ("prefix_caching", "progress", "compile", "onednn", "prepack_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}")
+        if self.prepack_weights and not self.onednn:
+            raise ValueError("`prepack_weights=True` packs the weights for oneDNN's products: it needs `onednn=True`")
         for name, table, base in (("preemption", PREEMPTIONS, Preemption), ("victim_policy", VICTIM_POLICIES,
                                   VictimPolicy), ("scheduler", SCHEDULERS, Scheduler)):  # fmt: skip
             value = getattr(self, name)

@@ -79,7 +79,8 @@ class BatchGenerator:
         self.per_request = PerRequestLayers.of(model, self.template)  # recurrent layers: one call per request
         self.states = StatePool.of(model, self.template, self.config.max_num_seqs)  # their state: a slot per request
         self.compiled = CompiledModules(model, len(self.template.layers)) if self.config.compile else None
-        self.onednn = OneDnnLinears(model) if self.config.onednn else None
+        self.onednn = (OneDnnLinears(model, self.config.prepack_weights, self.config.max_batch_tokens)
+                       if self.config.onednn else None)  # fmt: skip
         cacheable = self.config.prefix_caching and self.template.options.sharing and PrefixCache.supports(self.template)
         self.prefix_cache = PrefixCache(self.template) if cacheable else None
         self.swap = self.preemption.swap_space(self.template, model.device)
@@ -393,6 +394,7 @@ class BatchGenerator:
         self.history.append(self.counters.snapshot(
             len(self.history), time.perf_counter() - self._started, queues, scheduled, self.config.max_batch_tokens,
             self.template.metrics(), prefix, self.swap.stats, self.swap.copies.stats, holes, state,
+            self.onednn.packed_bytes if self.onednn is not None else 0,
         ))  # fmt: skip
 
     def compact(self, keep_free: int | None = None) -> tuple[dict[str, Fragmentation], dict[str, Fragmentation]]:

@@ -9,6 +9,12 @@ model's memory does not grow) within the packed forwards alone; the user's model
 A gated-SiLU MLP (Llama's `down_proj(act_fn(gate_proj(x)) * up_proj(x))`) runs as two fused products: the SiLU is
 the gate product's post-op and the product with it the up product's, so the two `[tokens, intermediate]`
 elementwise passes, and the fresh memory their outputs take, are gone.
+
+oneDNN reorders a plain weight into its own blocked layout at every product, a pass over the whole weight that costs
+most when the product is small (a step of decode tokens). `PackedWeights` keeps every weight reordered once: a second
+copy of those weights in memory, so it is the user's choice (`BatchConfig(prepack_weights=True)`). A weight that is
+replaced, or changed in place where torch counts it (its version), is packed again before its next product; a change
+through `.data` is not seen.
 """
 
 from __future__ import annotations
@@ -59,35 +65,70 @@ def _hooked(module: torch.nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
+class PackedWeights:
+    """The weights of `linears` in oneDNN's blocked layout for products of about `batch_tokens` rows, each packed
+    again when its module's weight is replaced or its version moves."""
+
+    def __init__(self, linears: list[torch.nn.Linear], batch_tokens: int):
+        self.batch_tokens = batch_tokens
+        self._packed: dict[torch.nn.Linear, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        for module in linears:
+            self.weight(module)
+
+    def weight(self, module: torch.nn.Linear) -> torch.Tensor:
+        """`module`'s weight as oneDNN's products take it: its packed copy, up to date."""
+        weight = module.weight
+        packed = self._packed.get(module)
+        if packed is None or packed[1] is not weight or packed[2] != weight._version:
+            packed = (torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_tokens), weight, weight._version)
+            self._packed[module] = packed
+        return packed[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the packed copies hold (the memory this option adds)."""
+        return sum(packed.numel() * packed.element_size() for packed, _weight, _version in self._packed.values())
+
+
+def _weight(module: torch.nn.Linear, packed: PackedWeights | None) -> torch.Tensor:
+    return module.weight if packed is None else packed.weight(module)
+
+
 @torch.compiler.disable  # Inductor lowers this op only for weights frozen into the graph: a compiled module calls it
-def _onednn_forward(module: torch.nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
+def _onednn_forward(module: torch.nn.Linear, packed: PackedWeights | None, inputs: torch.Tensor) -> torch.Tensor:
     if inputs.dtype != module.weight.dtype or inputs.device.type != "cpu":  # mixed dtypes: the module's own math
         return torch.nn.functional.linear(inputs, module.weight, module.bias)
-    return torch.ops.mkldnn._linear_pointwise(inputs.contiguous(), module.weight, module.bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(inputs.contiguous(), _weight(module, packed), module.bias, "none", [], "")
 
 
 @torch.compiler.disable
-def _fused_mlp_forward(module: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+def _fused_mlp_forward(module: torch.nn.Module, packed: PackedWeights | None, inputs: torch.Tensor) -> torch.Tensor:
     gate, up, down = module.gate_proj, module.up_proj, module.down_proj
     if inputs.dtype != gate.weight.dtype or inputs.device.type != "cpu":
         return type(module).forward(module, inputs)
     inputs = inputs.contiguous()
-    act = torch.ops.mkldnn._linear_pointwise(inputs, gate.weight, gate.bias, "swish", [], "")  # swish: oneDNN's SiLU
-    hidden = torch.ops.mkldnn._linear_pointwise.binary(inputs, act, up.weight, up.bias, "mul")
-    return _onednn_forward(down, hidden)
+    act = torch.ops.mkldnn._linear_pointwise(inputs, _weight(gate, packed), gate.bias, "swish", [], "")  # oneDNN's SiLU
+    hidden = torch.ops.mkldnn._linear_pointwise.binary(inputs, act, _weight(up, packed), up.bias, "mul")
+    return _onednn_forward(down, packed, hidden)
 
 
 class OneDnnLinears:
     """The CPU `nn.Linear` layers of `model` and its gated-SiLU MLPs (none when oneDNN is missing or the model is
-    elsewhere)."""
+    elsewhere); with `prepack`, their weights packed once for products of about `batch_tokens` rows."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, prepack: bool = False, batch_tokens: int = 512):
         available = onednn_available()
         linears = [module for module in model.modules() if available and _runs_on_onednn(module)]
         mlps = [module for module in model.modules() if available and _is_gated_silu_mlp(module)]
         self.modules = linears + mlps
-        self.forwards = [functools.partial(_onednn_forward, module) for module in linears]
-        self.forwards += [functools.partial(_fused_mlp_forward, module) for module in mlps]
+        self.packed = PackedWeights(linears, batch_tokens) if prepack and linears else None
+        self.forwards = [functools.partial(_onednn_forward, module, self.packed) for module in linears]
+        self.forwards += [functools.partial(_fused_mlp_forward, module, self.packed) for module in mlps]
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes the packed weights hold (0 without `prepack`)."""
+        return self.packed.nbytes if self.packed is not None else 0
 
     def active(self) -> AbstractContextManager[None]:
         """Within the block, the layers run their oneDNN forwards."""

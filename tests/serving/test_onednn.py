@@ -126,3 +126,60 @@ def test_packed_forwards_on_onednn_give_the_tokens_of_each_prompt_alone(name, on
 def test_onednn_must_be_a_bool():
     with pytest.raises(ValueError, match="`onednn` must be a bool"):
         BatchConfig(onednn=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_weights_give_the_products_of_the_plain_ones(dtype):
+    """A packed weight is the same weight in oneDNN's layout: the products are those of the plain weight up to the last
+    bits (a one-token product may take another kernel) at every token count (packed for 16 tokens, used for 1, 5, 40)."""
+    mlp = _mlp(bias=True).to(dtype)
+    plain, packed = OneDnnLinears(mlp), OneDnnLinears(mlp, prepack=True, batch_tokens=16)
+    assert plain.packed_bytes == 0
+    assert packed.packed_bytes == sum(p.numel() * p.element_size() for n, p in mlp.named_parameters() if "weight" in n)
+    for tokens in (1, 5, 40):
+        inputs = torch.randn(tokens, 48, dtype=dtype)
+        with plain.active():
+            expected = mlp(inputs), mlp.down_proj(mlp.up_proj(inputs))
+        with packed.active():
+            got = mlp(inputs), mlp.down_proj(mlp.up_proj(inputs))
+        tolerance = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, **tolerance)
+
+
+def test_a_prepacked_weight_changed_or_replaced_is_packed_again():
+    """An in-place change torch counts (its version) or a new weight is seen at the next product; the packed copy of a
+    weight that did not change is kept."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 80)
+    linears, inputs = OneDnnLinears(layer, prepack=True), torch.randn(3, 48)
+    first = linears.packed.weight(layer)
+    assert linears.packed.weight(layer) is first
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    with linears.active():
+        torch.testing.assert_close(layer(inputs), torch.nn.functional.linear(inputs, layer.weight, layer.bias))
+    layer.weight = torch.nn.Parameter(torch.randn(80, 48))
+    with linears.active():
+        torch.testing.assert_close(layer(inputs), torch.nn.functional.linear(inputs, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "mistral_sliding"])
+def test_packed_forwards_with_prepacked_weights_give_the_tokens_of_each_prompt_alone(name):
+    model = tiny_model(name)
+    prompts = random_prompts((5, 17, 9, 30), seed=3)
+    generator = BatchGenerator(model, max_new_tokens=NEW, block_size=4, max_batch_tokens=16, prepack_weights=True)
+    for prompt in prompts:
+        generator.add_request(prompt)
+    outputs = generator.run()
+    for prompt, output in zip(prompts, outputs):
+        assert output.generated_tokens == alone(model, prompt, DynamicCache(), MODELS_BY_NAME[name].gather_impl)
+    linear_weights = [module.weight for module in model.modules() if type(module) is torch.nn.Linear]
+    assert generator.metrics().packed_weight_bytes == sum(w.numel() * w.element_size() for w in linear_weights)
+
+
+def test_prepack_weights_needs_onednn_and_must_be_a_bool():
+    with pytest.raises(ValueError, match="`prepack_weights=True` .* needs `onednn=True`"):
+        BatchConfig(prepack_weights=True, onednn=False)
+    with pytest.raises(ValueError, match="`prepack_weights` must be a bool"):
+        BatchConfig(prepack_weights="yes")
