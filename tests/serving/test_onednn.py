@@ -108,12 +108,14 @@ def test_a_model_elsewhere_than_the_cpu_has_nothing_to_swap():
     assert OneDnnLinears(model).modules == []  # not on the CPU; a dtype oneDNN's CPU linear does not take
 
 
-@pytest.mark.parametrize("onednn", [True, False])
+@pytest.mark.parametrize("onednn, prepack", [(True, False), (False, False), (True, True)])
 @pytest.mark.parametrize("name", ["llama_gqa", "mistral_sliding"])
-def test_packed_forwards_on_onednn_give_the_tokens_of_each_prompt_alone(name, onednn):
+def test_packed_forwards_on_onednn_give_the_tokens_of_each_prompt_alone(name, onednn, prepack):
+    """With or without oneDNN, and with its weights prepacked (whose copies the metrics count)."""
     model = tiny_model(name)
     prompts = random_prompts((5, 17, 9, 30), seed=3)
-    generator = BatchGenerator(model, max_new_tokens=NEW, block_size=4, max_batch_tokens=16, onednn=onednn)
+    generator = BatchGenerator(model, max_new_tokens=NEW, block_size=4, max_batch_tokens=16, onednn=onednn,
+                               prepack_weights=prepack)  # fmt: skip
     assert (generator.onednn is not None) == onednn
     for prompt in prompts:
         generator.add_request(prompt)
@@ -121,6 +123,9 @@ def test_packed_forwards_on_onednn_give_the_tokens_of_each_prompt_alone(name, on
     for prompt, output in zip(prompts, outputs):
         assert output.generated_tokens == alone(model, prompt, DynamicCache(), MODELS_BY_NAME[name].gather_impl)
     assert all("forward" not in module.__dict__ for module in model.modules())
+    linear_weights = [module.weight for module in model.modules() if type(module) is torch.nn.Linear]
+    packed = sum(weight.numel() * weight.element_size() for weight in linear_weights) if prepack else 0
+    assert generator.metrics().packed_weight_bytes == packed
 
 
 def test_onednn_must_be_a_bool():
@@ -162,20 +167,6 @@ def test_a_prepacked_weight_changed_or_replaced_is_packed_again():
     layer.weight = torch.nn.Parameter(torch.randn(80, 48))
     with linears.active():
         torch.testing.assert_close(layer(inputs), torch.nn.functional.linear(inputs, layer.weight, layer.bias))
-
-
-@pytest.mark.parametrize("name", ["llama_gqa", "mistral_sliding"])
-def test_packed_forwards_with_prepacked_weights_give_the_tokens_of_each_prompt_alone(name):
-    model = tiny_model(name)
-    prompts = random_prompts((5, 17, 9, 30), seed=3)
-    generator = BatchGenerator(model, max_new_tokens=NEW, block_size=4, max_batch_tokens=16, prepack_weights=True)
-    for prompt in prompts:
-        generator.add_request(prompt)
-    outputs = generator.run()
-    for prompt, output in zip(prompts, outputs):
-        assert output.generated_tokens == alone(model, prompt, DynamicCache(), MODELS_BY_NAME[name].gather_impl)
-    linear_weights = [module.weight for module in model.modules() if type(module) is torch.nn.Linear]
-    assert generator.metrics().packed_weight_bytes == sum(w.numel() * w.element_size() for w in linear_weights)
 
 
 def test_prepack_weights_needs_onednn_and_must_be_a_bool():
