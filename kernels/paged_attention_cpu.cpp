@@ -21,6 +21,7 @@ constexpr int64_t LANES = Vec::size();
 constexpr int64_t KEYS = 4 * LANES;  // keys per chunk: the width of a score tile (four vector registers)
 constexpr int64_t QUERIES = 32;  // query positions per task (times the heads of a KV head's group)
 constexpr int64_t ROWS = 4;      // query vectors whose scores are computed together (register blocking)
+constexpr int64_t DIRECT_QUERIES = 4;  // tiles of fewer query positions read the keys where they lie
 constexpr float MINUS_INF = -std::numeric_limits<float>::infinity();
 
 // scores[r][0:KEYS] = q[r] . kt[:, 0:KEYS] for R query vectors of `q` ([R, dim]), held in registers; `kt` is a chunk's
@@ -93,6 +94,40 @@ void chunk_values(float* o, int64_t count, int64_t value_dim, const float* p, co
   }
 }
 
+inline float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// A tile of few query vectors (a decode token) gains nothing from a transposed copy of the keys: its scores are dot
+// products with the keys where they lie (`keys`: the chunk's `n` key rows), and the values are added from where they
+// lie.
+void direct_scores(const float* q, int64_t count, int64_t dim, const float* const* keys, int64_t n, float* scores) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t m = 0; m < count; ++m) scores[m * KEYS + j] = dot(q + m * dim, keys[j], dim);
+}
+
+void direct_values(float* o, int64_t count, int64_t value_dim, const float* p, const float* correction,
+                   const float* const* values, int64_t n) {
+  for (int64_t m = 0; m < count; ++m) {
+    if (correction[m] == 1.f) continue;
+    float* out = o + m * value_dim;
+#pragma omp simd
+    for (int64_t d = 0; d < value_dim; ++d) out[d] *= correction[m];
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t m = 0; m < count; ++m) {
+      const float w = p[m * KEYS + j];
+      const float* v = values[j];
+      float* out = o + m * value_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < value_dim; ++d) out[d] += w * v[d];
+    }
+  }
+}
+
 // query [tokens, heads, d]: row r's queries are tokens query_starts[r] .. query_starts[r + 1] - 1, the last of its
 // stored tokens first_tokens[r] .. seq_lens[r] - 1, each seeing the row's tokens from first_tokens[r] up to its own;
 // k_cache / v_cache [num_blocks, block_size, kv_heads, d] (any strides, unit stride along d); block_tables [rows,
@@ -158,11 +193,14 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
     std::vector<float> qs(most * dim), acc(most * value_dim), top(most), total(most), correction(most);
     std::vector<int64_t> limit(most);
     std::vector<float> kt(dim * KEYS), vc(KEYS * value_dim), scores(most * KEYS);
+    const float* key_rows[KEYS];
+    const float* value_rows[KEYS];
     for (int64_t task = next++; task < tasks; task = next++) {
       const auto [row, tile] = tiles[task / kv_heads];
       const int64_t kvh = task % kv_heads;
       const int64_t count = sp[row + 1] - sp[row], n = std::min(QUERIES, count - tile);
       const int64_t first = fp[row], stop = lp[row], m_count = group * n;
+      const bool direct = n < DIRECT_QUERIES;
       const int64_t* table = tp + row * width;
       // query vector m = g * n + i: head kvh * group + g of query tile + i, which sees tokens first .. its limit.
       for (int64_t g = 0; g < group; ++g) {
@@ -179,18 +217,24 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
       const int64_t last = stop - count + tile + n - 1;  // the key the tile's last query sees last
       for (int64_t t0 = first; t0 <= last; t0 += KEYS) {
         const int64_t keys = std::min(KEYS, last + 1 - t0);
-        for (int64_t j = 0; j < KEYS; ++j) {
-          if (j < keys) {
-            const int64_t t = t0 + j, block = table[t / block_size], slot = t % block_size;
-            const float* key = kp + block * ks0 + slot * ks1 + kvh * ks2;
-            const float* value = vp + block * vs0 + slot * vs1 + kvh * vs2;
-            for (int64_t d = 0; d < dim; ++d) kt[d * KEYS + j] = key[d];
-            std::copy(value, value + value_dim, vc.data() + j * value_dim);
-          } else {
-            for (int64_t d = 0; d < dim; ++d) kt[d * KEYS + j] = 0.f;
+        for (int64_t j = 0, column = t0 / block_size, slot = t0 % block_size; j < keys; ++j) {
+          const int64_t block = table[column];
+          key_rows[j] = kp + block * ks0 + slot * ks1 + kvh * ks2;
+          value_rows[j] = vp + block * vs0 + slot * vs1 + kvh * vs2;
+          if (++slot == block_size) {  // the next block (no division per key)
+            slot = 0;
+            ++column;
           }
         }
-        chunk_scores(qs.data(), m_count, dim, kt.data(), scores.data());
+        if (direct) {
+          direct_scores(qs.data(), m_count, dim, key_rows, keys, scores.data());
+        } else {  // the chunk's keys transposed (so a score tile is a few vector products) and its values, copied
+          for (int64_t j = 0; j < KEYS; ++j) {
+            for (int64_t d = 0; d < dim; ++d) kt[d * KEYS + j] = j < keys ? key_rows[j][d] : 0.f;
+            if (j < keys) std::copy(value_rows[j], value_rows[j] + value_dim, vc.data() + j * value_dim);
+          }
+          chunk_scores(qs.data(), m_count, dim, kt.data(), scores.data());
+        }
         for (int64_t m = 0; m < m_count; ++m) {  // the online softmax: scores become weights, sums are corrected
           float* s = scores.data() + m * KEYS;
           const int64_t seen = std::min(keys, limit[m] - t0 + 1);  // the keys of the chunk query vector m sees
@@ -216,7 +260,11 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
           total[m] = total[m] * correction[m] + std::accumulate(lanes, lanes + LANES, 0.f);
           top[m] = new_top;
         }
-        chunk_values(acc.data(), m_count, value_dim, scores.data(), correction.data(), vc.data(), keys);
+        if (direct) {
+          direct_values(acc.data(), m_count, value_dim, scores.data(), correction.data(), value_rows, keys);
+        } else {
+          chunk_values(acc.data(), m_count, value_dim, scores.data(), correction.data(), vc.data(), keys);
+        }
       }
       for (int64_t g = 0; g < group; ++g) {
         for (int64_t i = 0; i < n; ++i) {
