@@ -129,15 +129,22 @@ def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, sof
         rows = _rows_in_place(packed, read, query)
         if rows:
             spans = tuple((start, stop) for start, stop, _part in rows)
-            if ("row_tokens", spans) not in packed.memo:  # the same for every layer of the forward
-                packed.memo["row_tokens", spans] = torch.cat([torch.arange(*span) for span in spans]).to(query.device)
-            tokens = packed.memo["row_tokens", spans]
-            queries = query[0].index_select(1, tokens).transpose(0, 1)  # [tokens, heads, d]
+            every = spans[0][0] == 0 and spans[-1][1] == query.shape[2] and all(
+                stop == next_start for (_start, stop), (next_start, _stop) in zip(spans, spans[1:]))  # fmt: skip
+            if every:  # every token, in order: the queries as they lie, the kernel's output as the forward's
+                tokens, queries = slice(None), query[0].transpose(0, 1)  # [tokens, heads, d]
+            else:
+                if ("row_tokens", spans) not in packed.memo:  # the same for every layer of the forward
+                    packed.memo["row_tokens", spans] = torch.cat([torch.arange(*span) for span in spans]).to(query.device)
+                tokens = packed.memo["row_tokens", spans]
+                queries = query[0].index_select(1, tokens).transpose(0, 1)
             layer = rows[0][2].layer
-            pieces.append((tokens, layer.attend_rows_in_place(queries, [part.plan for _start, _stop, part in rows],
-                                                              [stop - start for start, stop, _part in rows],
-                                                              packed.memo, scale)))  # fmt: skip
-            read.update(start for start, _stop, _part in rows)
+            out = layer.attend_rows_in_place(queries, [part.plan for _start, _stop, part in rows],
+                                             [stop - start for start, stop in spans], packed.memo, scale)  # fmt: skip
+            if every:
+                return out[None]
+            pieces.append((tokens, out))
+            read.update(start for start, _stop in spans)
     together = [(start, part) for start, part in decode if start not in read and not part.reads_in_place]
     if len(together) < 2:
         together = []

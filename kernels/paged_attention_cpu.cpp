@@ -128,7 +128,7 @@ void direct_values(float* o, int64_t count, int64_t value_dim, const float* p, c
   }
 }
 
-// query [tokens, heads, d]: row r's queries are tokens query_starts[r] .. query_starts[r + 1] - 1, the last of its
+// query [tokens, heads, d] (any strides, unit stride along d): row r's queries are tokens query_starts[r] .. query_starts[r + 1] - 1, the last of its
 // stored tokens first_tokens[r] .. seq_lens[r] - 1, each seeing the row's tokens from first_tokens[r] up to its own;
 // k_cache / v_cache [num_blocks, block_size, kv_heads, d] (any strides, unit stride along d); block_tables [rows,
 // width] (token t of row r in block block_tables[r][t / block_size], slot t % block_size).
@@ -139,7 +139,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
   TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat, "paged_attention_cpu: float32 only");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "paged_attention_cpu: head dim must be contiguous");
-  const at::Tensor q = query.contiguous();
+  const at::Tensor q = query.stride(2) == 1 ? query : query.contiguous();  // tokens and heads may be strided
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
   const at::Tensor starts = query_starts.to(at::kLong).contiguous();
   const at::Tensor lens = seq_lens.to(at::kLong).contiguous(), firsts = first_tokens.to(at::kLong).contiguous();
@@ -151,6 +151,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
   const int64_t group = heads / kv_heads, width = tables.size(1);
   at::Tensor out = at::zeros({q.size(0), heads, value_dim}, q.options());
   const float* qp = q.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
   const int64_t* tp = tables.data_ptr<int64_t>();
@@ -205,7 +206,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
       // query vector m = g * n + i: head kvh * group + g of query tile + i, which sees tokens first .. its limit.
       for (int64_t g = 0; g < group; ++g) {
         for (int64_t i = 0; i < n; ++i) {
-          const float* src = qp + ((sp[row] + tile + i) * heads + kvh * group + g) * dim;
+          const float* src = qp + (sp[row] + tile + i) * qs0 + (kvh * group + g) * qs1;
           float* dst = qs.data() + (g * n + i) * dim;
           for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * fscale;
           limit[g * n + i] = stop - count + tile + i;

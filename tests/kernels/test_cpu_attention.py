@@ -14,7 +14,8 @@ pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the CPU a
 @st.composite
 def packed_batches(draw):
     """Rows reading ranges (starting mid-block, empty, whole blocks) through shuffled tables of head-major storage, each
-    with a decode token or a chunk of causal queries (longer than a kernel tile, or than a chunk of keys, at times)."""
+    with a decode token or a chunk of causal queries (longer than a kernel tile, or than a chunk of keys, at times);
+    the queries token-major or heads-major."""
     block_size, kv_heads = draw(st.sampled_from([1, 4, 16])), draw(st.integers(1, 3))
     group, head_dim = draw(st.sampled_from([1, 3, 4])), draw(st.sampled_from([8, 64, 80]))
     rows = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 90), st.integers(1, 70)), min_size=1, max_size=5))
@@ -29,6 +30,8 @@ def packed_batches(draw):
     values.copy_(torch.randn(values.shape, generator=generator))
     tables = (torch.randperm(num_blocks - 1, generator=generator)[: len(ranges) * width] + 1).view(len(ranges), width)
     query = torch.randn(sum(counts), kv_heads * group, head_dim, generator=generator)
+    if draw(st.booleans()):  # heads-major, as a packed forward's queries lie: read through their strides
+        query = query.transpose(0, 1).contiguous().transpose(0, 1)
     starts = torch.tensor([0, *counts]).cumsum(0)
     firsts = torch.tensor([first for first, _stop in ranges])
     stops = torch.tensor([stop for _first, stop in ranges])
