@@ -44,17 +44,18 @@ inline void score_rows(const float* q, int64_t dim, const float* kt, float* scor
     for (int64_t v = 0; v < V; ++v) acc[r][v].store(scores + r * KEYS + v * LANES);
 }
 
-// o[r] = o[r] * correction[r] + p[r][0:keys] @ values[0:keys] over one slab of V vectors of the value dim (at `o`,
-// `values`; rows `stride` floats apart), for R accumulators held in registers; p [R, KEYS].
+// o[r] = o[r] * correction[r] + p[r][0:keys] @ values[0:keys] over one slab of V vectors of the value dim from `d0`
+// (`values`: the chunk's value rows where they lie; o's rows `stride` floats apart), for R accumulators held in
+// registers; p [R, KEYS].
 template <int64_t R, int64_t V>
-inline void add_values(float* o, int64_t stride, const float* p, const float* correction, const float* values,
-                       int64_t keys) {
+inline void add_values(float* o, int64_t stride, const float* p, const float* correction, const float* const* values,
+                       int64_t d0, int64_t keys) {
   Vec acc[R][V];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t v = 0; v < V; ++v) acc[r][v] = Vec::loadu(o + r * stride + v * LANES) * Vec(correction[r]);
   for (int64_t j = 0; j < keys; ++j) {
     Vec x[V];
-    for (int64_t v = 0; v < V; ++v) x[v] = Vec::loadu(values + j * stride + v * LANES);
+    for (int64_t v = 0; v < V; ++v) x[v] = Vec::loadu(values[j] + d0 + v * LANES);
     for (int64_t r = 0; r < R; ++r) {
       const Vec w(p[r * KEYS + j]);
       for (int64_t v = 0; v < V; ++v) acc[r][v] = at::vec::fmadd(w, x[v], acc[r][v]);
@@ -71,26 +72,27 @@ void chunk_scores(const float* q, int64_t count, int64_t dim, const float* kt, f
   for (; m < count; ++m) score_rows<1>(q + m * dim, dim, kt, scores + m * KEYS);
 }
 
-// o[m] = o[m] * correction[m] + p[m][0:keys] @ values[0:keys] for `count` accumulators ([count, value_dim]).
+// o[m] = o[m] * correction[m] + p[m][0:keys] @ values[0:keys] for `count` accumulators ([count, value_dim]), ROWS
+// at a time; `values`: the chunk's value rows where they lie.
 void chunk_values(float* o, int64_t count, int64_t value_dim, const float* p, const float* correction,
-                  const float* values, int64_t keys) {
+                  const float* const* values, int64_t keys) {
   int64_t d0 = 0;
   for (; d0 + 4 * LANES <= value_dim; d0 += 4 * LANES) {
     int64_t m = 0;
     for (; m + ROWS <= count; m += ROWS)
-      add_values<ROWS, 4>(o + m * value_dim + d0, value_dim, p + m * KEYS, correction + m, values + d0, keys);
+      add_values<ROWS, 4>(o + m * value_dim + d0, value_dim, p + m * KEYS, correction + m, values, d0, keys);
     for (; m < count; ++m)
-      add_values<1, 4>(o + m * value_dim + d0, value_dim, p + m * KEYS, correction + m, values + d0, keys);
+      add_values<1, 4>(o + m * value_dim + d0, value_dim, p + m * KEYS, correction + m, values, d0, keys);
   }
   for (; d0 + LANES <= value_dim; d0 += LANES) {
     for (int64_t m = 0; m < count; ++m)
-      add_values<1, 1>(o + m * value_dim + d0, value_dim, p + m * KEYS, correction + m, values + d0, keys);
+      add_values<1, 1>(o + m * value_dim + d0, value_dim, p + m * KEYS, correction + m, values, d0, keys);
   }
   for (int64_t m = 0; m < count && d0 < value_dim; ++m) {  // a value dim that is not whole vectors: plain loops
     float* out = o + m * value_dim;
     for (int64_t d = d0; d < value_dim; ++d) out[d] *= correction[m];
     for (int64_t j = 0; j < keys; ++j)
-      for (int64_t d = d0; d < value_dim; ++d) out[d] += p[m * KEYS + j] * values[j * value_dim + d];
+      for (int64_t d = d0; d < value_dim; ++d) out[d] += p[m * KEYS + j] * values[j][d];
   }
 }
 
@@ -102,30 +104,10 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 // A tile of few query vectors (a decode token) gains nothing from a transposed copy of the keys: its scores are dot
-// products with the keys where they lie (`keys`: the chunk's `n` key rows), and the values are added from where they
-// lie.
+// products with the keys where they lie (`keys`: the chunk's `n` key rows).
 void direct_scores(const float* q, int64_t count, int64_t dim, const float* const* keys, int64_t n, float* scores) {
   for (int64_t j = 0; j < n; ++j)
     for (int64_t m = 0; m < count; ++m) scores[m * KEYS + j] = dot(q + m * dim, keys[j], dim);
-}
-
-void direct_values(float* o, int64_t count, int64_t value_dim, const float* p, const float* correction,
-                   const float* const* values, int64_t n) {
-  for (int64_t m = 0; m < count; ++m) {
-    if (correction[m] == 1.f) continue;
-    float* out = o + m * value_dim;
-#pragma omp simd
-    for (int64_t d = 0; d < value_dim; ++d) out[d] *= correction[m];
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    for (int64_t m = 0; m < count; ++m) {
-      const float w = p[m * KEYS + j];
-      const float* v = values[j];
-      float* out = o + m * value_dim;
-#pragma omp simd
-      for (int64_t d = 0; d < value_dim; ++d) out[d] += w * v[d];
-    }
-  }
 }
 
 // query [tokens, heads, d] (any strides, unit stride along d): row r's queries are tokens query_starts[r] .. query_starts[r + 1] - 1, the last of its
@@ -193,7 +175,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
     const int64_t most = group * QUERIES;
     std::vector<float> qs(most * dim), acc(most * value_dim), top(most), total(most), correction(most);
     std::vector<int64_t> limit(most);
-    std::vector<float> kt(dim * KEYS), vc(KEYS * value_dim), scores(most * KEYS);
+    std::vector<float> kt(dim * KEYS), scores(most * KEYS);
     const float* key_rows[KEYS];
     const float* value_rows[KEYS];
     for (int64_t task = next++; task < tasks; task = next++) {
@@ -229,11 +211,9 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
         }
         if (direct) {
           direct_scores(qs.data(), m_count, dim, key_rows, keys, scores.data());
-        } else {  // the chunk's keys transposed (so a score tile is a few vector products) and its values, copied
-          for (int64_t j = 0; j < KEYS; ++j) {
+        } else {  // the chunk's keys transposed, so a score tile is a few vector products
+          for (int64_t j = 0; j < KEYS; ++j)
             for (int64_t d = 0; d < dim; ++d) kt[d * KEYS + j] = j < keys ? key_rows[j][d] : 0.f;
-            if (j < keys) std::copy(value_rows[j], value_rows[j] + value_dim, vc.data() + j * value_dim);
-          }
           chunk_scores(qs.data(), m_count, dim, kt.data(), scores.data());
         }
         for (int64_t m = 0; m < m_count; ++m) {  // the online softmax: scores become weights, sums are corrected
@@ -261,11 +241,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
           total[m] = total[m] * correction[m] + std::accumulate(lanes, lanes + LANES, 0.f);
           top[m] = new_top;
         }
-        if (direct) {
-          direct_values(acc.data(), m_count, value_dim, scores.data(), correction.data(), value_rows, keys);
-        } else {
-          chunk_values(acc.data(), m_count, value_dim, scores.data(), correction.data(), vc.data(), keys);
-        }
+        chunk_values(acc.data(), m_count, value_dim, scores.data(), correction.data(), value_rows, keys);
       }
       for (int64_t g = 0; g < group; ++g) {
         for (int64_t i = 0; i < n; ++i) {
