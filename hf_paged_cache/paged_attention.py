@@ -134,9 +134,10 @@ def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, sof
             if every:  # every token, in order: the queries as they lie, the kernel's output as the forward's
                 tokens, queries = slice(None), query[0].transpose(0, 1)  # [tokens, heads, d]
             else:
-                if ("row_tokens", spans) not in packed.memo:  # the same for every layer of the forward
-                    packed.memo["row_tokens", spans] = torch.cat([torch.arange(*span) for span in spans]).to(query.device)
-                tokens = packed.memo["row_tokens", spans]
+                key = ("row_tokens", spans)
+                if key not in packed.memo:  # the same for every layer of the forward
+                    packed.memo[key] = torch.cat([torch.arange(*span) for span in spans]).to(query.device)
+                tokens = packed.memo[key]
                 queries = query[0].index_select(1, tokens).transpose(0, 1)
             layer = rows[0][2].layer
             out = layer.attend_rows_in_place(queries, [part.plan for _start, _stop, part in rows],

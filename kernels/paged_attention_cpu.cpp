@@ -18,9 +18,9 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t LANES = Vec::size();
-constexpr int64_t KEYS = 4 * LANES;  // keys per chunk: the width of a score tile (four vector registers)
-constexpr int64_t QUERIES = 32;  // query positions per task (times the heads of a KV head's group)
-constexpr int64_t ROWS = 4;      // query vectors whose scores are computed together (register blocking)
+constexpr int64_t KEYS = 4 * LANES;    // keys per chunk: the width of a score tile (four vector registers)
+constexpr int64_t QUERIES = 32;        // query positions per task (times the heads of a KV head's group)
+constexpr int64_t ROWS = 4;            // query vectors whose scores are computed together (register blocking)
 constexpr int64_t DIRECT_QUERIES = 4;  // tiles of fewer query positions read the keys where they lie
 constexpr float MINUS_INF = -std::numeric_limits<float>::infinity();
 
@@ -110,8 +110,9 @@ void direct_scores(const float* q, int64_t count, int64_t dim, const float* cons
     for (int64_t m = 0; m < count; ++m) scores[m * KEYS + j] = dot(q + m * dim, keys[j], dim);
 }
 
-// query [tokens, heads, d] (any strides, unit stride along d): row r's queries are tokens query_starts[r] .. query_starts[r + 1] - 1, the last of its
-// stored tokens first_tokens[r] .. seq_lens[r] - 1, each seeing the row's tokens from first_tokens[r] up to its own;
+// query [tokens, heads, d] (any strides, unit stride along d): row r's queries are tokens query_starts[r] ..
+// query_starts[r + 1] - 1, the last of its stored tokens first_tokens[r] .. seq_lens[r] - 1, each seeing the row's
+// tokens from first_tokens[r] up to its own;
 // k_cache / v_cache [num_blocks, block_size, kv_heads, d] (any strides, unit stride along d); block_tables [rows,
 // width] (token t of row r in block block_tables[r][t / block_size], slot t % block_size).
 at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,

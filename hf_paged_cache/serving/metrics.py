@@ -100,7 +100,8 @@ class ServingCounters:
 
     def snapshot(self, step: int, seconds: float, queues: tuple[int, int, int], scheduled: int, budget: int,
                  cache: CacheMetrics, prefix: PrefixStats | None, swap: SwapStats, copies: CopyStats,
-                 holes: float, state: tuple[int, int, int] = (0, 0, 0), packed_weight_bytes: int = 0) -> BatchMetrics:  # fmt: skip
+                 holes: float, state: tuple[int, int, int] = (0, 0, 0),
+                 packed_weight_bytes: int = 0) -> BatchMetrics:  # fmt: skip
         """The metrics after a step that computed `scheduled` tokens; `queues`: running, waiting and stalled
         requests (swapped out, or running but not scheduled); `state`: the running requests' recurrent state bytes,
         the state pool's slots and its bytes; `packed_weight_bytes`: what packed weights hold."""

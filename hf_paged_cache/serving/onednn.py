@@ -80,7 +80,8 @@ class PackedWeights:
         weight = module.weight
         packed = self._packed.get(module)
         if packed is None or packed[1] is not weight or packed[2] != weight._version:
-            packed = (torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_tokens), weight, weight._version)
+            reordered = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_tokens)
+            packed = (reordered, weight, weight._version)
             self._packed[module] = packed
         return packed[0]
 

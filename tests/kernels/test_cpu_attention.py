@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from hf_paged_cache.kernels import cpu_attention
 from hf_paged_cache.kernels.layout import allocate_kv_blocks
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the CPU attention kernel could not be built here")
+pytestmark = pytest.mark.skipif(not cpu_attention.available(),
+                                reason="the CPU attention kernel could not be built here")  # fmt: skip
 
 
 @st.composite
@@ -67,7 +68,8 @@ def test_cpu_attention_refuses_reads_outside_its_table_or_storage_and_queries_wi
     keys = allocate_kv_blocks(3, 4, 1, 8, torch.float32, fill=0.0)
     query, one, stops, firsts = torch.randn(1, 2, 8), torch.tensor([0, 1]), torch.tensor([6]), torch.tensor([1])
     with pytest.raises(RuntimeError, match="reads tokens 1..9 of a table of 2 blocks"):
-        cpu_attention.paged_attention_cpu(query, keys, keys, torch.tensor([[1, 2]]), one, torch.tensor([9]), firsts, 1.0)
+        cpu_attention.paged_attention_cpu(query, keys, keys, torch.tensor([[1, 2]]), one, torch.tensor([9]), firsts,
+                                          1.0)  # fmt: skip
     with pytest.raises(RuntimeError, match="block id 7 out of range"):
         cpu_attention.paged_attention_cpu(query, keys, keys, torch.tensor([[1, 7]]), one, stops, firsts, 1.0)
     with pytest.raises(RuntimeError, match="has 6 queries but reads 5 tokens"):
