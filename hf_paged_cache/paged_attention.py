@@ -118,7 +118,8 @@ def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, sof
     per bucket of similar history lengths over their histories gathered into one padded batch, instead of one call per
     sequence; there a decode token with a long full-precision history (`PagedKV.reads_in_place`) attends alone over
     its own blocks, since copying it into the padded batch would cost more than the call."""
-    decode = [(start, part) for start, stop, part in packed.parts if stop - start == 1 and part.reads_with_others]
+    plain = [(start, stop, part) for start, stop, part in packed.parts if part.reads_with_others]
+    decode = [(start, part) for start, stop, part in plain if stop - start == 1]
     decode = [(start, part) for start, part in decode if part.layer.storage is decode[0][1].layer.storage]
     pieces, read = [], set()
     for members, prefix in _shared_prefixes(decode, packed.memo) if decode and sinks is None else []:
@@ -126,7 +127,7 @@ def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, sof
         pieces += _attend_shared_prefix(query, group, prefix, packed.memo, scale, softcap)
         read.update(start for start, _part in group)
     if softcap is None and sinks is None:
-        rows = _rows_in_place(packed, read, query)
+        rows = _rows_in_place([part for part in plain if part[0] not in read], query)
         if rows:
             spans = tuple((start, stop) for start, stop, _part in rows)
             every = spans[0][0] == 0 and spans[-1][1] == query.shape[2] and all(
@@ -167,12 +168,12 @@ def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, sof
     return out[None]
 
 
-def _rows_in_place(packed: PackedPagedKV, read: set[int], query: torch.Tensor) -> list[tuple[int, int, PagedKV]]:
-    """The parts not yet `read` that the C++ CPU attention kernel attends in one call: one-row plain reads of the
-    first such part's storage, where its layer allows the kernel, whose queries are one token or attend under plain
-    causality (no window or chunk mask)."""
-    rows = [(start, stop, part) for start, stop, part in packed.parts if start not in read and part.reads_with_others
-            and (stop - start == 1 or part.own_mask(stop - start, query.device) is None)]  # fmt: skip
+def _rows_in_place(plain: list[tuple[int, int, PagedKV]], query: torch.Tensor) -> list[tuple[int, int, PagedKV]]:
+    """The parts among `plain` (one-row plain reads, not read yet) that the C++ CPU attention kernel attends in one
+    call: those of the first one's storage, where its layer allows the kernel, whose queries are one token or attend
+    under plain causality (no window or chunk mask)."""
+    rows = [(start, stop, part) for start, stop, part in plain
+            if stop - start == 1 or part.own_mask(stop - start, query.device) is None]  # fmt: skip
     if not rows or not rows[0][2].layer.reads_rows_in_place(query.dtype):
         return []
     return [row for row in rows if row[2].layer.storage is rows[0][2].layer.storage]
