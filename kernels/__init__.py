@@ -25,7 +25,11 @@ One C++ kernel for the CPU (module ``cpu_attention``, built at first use where a
 ``paged_attention_cpu(query, k_cache, v_cache, block_tables, query_starts, seq_lens, first_tokens, scale)`` --
 row r's float32 queries ``query[query_starts[r]:query_starts[r + 1]]``, the last of its tokens
 ``first_tokens[r]:seq_lens[r]``, each attending causally over them: the torch path's read of the batch generator's
-decode tokens and prompt chunks; reference ``paged_attention_cpu_ref``.
+decode tokens and prompt chunks; reference ``paged_attention_cpu_ref``. With ``quantized=QuantizedRows(...)`` each
+row first reads sealed blocks (int8, unrotated int4 / 2-bit), decoded in the kernel, and with
+``transition=TransitionRows(...)`` blocks some of its queries read decoded and the others exact. Module
+``cpu_quantize``: ``quantize_blocks_cpu(fmt, x, sources, fields, targets)`` seals blocks as the format's torch encode
+does, bit for bit.
 
 Quantized history: ``quantized=QuantizedKV(key_format, value_format, key_fields, value_fields,
 block_tables, lens)`` makes each row's first ``lens[row]`` stored tokens come from whole quantized blocks

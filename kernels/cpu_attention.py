@@ -8,17 +8,24 @@ heads spread over torch's threads; each tile scores all heads of a KV head's gro
 is built on first use with torch's C++ extension loader for the instruction set torch reports (a C++ compiler and
 ninja; `available()` says whether that worked) — without them the torch path runs as before. Float32 only, no soft-cap
 and no sinks; `paged_attention_cpu_ref` is its torch reference.
+
+A quantized cache's rows read their sealed blocks first (`QuantizedRows`: decoded in the kernel a chunk of keys at a
+time, for the formats `reads_format` accepts), then the blocks a multi-token step reads both ways (`TransitionRows`),
+then their full-precision blocks.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .reference import attention_ref, row_kv
+from hf_paged_cache.quantization import QuantFormat
+
+from .reference import gather_kv
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
 
@@ -49,28 +56,135 @@ def available() -> bool:
     return True
 
 
+def reads_format(fmt: QuantFormat, block_size: int, head_dim: int) -> bool:
+    """Whether the kernel decodes blocks of `fmt`: symmetric int8, or unrotated 4 / 2-bit codes with zero points."""
+    kernel = fmt.kernel_format(block_size, head_dim)
+    return (kernel.exponent_bits == 0 and not kernel.rotate and kernel.bits in (2, 4, 8)
+            and kernel.zero_point == (kernel.bits != 8))  # fmt: skip
+
+
+@dataclass
+class QuantizedRows:
+    """The sealed blocks each row reads before its full-precision ones: tokens `reads[r, 0]` .. `reads[r, 1] - 1` of
+    its table `tables[r]` (ids of the pool `key_fields` / `value_fields`, as `QuantFormat.allocate` lays them out)."""
+
+    key_format: QuantFormat
+    value_format: QuantFormat
+    key_fields: dict[str, torch.Tensor]
+    value_fields: dict[str, torch.Tensor]
+    tables: torch.Tensor  # [rows, width]
+    reads: torch.Tensor  # [rows, 2]
+
+    def arguments(self, block_size: int, head_dim: int, value_dim: int) -> tuple:
+        """The op's quantized arguments: the six fields as 4-D views, the tables, the reads and the formats."""
+        fields, formats = [], []
+        for fmt, pool, dim in ((self.key_format, self.key_fields, head_dim),
+                               (self.value_format, self.value_fields, value_dim)):  # fmt: skip
+            if not reads_format(fmt, block_size, dim):
+                raise ValueError(f"paged_attention_cpu cannot decode {fmt!r} (see reads_format)")
+            kernel = fmt.kernel_format(block_size, dim)
+            scale, zero = pool["scale"], pool.get("zero", pool["scale"].new_empty(0))
+            if kernel.per_token:  # [blocks, slots, heads(, groups)]
+                scale, zero = (t if t.dim() == 4 or not t.numel() else t.unsqueeze(-1) for t in (scale, zero))
+            else:  # one per block: [blocks, 1, heads, groups]
+                scale, zero = (t.unsqueeze(1) if t.numel() else t for t in (scale, zero))
+            groups = dim // kernel.group
+            fields += [pool["codes"], scale, zero]
+            formats += [kernel.bits, kernel.group, groups if kernel.scale_bits == 8 else -1]
+        return fields, self.tables, self.reads, formats
+
+
+@dataclass
+class TransitionRows:
+    """The blocks each row's queries read both ways (`StepPlan.transition`), after its sealed ones: row r's are tokens
+    `starts[r]` .. `starts[r + 1] - 1` of `exact` and `decoded` (keys, values) `[kv_heads, tokens, d]`, float32; a query
+    reads a block's decoded tokens once the block ends at least `window` positions before the query's own + 1.
+    `decoded=None`: they are the last tokens of each row's quantized read (blocks sealed as they arrived), decoded in
+    the kernel."""
+
+    exact: tuple[torch.Tensor, torch.Tensor]
+    decoded: tuple[torch.Tensor, torch.Tensor] | None
+    starts: torch.Tensor  # [rows + 1]
+    window: int
+
+
 def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         query_starts: torch.Tensor, seq_lens: torch.Tensor, first_tokens: torch.Tensor,
-                        scale: float) -> torch.Tensor:  # fmt: skip
-    """Row r's queries `query[query_starts[r] : query_starts[r + 1]]` (`[n, heads, d]`) are the last n of its stored
-    tokens `first_tokens[r]` .. `seq_lens[r] - 1` (token t in block `block_tables[r, t // block_size]`) of `k_cache` /
-    `v_cache` `[num_blocks, block_size, kv_heads, d]`, each attending causally over them: `[tokens, heads, d]` (zeros
-    for a row that reads nothing). Float32 CPU tensors; call `available()` first."""
+                        scale: float, quantized: QuantizedRows | None = None,
+                        transition: TransitionRows | None = None) -> torch.Tensor:  # fmt: skip
+    """Row r's queries `query[query_starts[r] : query_starts[r + 1]]` (`[n, heads, d]`) are the last n of the keys it
+    reads, each attending causally over them: its `quantized` tokens, its `transition` tokens, then its stored tokens
+    `first_tokens[r]` .. `seq_lens[r] - 1` (token t in block `block_tables[r, t // block_size]`) of `k_cache` /
+    `v_cache` `[num_blocks, block_size, kv_heads, d]`. Returns `[tokens, heads, d]` (zeros for a row that reads
+    nothing). Float32 CPU tensors; call `available()` first."""
+    fields, tables, reads, formats = [], None, None, []
+    if quantized is not None:
+        fields, tables, reads, formats = quantized.arguments(k_cache.shape[1], k_cache.shape[-1], v_cache.shape[-1])
+    pairs, starts, window = [], None, 0
+    if transition is not None:
+        pairs, starts, window = [*transition.exact, *(transition.decoded or ())], transition.starts, transition.window
     return torch.ops.hf_paged_cache.paged_attention_cpu(query, k_cache, v_cache, block_tables, query_starts, seq_lens,
-                                                        first_tokens, scale)  # fmt: skip
+                                                        first_tokens, scale, fields, tables, reads, formats, pairs,
+                                                        starts, window)  # fmt: skip
 
 
 def paged_attention_cpu_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_starts: torch.Tensor, seq_lens: torch.Tensor,
-                            first_tokens: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
-    """Reference for `paged_attention_cpu`: the Triton kernels' dense reference, row by row, over the row's read
-    range."""
+                            first_tokens: torch.Tensor, scale: float, quantized: QuantizedRows | None = None,
+                            transition: TransitionRows | None = None) -> torch.Tensor:  # fmt: skip
+    """Reference for `paged_attention_cpu`, row by row: the keys each query sees gathered (quantized blocks decoded by
+    their format) and attended with an explicit mask."""
     out = torch.zeros(*query.shape[:2], v_cache.shape[-1], dtype=query.dtype)
-    bounds = query_starts.tolist()
+    bounds, block_size = query_starts.tolist(), k_cache.shape[1]
     for row, (first, stop) in enumerate(zip(first_tokens.tolist(), seq_lens.tolist())):
         begin, end = bounds[row], bounds[row + 1]
-        if stop > first and end > begin:
-            keys, values = row_kv(k_cache, v_cache, block_tables, row, stop)
-            positions = torch.arange(stop - (end - begin), stop) - first  # the queries' places in the read range
-            out[begin:end] = attention_ref(query[begin:end], positions, keys[first:], values[first:], scale)
+        parts = []  # (keys, values [n, kv_heads, d], kind)
+        t0, t1 = (0, 0) if transition is None else (transition.starts[row].item(), transition.starts[row + 1].item())
+        decoded = None if transition is None else transition.decoded
+        if quantized is not None:
+            q_first, q_stop = quantized.reads[row].tolist()
+            if q_stop > q_first:
+                ids = quantized.tables[row, : -(-q_stop // block_size)]
+                keys = quantized.key_format.dequantize(quantized.key_fields, ids).flatten(0, 1)[q_first:q_stop]
+                values = quantized.value_format.dequantize(quantized.value_fields, ids).flatten(0, 1)[q_first:q_stop]
+                if transition is not None and decoded is None:  # the read ends with the transition's decoded tokens
+                    cut = keys.shape[0] - (t1 - t0)
+                    decoded = (keys[cut:].transpose(0, 1), values[cut:].transpose(0, 1))
+                    keys, values = keys[:cut], values[:cut]
+                    t0, t1 = 0, t1 - t0
+                parts.append((keys, values, "all"))
+        if transition is not None:
+            own = slice(transition.starts[row].item(), transition.starts[row + 1].item())
+            exact = [part[:, own] for part in transition.exact]
+            decoded = decoded or (exact[0][:, :0], exact[1][:, :0])  # no quantized read: no transition either
+            parts.append((decoded[0][:, t0:t1].transpose(0, 1), decoded[1][:, t0:t1].transpose(0, 1), "decoded"))
+            parts.append((exact[0].transpose(0, 1), exact[1].transpose(0, 1), "exact"))
+        if stop > first:
+            keys = gather_kv(k_cache, block_tables[row], stop)[first:]
+            values = gather_kv(v_cache, block_tables[row], stop)[first:]
+            parts.append((keys, values, "all"))
+        positions, kinds, at = [], [], 0
+        for keys, _values, kind in parts:
+            positions.append(torch.arange(at, at + keys.shape[0]))
+            kinds += [kind] * keys.shape[0]
+            at += 0 if kind == "decoded" else keys.shape[0]  # the exact tokens stand where the decoded ones do
+        if end == begin or not at:
+            continue
+        key_positions = torch.cat(positions)
+        query_positions = torch.arange(at - (end - begin), at)
+        visible = key_positions[None, :] <= query_positions[:, None]
+        if transition is not None:  # a transition block is read decoded once it ends `window` before the query + 1
+            decoded_at = key_positions[torch.tensor([kind == "decoded" for kind in kinds])]
+            t_begin = int(decoded_at.min()) if decoded_at.numel() else 0
+            block_ends = t_begin + ((key_positions - t_begin) // block_size + 1) * block_size
+            sealed = block_ends[None, :] <= query_positions[:, None] + 1 - transition.window
+            decoded = torch.tensor([kind == "decoded" for kind in kinds])[None, :]
+            exact = torch.tensor([kind == "exact" for kind in kinds])[None, :]
+            visible &= ~(decoded & ~sealed) & ~(exact & sealed)
+        keys = torch.cat([part[0] for part in parts]).float()
+        values = torch.cat([part[1] for part in parts]).float()
+        groups = query.shape[1] // keys.shape[1]
+        logits = torch.einsum("qhd,khd->hqk", query[begin:end].float(), keys.repeat_interleave(groups, 1)) * scale
+        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), -1)
+        out[begin:end] = torch.einsum("hqk,khd->qhd", probs, values.repeat_interleave(groups, 1)).to(out.dtype)
     return out

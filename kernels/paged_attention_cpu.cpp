@@ -1,6 +1,8 @@
 // Causal attention of each row's queries over that row's blocks, read through its block table where they lie: the CPU
 // counterpart of paged_decode.py / paged_prefill.py's Triton kernels for the torch path (float32, no soft-cap, no
-// sinks). A decode token is a row with one query; a prompt chunk a row with several. Registered as
+// sinks). A decode token is a row with one query; a prompt chunk a row with several. A quantized cache's rows read
+// their sealed blocks first, decoded here a chunk of keys at a time (int8, and unrotated 4 / 2-bit codes), and the
+// blocks a step reads both ways (a transition) as the caller decoded them and as they were. Registered as
 // torch.ops.hf_paged_cache.paged_attention_cpu; kernels/cpu_attention.py builds and calls it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -8,6 +10,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <limits>
@@ -110,14 +113,141 @@ void direct_scores(const float* q, int64_t count, int64_t dim, const float* cons
     for (int64_t m = 0; m < count; ++m) scores[m * KEYS + j] = dot(q + m * dim, keys[j], dim);
 }
 
+// One side (keys or values) of a quantized pool as `hf_paged_cache.quantization` stores it: codes [blocks, block_size,
+// kv_heads, bytes] (int8, or 4 / 2-bit codes packed planar into uint8), and a scale (and a zero point) per group of
+// `group` channels, read through [blocks, slots, kv_heads, groups] views whose slot stride is 0 for a format with one
+// per block (keys per channel). An 8-bit scale counts steps of a float16 unit stored at zero[..., unit].
+struct QuantSide {
+  const uint8_t* codes = nullptr;
+  int64_t c0 = 0, c1 = 0, c2 = 0;
+  const at::Half* scale16 = nullptr;
+  const uint8_t* scale8 = nullptr;
+  int64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  const at::Half* zero = nullptr;
+  int64_t z0 = 0, z1 = 0, z2 = 0, z3 = 0;
+  int64_t bits = 8, group = 1, unit = -1;
+
+  // Tokens slot .. slot + count - 1 of block `block`, KV head `head`, decoded into rows of `out` `stride` floats
+  // apart as the format's torch decode does it: code * scale (+ zero), in float32. A format with one scale (and zero)
+  // per block expands them once per call into `meta` ([2, dim] floats).
+  void decode(int64_t block, int64_t slot, int64_t count, int64_t head, int64_t dim, float* out, int64_t stride,
+              float* meta) const {
+    const bool per_block = s1 == 0 && (zero == nullptr || z1 == 0);
+    if (per_block) {
+      float* scales = meta;
+      float* zeros = meta + dim;
+      metadata(block, slot, head, dim, scales, zeros);
+    }
+    for (int64_t t = 0; t < count; ++t) {
+      float* o = out + t * stride;
+      unpack(block, slot + t, head, dim, o);
+      if (per_block) {
+        const float* scales = meta;
+        const float* zeros = meta + dim;
+        if (zero) {
+          for (int64_t d = 0; d < dim; ++d) o[d] = o[d] * scales[d] + zeros[d];
+        } else {
+          for (int64_t d = 0; d < dim; ++d) o[d] = o[d] * scales[d];
+        }
+        continue;
+      }
+      const int64_t at_scale = block * s0 + (slot + t) * s1 + head * s2;
+      const int64_t at_zero = block * z0 + (slot + t) * z1 + head * z2;
+      const float step = unit >= 0 ? static_cast<float>(zero[at_zero + unit * z3]) : 1.f;
+      for (int64_t g = 0; g * group < dim; ++g) {
+        const float s = scale8 ? static_cast<float>(scale8[at_scale + g * s3]) * step
+                               : static_cast<float>(scale16[at_scale + g * s3]);
+        float* x = o + g * group;
+        const int64_t n = std::min(group, dim - g * group);
+        if (zero) {
+          const float z = static_cast<float>(zero[at_zero + g * z3]);
+          for (int64_t d = 0; d < n; ++d) x[d] = x[d] * s + z;
+        } else {
+          for (int64_t d = 0; d < n; ++d) x[d] = x[d] * s;
+        }
+      }
+    }
+  }
+
+  // The codes of one token as floats.
+  void unpack(int64_t block, int64_t slot, int64_t head, int64_t dim, float* out) const {
+    const uint8_t* c = codes + block * c0 + slot * c1 + head * c2;
+    if (bits == 8) {
+      const int8_t* signed_codes = reinterpret_cast<const int8_t*>(c);
+      for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(signed_codes[d]);
+      return;
+    }
+    const int64_t m = dim * bits / 8, per_byte = 8 / bits;  // planar: byte i holds code i + k * m at bit k * bits
+    const int mask = (1 << bits) - 1;
+    for (int64_t k = 0; k < per_byte; ++k) {
+      const int shift = static_cast<int>(k * bits);
+      float* o = out + k * m;
+      for (int64_t i = 0; i < m; ++i) o[i] = static_cast<float>((c[i] >> shift) & mask);
+    }
+  }
+
+  // Every channel's scale and zero point (0 without) for a token, expanded from its groups.
+  void metadata(int64_t block, int64_t slot, int64_t head, int64_t dim, float* scales, float* zeros) const {
+    const int64_t at_scale = block * s0 + slot * s1 + head * s2, at_zero = block * z0 + slot * z1 + head * z2;
+    const float step = unit >= 0 ? static_cast<float>(zero[at_zero + unit * z3]) : 1.f;
+    for (int64_t d = 0; d < dim; ++d) {
+      const int64_t g = d / group;
+      scales[d] = scale8 ? static_cast<float>(scale8[at_scale + g * s3]) * step
+                         : static_cast<float>(scale16[at_scale + g * s3]);
+      zeros[d] = zero ? static_cast<float>(zero[at_zero + g * z3]) : 0.f;
+    }
+  }
+};
+
+QuantSide quant_side(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zero, int64_t bits,
+                     int64_t group, int64_t unit, int64_t dim) {
+  TORCH_CHECK(codes.dim() == 4 && codes.element_size() == 1 && codes.stride(3) == 1 && codes.size(3) * 8 == dim * bits,
+              "paged_attention_cpu: quantized codes must be [blocks, block_size, kv_heads, head_dim * bits / 8] bytes");
+  TORCH_CHECK(bits == 8 || bits == 4 || bits == 2, "paged_attention_cpu: codes of 8, 4 or 2 bits");
+  TORCH_CHECK(scale.dim() == 4 && (scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kByte) &&
+                  group >= 1 && scale.size(3) * group >= dim,
+              "paged_attention_cpu: scales must be float16 or uint8 [blocks, slots, kv_heads, groups]");
+  const auto stride = [](const at::Tensor& t, int64_t d) { return t.size(d) == 1 ? 0 : t.stride(d); };
+  QuantSide side;
+  side.codes = static_cast<const uint8_t*>(codes.data_ptr());
+  side.c0 = codes.stride(0), side.c1 = codes.stride(1), side.c2 = codes.stride(2);
+  if (scale.scalar_type() == at::kByte) side.scale8 = scale.data_ptr<uint8_t>();
+  else side.scale16 = scale.data_ptr<at::Half>();
+  side.s0 = stride(scale, 0), side.s1 = stride(scale, 1), side.s2 = stride(scale, 2), side.s3 = stride(scale, 3);
+  if (zero.numel()) {
+    TORCH_CHECK(zero.dim() == 4 && zero.scalar_type() == at::kHalf, "paged_attention_cpu: zero points are float16");
+    side.zero = zero.data_ptr<at::Half>();
+    side.z0 = stride(zero, 0), side.z1 = stride(zero, 1), side.z2 = stride(zero, 2), side.z3 = stride(zero, 3);
+  }
+  TORCH_CHECK((unit < 0 || side.zero) && (side.scale8 == nullptr) == (unit < 0),
+              "paged_attention_cpu: an 8-bit scale needs its unit among the zero points, and only it");
+  side.bits = bits, side.group = group, side.unit = unit;
+  return side;
+}
+
+// Where a row's keys come from, in the order it reads them: its quantized tokens (decoded here), the transition's
+// tokens both ways (given decoded and exact, each query reading those of a block quantized once the block ends at least
+// `window` positions before it, as it would have one token at a time), then its full-precision tokens.
+enum Segment { QUANTIZED = 0, DECODED = 1, EXACT = 2, FULL = 3 };
+
 // query [tokens, heads, d] (any strides, unit stride along d): row r's queries are tokens query_starts[r] ..
-// query_starts[r + 1] - 1, the last of its stored tokens first_tokens[r] .. seq_lens[r] - 1, each seeing the row's
-// tokens from first_tokens[r] up to its own;
+// query_starts[r + 1] - 1, the last of the keys it reads, each seeing the keys up to its own position;
 // k_cache / v_cache [num_blocks, block_size, kv_heads, d] (any strides, unit stride along d); block_tables [rows,
-// width] (token t of row r in block block_tables[r][t / block_size], slot t % block_size).
+// width] (stored token t of row r in block block_tables[r][t / block_size], slot t % block_size); row r reads stored
+// tokens first_tokens[r] .. seq_lens[r] - 1 of them, after
+//   - quantized[0:6] (key codes, scales, zero points, then the values'; an empty zero point for a symmetric format) of
+//     a quantized pool read through quantized_tables [rows, width], tokens quantized_reads[r][0] ..
+//     quantized_reads[r][1] - 1 of row r's table, formats (bits, group, unit) per side in quantized_formats;
+//   - transition[0:4] (exact keys, exact values, decoded keys, decoded values; [kv_heads, tokens, d]) tokens
+//     transition_starts[r] .. transition_starts[r + 1] - 1 for row r, whole blocks of block_size; or transition[0:2]
+//     only, the decoded tokens being the last of the row's quantized read (blocks sealed as they arrived).
 at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                const at::Tensor& block_tables, const at::Tensor& query_starts,
-                               const at::Tensor& seq_lens, const at::Tensor& first_tokens, double scale) {
+                               const at::Tensor& seq_lens, const at::Tensor& first_tokens, double scale,
+                               at::TensorList quantized, const c10::optional<at::Tensor>& quantized_tables,
+                               const c10::optional<at::Tensor>& quantized_reads, at::IntArrayRef quantized_formats,
+                               at::TensorList transition, const c10::optional<at::Tensor>& transition_starts,
+                               int64_t window) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_attention_cpu: shapes");
   TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat, "paged_attention_cpu: float32 only");
@@ -132,6 +262,49 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
   TORCH_CHECK(starts.numel() == rows + 1 && lens.numel() == rows && firsts.numel() == rows,
               "paged_attention_cpu: query_starts needs rows + 1 entries, seq_lens and first_tokens rows");
   const int64_t group = heads / kv_heads, width = tables.size(1);
+
+  // The quantized prefix, if any.
+  const bool has_quantized = !quantized.empty();
+  QuantSide qkey, qvalue;
+  at::Tensor qtables, qreads;
+  int64_t qwidth = 0, qblocks = 0;
+  if (has_quantized) {
+    TORCH_CHECK(quantized.size() == 6 && quantized_formats.size() == 6 && quantized_tables && quantized_reads,
+                "paged_attention_cpu: a quantized prefix needs 6 fields, 6 format numbers, tables and reads");
+    qkey = quant_side(quantized[0], quantized[1], quantized[2], quantized_formats[0], quantized_formats[1],
+                      quantized_formats[2], dim);
+    qvalue = quant_side(quantized[3], quantized[4], quantized[5], quantized_formats[3], quantized_formats[4],
+                        quantized_formats[5], value_dim);
+    TORCH_CHECK(quantized[0].size(1) == block_size && quantized[0].size(2) == kv_heads &&
+                    quantized[3].size(1) == block_size && quantized[3].size(2) == kv_heads,
+                "paged_attention_cpu: quantized blocks must have the cache's block size and KV heads");
+    qtables = quantized_tables->to(at::kLong).contiguous();
+    qreads = quantized_reads->to(at::kLong).contiguous();
+    TORCH_CHECK(qtables.dim() == 2 && qtables.size(0) == rows && qreads.numel() == 2 * rows,
+                "paged_attention_cpu: quantized_tables [rows, width] and quantized_reads [rows, 2]");
+    qwidth = qtables.size(1);
+    qblocks = std::min(quantized[0].size(0), quantized[3].size(0));
+    for (const auto& field : quantized)
+      if (field.numel()) qblocks = std::min(qblocks, field.size(0));
+  }
+  // The transition, if any.
+  const bool has_transition = !transition.empty();
+  const bool decoded_codes = transition.size() == 2;  // the decoded tokens are the end of the quantized read
+  at::Tensor tstarts;
+  if (has_transition) {
+    TORCH_CHECK((transition.size() == 4 || (decoded_codes && has_quantized)) && transition_starts && window >= 0,
+                "paged_attention_cpu: a transition needs its exact and decoded tensors (or only the exact ones, after "
+                "a quantized prefix that ends with its decoded blocks), transition_starts and a window >= 0");
+    tstarts = transition_starts->to(at::kLong).contiguous();
+    TORCH_CHECK(tstarts.numel() == rows + 1, "paged_attention_cpu: transition_starts needs rows + 1 entries");
+    for (int64_t i = 0; i < static_cast<int64_t>(transition.size()); ++i) {
+      const at::Tensor& t = transition[i];
+      TORCH_CHECK(t.dim() == 3 && t.scalar_type() == at::kFloat && t.stride(2) == 1 && t.size(0) == kv_heads &&
+                      t.size(1) >= tstarts.data_ptr<int64_t>()[rows] && t.size(2) == (i % 2 ? value_dim : dim),
+                  "paged_attention_cpu: transition tensors must be float32 [kv_heads, tokens, d] covering every row");
+    }
+  }
+
   at::Tensor out = at::zeros({q.size(0), heads, value_dim}, q.options());
   const float* qp = q.data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
@@ -141,24 +314,55 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
   const int64_t* sp = starts.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* fp = firsts.data_ptr<int64_t>();
+  const int64_t* qtp = has_quantized ? qtables.data_ptr<int64_t>() : nullptr;
+  const int64_t* qrp = has_quantized ? qreads.data_ptr<int64_t>() : nullptr;
+  const int64_t* tsp = has_transition ? tstarts.data_ptr<int64_t>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
   const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
+  const float* tsrc[4] = {nullptr, nullptr, nullptr, nullptr};  // exact K, exact V, decoded K, decoded V
+  int64_t th[4] = {0, 0, 0, 0}, tt[4] = {0, 0, 0, 0};
+  for (int64_t i = 0; i < static_cast<int64_t>(transition.size()); ++i)
+    tsrc[i] = transition[i].data_ptr<float>(), th[i] = transition[i].stride(0), tt[i] = transition[i].stride(1);
   const float fscale = static_cast<float>(scale);
   const int64_t num_blocks = std::min(k_cache.size(0), v_cache.size(0));
   TORCH_CHECK(sp[0] == 0 && sp[rows] == q.size(0), "paged_attention_cpu: query_starts must run from 0 to the tokens");
+  // Per row: where each segment begins in the row's read (QUANTIZED, DECODED = EXACT, FULL) and the keys it reads.
+  std::vector<std::array<int64_t, 3>> bounds(rows);
+  std::vector<int64_t> reads(rows);
   std::vector<std::pair<int64_t, int64_t>> tiles;  // (row, first query of the tile)
   for (int64_t row = 0; row < rows; ++row) {  // checked here: the parallel loop below reads without checks
     const int64_t count = sp[row + 1] - sp[row];
     TORCH_CHECK(count >= 0 && fp[row] >= 0 && lp[row] <= width * block_size, "paged_attention_cpu: row ", row,
                 " reads tokens ", fp[row], "..", lp[row], " of a table of ", width, " blocks of ", block_size);
-    TORCH_CHECK(count <= 1 || lp[row] - fp[row] >= count, "paged_attention_cpu: row ", row, " has ", count,
-                " queries but reads ", lp[row] - fp[row], " tokens: each query must see its own key");
     for (int64_t column = fp[row] / block_size; column * block_size < lp[row]; ++column) {
       const int64_t block = tp[row * width + column];
       TORCH_CHECK(block >= 0 && block < num_blocks, "paged_attention_cpu: block id ", block, " out of range");
     }
-    if (lp[row] > fp[row]) {  // a row that reads nothing stays zero
+    int64_t quantized_keys = 0, transition_keys = 0;
+    if (has_quantized) {
+      const int64_t first = qrp[2 * row], stop = qrp[2 * row + 1];
+      TORCH_CHECK(first >= 0 && stop <= qwidth * block_size, "paged_attention_cpu: row ", row,
+                  " reads quantized tokens ", first, "..", stop, " of a table of ", qwidth, " blocks");
+      for (int64_t column = first / block_size; column * block_size < stop; ++column) {
+        const int64_t block = qtp[row * qwidth + column];
+        TORCH_CHECK(block >= 0 && block < qblocks, "paged_attention_cpu: quantized block id ", block, " out of range");
+      }
+      quantized_keys = std::max<int64_t>(stop - first, 0);
+    }
+    if (has_transition) {
+      transition_keys = tsp[row + 1] - tsp[row];
+      TORCH_CHECK(transition_keys >= 0 && transition_keys % block_size == 0 && tsp[row] >= 0,
+                  "paged_attention_cpu: row ", row, "'s transition must be whole blocks");
+    }
+    TORCH_CHECK(!decoded_codes || transition_keys <= quantized_keys, "paged_attention_cpu: row ", row, "'s transition "
+                "is longer than its quantized read, whose end it is");
+    if (decoded_codes) quantized_keys -= transition_keys;
+    bounds[row] = {0, quantized_keys, quantized_keys + transition_keys};
+    reads[row] = quantized_keys + transition_keys + std::max<int64_t>(lp[row] - fp[row], 0);
+    TORCH_CHECK(count <= 1 || reads[row] >= count, "paged_attention_cpu: row ", row, " has ", count,
+                " queries but reads ", reads[row], " keys: each query must see its own key");
+    if (reads[row] > 0) {  // a row that reads nothing stays zero
       for (int64_t first = 0; first < count; first += QUERIES) tiles.emplace_back(row, first);
     }
   }
@@ -166,7 +370,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
   // the threads finish together.
   const auto work = [&](const std::pair<int64_t, int64_t>& tile) {
     const int64_t count = sp[tile.first + 1] - sp[tile.first];
-    return lp[tile.first] - count + std::min(tile.second + QUERIES, count) - fp[tile.first];
+    return reads[tile.first] - count + std::min(tile.second + QUERIES, count);
   };
   std::stable_sort(tiles.begin(), tiles.end(), [&](const auto& a, const auto& b) { return work(a) > work(b); });
   const int64_t tasks = static_cast<int64_t>(tiles.size()) * kv_heads;
@@ -175,79 +379,125 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks), 1, [&](int64_t, int64_t) {
     const int64_t most = group * QUERIES;
     std::vector<float> qs(most * dim), acc(most * value_dim), top(most), total(most), correction(most);
-    std::vector<int64_t> limit(most);
+    std::vector<int64_t> position(most), lo(most), hi(most);
     std::vector<float> kt(dim * KEYS), scores(most * KEYS);
+    std::vector<float> decoded_keys(has_quantized ? KEYS * dim : 0);
+    std::vector<float> decoded_values(has_quantized ? KEYS * value_dim : 0);
+    std::vector<float> meta(has_quantized ? 2 * std::max(dim, value_dim) : 0);
     const float* key_rows[KEYS];
     const float* value_rows[KEYS];
     for (int64_t task = next++; task < tasks; task = next++) {
       const auto [row, tile] = tiles[task / kv_heads];
       const int64_t kvh = task % kv_heads;
-      const int64_t count = sp[row + 1] - sp[row], n = std::min(QUERIES, count - tile);
-      const int64_t first = fp[row], stop = lp[row], m_count = group * n;
+      const int64_t count = sp[row + 1] - sp[row], n = std::min(QUERIES, count - tile), m_count = group * n;
       const bool direct = n < DIRECT_QUERIES;
       const int64_t* table = tp + row * width;
-      // query vector m = g * n + i: head kvh * group + g of query tile + i, which sees tokens first .. its limit.
+      const int64_t read = reads[row], exact_end = bounds[row][2];
+      // query vector m = g * n + i: head kvh * group + g of query tile + i, at read position `position[m]`.
       for (int64_t g = 0; g < group; ++g) {
         for (int64_t i = 0; i < n; ++i) {
           const float* src = qp + (sp[row] + tile + i) * qs0 + (kvh * group + g) * qs1;
           float* dst = qs.data() + (g * n + i) * dim;
           for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * fscale;
-          limit[g * n + i] = stop - count + tile + i;
+          position[g * n + i] = read - count + tile + i;
         }
       }
       std::fill(acc.begin(), acc.begin() + m_count * value_dim, 0.f);
       std::fill(top.begin(), top.begin() + m_count, MINUS_INF);
       std::fill(total.begin(), total.begin() + m_count, 0.f);
-      const int64_t last = stop - count + tile + n - 1;  // the key the tile's last query sees last
-      for (int64_t t0 = first; t0 <= last; t0 += KEYS) {
-        const int64_t keys = std::min(KEYS, last + 1 - t0);
-        for (int64_t j = 0, column = t0 / block_size, slot = t0 % block_size; j < keys; ++j) {
-          const int64_t block = table[column];
-          key_rows[j] = kp + block * ks0 + slot * ks1 + kvh * ks2;
-          value_rows[j] = vp + block * vs0 + slot * vs1 + kvh * vs2;
-          if (++slot == block_size) {  // the next block (no division per key)
-            slot = 0;
-            ++column;
+      for (int segment = QUANTIZED; segment <= FULL; ++segment) {
+        const int64_t begin = bounds[row][segment == QUANTIZED ? 0 : segment == FULL ? 2 : 1];
+        const int64_t end = segment == QUANTIZED ? bounds[row][1] : segment == FULL ? read : exact_end;
+        if (end <= begin) continue;
+        // The keys of [begin, end) query vector m sees: [lo[m], hi[m]); the tile's span of them.
+        int64_t span_lo = end, span_hi = begin;
+        for (int64_t m = 0; m < m_count; ++m) {
+          const int64_t p = position[m];
+          lo[m] = begin;
+          hi[m] = std::min(end, p + 1);
+          if (segment == DECODED || segment == EXACT) {  // a block read quantized once it ends <= p + 1 - window
+            const int64_t ahead = p + 1 - window - begin;
+            const int64_t sealed = ahead < 0 ? begin : std::min(end, begin + ahead / block_size * block_size);
+            if (segment == DECODED) hi[m] = std::min(hi[m], sealed);
+            else lo[m] = sealed;
           }
+          if (hi[m] > lo[m]) span_lo = std::min(span_lo, lo[m]), span_hi = std::max(span_hi, hi[m]);
         }
-        if (direct) {
-          direct_scores(qs.data(), m_count, dim, key_rows, keys, scores.data());
-        } else {  // the chunk's keys transposed, so a score tile is a few vector products
-          for (int64_t j = 0; j < KEYS; ++j)
-            for (int64_t d = 0; d < dim; ++d) kt[d * KEYS + j] = j < keys ? key_rows[j][d] : 0.f;
-          chunk_scores(qs.data(), m_count, dim, kt.data(), scores.data());
-        }
-        for (int64_t m = 0; m < m_count; ++m) {  // the online softmax: scores become weights, sums are corrected
-          float* s = scores.data() + m * KEYS;
-          const int64_t seen = std::min(keys, limit[m] - t0 + 1);  // the keys of the chunk query vector m sees
-          if (seen <= 0) {  // none (a query before the chunk): nothing to add
-            std::fill(s, s + KEYS, 0.f);
-            correction[m] = 1.f;
-            continue;
+        for (int64_t t0 = span_lo; t0 < span_hi; t0 += KEYS) {
+          const int64_t keys = std::min(KEYS, span_hi - t0);
+          if (segment == QUANTIZED || (segment == DECODED && decoded_codes)) {
+            // decoded here, into this thread's buffers, a block's run at a time (read position t: quantized token t)
+            const int64_t* qtable = qtp + row * qwidth;
+            for (int64_t j = 0, token = qrp[2 * row] + t0; j < keys;) {
+              const int64_t block = qtable[token / block_size], slot = token % block_size;
+              const int64_t run = std::min(keys - j, block_size - slot);
+              qkey.decode(block, slot, run, kvh, dim, decoded_keys.data() + j * dim, dim, meta.data());
+              qvalue.decode(block, slot, run, kvh, value_dim, decoded_values.data() + j * value_dim, value_dim,
+                            meta.data());
+              for (int64_t r = 0; r < run; ++r, ++j) {
+                key_rows[j] = decoded_keys.data() + j * dim;
+                value_rows[j] = decoded_values.data() + j * value_dim;
+              }
+              token += run;
+            }
+          } else if (segment == FULL) {
+            const int64_t stored = fp[row] + t0 - begin;
+            for (int64_t j = 0, column = stored / block_size, slot = stored % block_size; j < keys; ++j) {
+              const int64_t block = table[column];
+              key_rows[j] = kp + block * ks0 + slot * ks1 + kvh * ks2;
+              value_rows[j] = vp + block * vs0 + slot * vs1 + kvh * vs2;
+              if (++slot == block_size) {  // the next block (no division per key)
+                slot = 0;
+                ++column;
+              }
+            }
+          } else {
+            const int64_t k = segment == EXACT ? 0 : 2;  // the exact or the decoded pair
+            for (int64_t j = 0, token = tsp[row] + t0 - begin; j < keys; ++j, ++token) {
+              key_rows[j] = tsrc[k] + kvh * th[k] + token * tt[k];
+              value_rows[j] = tsrc[k + 1] + kvh * th[k + 1] + token * tt[k + 1];
+            }
           }
-          for (int64_t j = seen; j < KEYS; ++j) s[j] = MINUS_INF;
-          Vec most = Vec::loadu(s);
-          for (int64_t j = LANES; j < KEYS; j += LANES) most = at::vec::maximum(most, Vec::loadu(s + j));
-          float lanes[LANES];
-          most.store(lanes);
-          const float new_top = std::max(top[m], *std::max_element(lanes, lanes + LANES));
-          correction[m] = std::exp(top[m] - new_top);  // 0 for the first chunk (top -inf)
-          Vec sums(0.f);
-          for (int64_t j = 0; j < KEYS; j += LANES) {
-            const Vec e = (Vec::loadu(s + j) - Vec(new_top)).exp();
-            e.store(s + j);
-            sums = sums + e;
+          if (direct) {
+            direct_scores(qs.data(), m_count, dim, key_rows, keys, scores.data());
+          } else {  // the chunk's keys transposed, so a score tile is a few vector products
+            for (int64_t j = 0; j < KEYS; ++j)
+              for (int64_t d = 0; d < dim; ++d) kt[d * KEYS + j] = j < keys ? key_rows[j][d] : 0.f;
+            chunk_scores(qs.data(), m_count, dim, kt.data(), scores.data());
           }
-          sums.store(lanes);
-          total[m] = total[m] * correction[m] + std::accumulate(lanes, lanes + LANES, 0.f);
-          top[m] = new_top;
+          for (int64_t m = 0; m < m_count; ++m) {  // the online softmax: scores become weights, sums are corrected
+            float* s = scores.data() + m * KEYS;
+            const int64_t from = std::max<int64_t>(lo[m] - t0, 0), to = std::min(keys, hi[m] - t0);
+            if (to <= from) {  // the query vector sees none of the chunk: nothing to add
+              std::fill(s, s + KEYS, 0.f);
+              correction[m] = 1.f;
+              continue;
+            }
+            std::fill(s, s + from, MINUS_INF);
+            std::fill(s + to, s + KEYS, MINUS_INF);
+            Vec most = Vec::loadu(s);
+            for (int64_t j = LANES; j < KEYS; j += LANES) most = at::vec::maximum(most, Vec::loadu(s + j));
+            float lanes[LANES];
+            most.store(lanes);
+            const float new_top = std::max(top[m], *std::max_element(lanes, lanes + LANES));
+            correction[m] = std::exp(top[m] - new_top);  // 0 for the first chunk (top -inf)
+            Vec sums(0.f);
+            for (int64_t j = 0; j < KEYS; j += LANES) {
+              const Vec e = (Vec::loadu(s + j) - Vec(new_top)).exp();
+              e.store(s + j);
+              sums = sums + e;
+            }
+            sums.store(lanes);
+            total[m] = total[m] * correction[m] + std::accumulate(lanes, lanes + LANES, 0.f);
+            top[m] = new_top;
+          }
+          chunk_values(acc.data(), m_count, value_dim, scores.data(), correction.data(), value_rows, keys);
         }
-        chunk_values(acc.data(), m_count, value_dim, scores.data(), correction.data(), value_rows, keys);
       }
       for (int64_t g = 0; g < group; ++g) {
         for (int64_t i = 0; i < n; ++i) {
           const int64_t m = g * n + i;
-          const float inverse = 1.f / total[m];
+          const float inverse = total[m] > 0.f ? 1.f / total[m] : 0.f;
           const float* o = acc.data() + m * value_dim;
           float* dst = op + ((sp[row] + tile + i) * heads + kvh * group + g) * value_dim;
           for (int64_t d = 0; d < value_dim; ++d) dst[d] = o[d] * inverse;
@@ -258,11 +508,187 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
   return out;
 }
 
+// float16 rounding as hf_paged_cache/quantization/scales.py does it: a float16 is the nearest (ties to even), moved one
+// step outward where it fell on the wrong side.
+constexpr float FP16_MAX = 65504.f;
+
+inline at::Half half_bits(uint16_t bits) { return at::Half(bits, at::Half::from_bits()); }
+
+// The smallest float16 >= x, for x >= 0 (saturating at the float16 max).
+inline at::Half fp16_up(float x) {
+  x = std::min(x, FP16_MAX);
+  const at::Half h(x);
+  return static_cast<float>(h) < x ? half_bits(static_cast<uint16_t>(h.x + 1)) : h;
+}
+
+// The largest float16 <= x.
+inline at::Half fp16_down(float x) {
+  x = std::min(std::max(x, -FP16_MAX), FP16_MAX);
+  const at::Half h(x);
+  if (static_cast<float>(h) <= x) return h;
+  if (h.x == 0 || h.x == 0x8000) return half_bits(0x8001);  // below zero: the smallest negative subnormal
+  return half_bits(static_cast<uint16_t>(h.x & 0x8000 ? h.x + 1 : h.x - 1));
+}
+
+inline float nonzero(float scale) { return scale == 0.f ? 1.f : scale; }
+
+// Blocks `sources[i]` of x [blocks, block_size, kv_heads, d] (float32, unit stride along d) quantized into block
+// targets[i] of a pool of one format (hf_paged_cache.quantization: Int8, or IntN without rotation), bit for bit as
+// its torch encode: codes [pool, block_size, kv_heads, bytes]; scale (and zero) [pool, block_size, kv_heads(, groups)]
+// per token (`per_token`), or [pool, kv_heads, groups (+ 1 with 8-bit scales: the unit, stored after the zero points)]
+// per block. errors [block_size, kv_heads] receives the first block's reconstruction error per token and head,
+// relative to the head's mean token norm in the block (the layer's sampled error statistics).
+void quantize_blocks_cpu(const at::Tensor& x, const at::Tensor& sources, at::Tensor codes, at::Tensor scale,
+                         at::Tensor zero, const at::Tensor& targets, int64_t bits, int64_t group, bool per_token,
+                         int64_t scale_bits, at::Tensor errors) {
+  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat && x.stride(3) == 1, "quantize_blocks_cpu: x must be "
+              "float32 [blocks, block_size, kv_heads, d] with unit stride along d");
+  const at::Tensor src = sources.to(at::kLong).contiguous(), dst = targets.to(at::kLong).contiguous();
+  const int64_t n = src.numel(), block_size = x.size(1), heads = x.size(2), dim = x.size(3);
+  TORCH_CHECK(dst.numel() == n && codes.is_contiguous() && scale.is_contiguous() &&
+                  (!zero.numel() || zero.is_contiguous()),
+              "quantize_blocks_cpu: one target per source and contiguous pool fields");
+  TORCH_CHECK(codes.size(1) == block_size && codes.size(2) == heads && codes.size(3) * 8 == dim * bits &&
+                  group >= 1 && dim % group == 0 && (bits == 8) == (zero.numel() == 0) &&
+                  (scale_bits == 16 || !per_token),
+              "quantize_blocks_cpu: pool fields do not match x and the format");
+  const int64_t groups = dim / group, levels = bits == 8 ? 127 : (1 << bits) - 1, bytes = codes.size(3);
+  const int64_t* sp = src.data_ptr<int64_t>();
+  const int64_t* tp = dst.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < x.size(0) && tp[i] >= 0 && tp[i] < codes.size(0) && tp[i] < scale.size(0),
+                "quantize_blocks_cpu: block id out of range");
+  }
+  const float* xp = x.data_ptr<float>();
+  const int64_t x0 = x.stride(0), x1 = x.stride(1), x2 = x.stride(2);
+  uint8_t* cp = static_cast<uint8_t*>(codes.data_ptr());
+  at::Half* zp = zero.numel() ? zero.data_ptr<at::Half>() : nullptr;
+  at::Half* scale16 = scale.scalar_type() == at::kHalf ? scale.data_ptr<at::Half>() : nullptr;
+  uint8_t* scale8 = scale.scalar_type() == at::kByte ? scale.data_ptr<uint8_t>() : nullptr;
+  TORCH_CHECK((scale_bits == 8) == (scale8 != nullptr), "quantize_blocks_cpu: scale dtype does not match scale_bits");
+  TORCH_CHECK(errors.scalar_type() == at::kFloat && errors.is_contiguous() && errors.numel() == block_size * heads,
+              "quantize_blocks_cpu: errors must be float32 [block_size, kv_heads]");
+  float* ep = errors.data_ptr<float>();
+  const int64_t meta = per_token ? groups : groups + (scale_bits == 8 ? 1 : 0);  // per (token or block) and head
+
+  at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> values(block_size * dim), step(groups), low(groups);
+    std::vector<uint8_t> q(dim);
+    std::vector<float> decoded(block_size * dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / heads, h = task % heads, block = tp[i];
+      for (int64_t t = 0; t < block_size; ++t) {  // clamped to the float16 range (asymmetric formats)
+        const float* row = xp + sp[i] * x0 + t * x1 + h * x2;
+        for (int64_t d = 0; d < dim; ++d)
+          values[t * dim + d] = bits == 8 ? row[d] : std::min(std::max(row[d], -FP16_MAX), FP16_MAX);
+      }
+      const auto write_codes = [&](int64_t t) {  // q[0:dim] into token t's bytes (planar for sub-byte codes)
+        uint8_t* out = cp + ((block * block_size + t) * heads + h) * bytes;
+        if (i == 0) {  // the sampled block: its decode, for the error
+          for (int64_t d = 0; d < dim; ++d)
+            decoded[t * dim + d] = bits == 8 ? static_cast<float>(static_cast<int8_t>(q[d])) * step[0]
+                                             : static_cast<float>(q[d]) * step[d / group] + low[d / group];
+        }
+        if (bits == 8) {
+          std::copy(q.begin(), q.end(), out);
+          return;
+        }
+        for (int64_t b = 0; b < bytes; ++b) {
+          uint8_t byte = 0;
+          for (int64_t k = 0; k < 8 / bits; ++k) byte |= static_cast<uint8_t>(q[b + k * bytes] << (k * bits));
+          out[b] = byte;
+        }
+      };
+      if (bits == 8) {  // symmetric per token: scale = absmax / 127 rounded up
+        for (int64_t t = 0; t < block_size; ++t) {
+          const float* v = values.data() + t * dim;
+          float most = 0.f;
+          for (int64_t d = 0; d < dim; ++d) most = std::max(most, std::fabs(v[d]));
+          const at::Half s = fp16_up(most / 127.f);
+          scale16[(block * block_size + t) * heads + h] = s;
+          const float divisor = nonzero(static_cast<float>(s));
+          step[0] = static_cast<float>(s);
+          for (int64_t d = 0; d < dim; ++d) {
+            const float c = std::min(std::max(std::nearbyint(v[d] / divisor), -127.f), 127.f);
+            q[d] = static_cast<uint8_t>(static_cast<int8_t>(c));
+          }
+          write_codes(t);
+        }
+      } else {  // asymmetric: (scale, zero) per group of a token, or of the block's tokens; 8-bit scales count units
+        const int64_t slices = per_token ? block_size : 1, tokens = per_token ? 1 : block_size;
+        for (int64_t slice = 0; slice < slices; ++slice) {
+          const int64_t base = (per_token ? (block * block_size + slice) * heads + h : block * heads + h) * meta;
+          float exact_most = 0.f;
+          std::vector<float> exact(groups);
+          for (int64_t g = 0; g < groups; ++g) {
+            float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+            for (int64_t t = slice * tokens; t < (slice + 1) * tokens; ++t)
+              for (int64_t d = g * group; d < (g + 1) * group; ++d)
+                lo = std::min(lo, values[t * dim + d]), hi = std::max(hi, values[t * dim + d]);
+            const at::Half z = fp16_down(lo);
+            low[g] = static_cast<float>(z);
+            exact[g] = (hi - low[g]) / static_cast<float>(levels);
+            exact_most = std::max(exact_most, exact[g]);
+            zp[base + g] = z;
+          }
+          if (scale8) {  // steps of a unit = the largest scale / 255, rounded up
+            const at::Half unit = fp16_up(exact_most / 255.f);
+            zp[base + groups] = unit;
+            scale8[base + groups] = 0;
+            const float u = static_cast<float>(unit);
+            for (int64_t g = 0; g < groups; ++g) {
+              const float steps = std::min(std::max(std::ceil(exact[g] / nonzero(u)), 0.f), 255.f);
+              scale8[base + g] = static_cast<uint8_t>(steps);
+              step[g] = static_cast<float>(scale8[base + g]) * u;
+            }
+          } else {
+            for (int64_t g = 0; g < groups; ++g) {
+              const at::Half s = fp16_up(exact[g]);
+              scale16[base + g] = s;
+              step[g] = static_cast<float>(s);
+            }
+          }
+          for (int64_t t = slice * tokens; t < (slice + 1) * tokens; ++t) {
+            for (int64_t d = 0; d < dim; ++d) {
+              const int64_t g = d / group;
+              const float c = std::nearbyint((values[t * dim + d] - low[g]) / nonzero(step[g]));
+              q[d] = static_cast<uint8_t>(std::min(std::max(c, 0.f), static_cast<float>(levels)));
+            }
+            write_codes(t);
+          }
+        }
+      }
+      if (i == 0) {  // |decoded - x| per token over the head's mean |x| in the block
+        float norms = 0.f;
+        for (int64_t t = 0; t < block_size; ++t) {
+          const float* row = xp + sp[0] * x0 + t * x1 + h * x2;
+          float norm = 0.f, error = 0.f;
+          for (int64_t d = 0; d < dim; ++d) {
+            norm += row[d] * row[d];
+            error += (decoded[t * dim + d] - row[d]) * (decoded[t * dim + d] - row[d]);
+          }
+          norms += std::sqrt(norm);
+          ep[t * heads + h] = std::sqrt(error);
+        }
+        const float mean = std::max(norms / static_cast<float>(block_size), 1e-12f);
+        for (int64_t t = 0; t < block_size; ++t) ep[t * heads + h] /= mean;
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hf_paged_cache, m) {
   m.def("paged_attention_cpu(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_starts, "
-        "Tensor seq_lens, Tensor first_tokens, float scale) -> Tensor");
+        "Tensor seq_lens, Tensor first_tokens, float scale, Tensor[] quantized, Tensor? quantized_tables, "
+        "Tensor? quantized_reads, int[] quantized_formats, Tensor[] transition, Tensor? transition_starts, "
+        "int window) -> Tensor");
+  m.def("quantize_blocks_cpu(Tensor x, Tensor sources, Tensor(a!) codes, Tensor(b!) scale, Tensor(c!) zero, "
+        "Tensor targets, int bits, int group, bool per_token, int scale_bits, Tensor(d!) errors) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(hf_paged_cache, CPU, m) { m.impl("paged_attention_cpu", &paged_attention_cpu); }
+TORCH_LIBRARY_IMPL(hf_paged_cache, CPU, m) {
+  m.impl("paged_attention_cpu", &paged_attention_cpu);
+  m.impl("quantize_blocks_cpu", &quantize_blocks_cpu);
+}

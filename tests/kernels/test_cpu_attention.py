@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from hf_paged_cache.kernels import cpu_attention
 from hf_paged_cache.kernels.layout import allocate_kv_blocks
+from hf_paged_cache.quantization import format_from_spec
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(),
                                 reason="the CPU attention kernel could not be built here")  # fmt: skip
@@ -72,9 +73,116 @@ def test_cpu_attention_refuses_reads_outside_its_table_or_storage_and_queries_wi
                                           1.0)  # fmt: skip
     with pytest.raises(RuntimeError, match="block id 7 out of range"):
         cpu_attention.paged_attention_cpu(query, keys, keys, torch.tensor([[1, 7]]), one, stops, firsts, 1.0)
-    with pytest.raises(RuntimeError, match="has 6 queries but reads 5 tokens"):
+    with pytest.raises(RuntimeError, match="has 6 queries but reads 5 keys"):
         cpu_attention.paged_attention_cpu(torch.randn(6, 2, 8), keys, keys, torch.tensor([[1, 2]]),
                                           torch.tensor([0, 6]), stops, firsts, 1.0)  # fmt: skip
     with pytest.raises(RuntimeError, match="query_starts must run from 0"):
         cpu_attention.paged_attention_cpu(query, keys, keys, torch.tensor([[1, 2]]), torch.tensor([0, 2]), stops,
                                           firsts, 1.0)  # fmt: skip
+
+
+@st.composite
+def quantized_batches(draw):
+    """Rows of a quantized cache: sealed blocks of a drawn format (a row's read may start mid-block), then at times a
+    transition (whole blocks, given exact and decoded), then full-precision tokens, with a decode token or a chunk of
+    causal queries at the end."""
+    spec = draw(st.sampled_from(["int4", "int8", "K4V2", "K2V4", "K8V4"]))
+    fmt = format_from_spec(spec)
+    block_size, kv_heads = draw(st.sampled_from([4, 16])), draw(st.integers(1, 3))
+    group, head_dim = draw(st.sampled_from([1, 3])), draw(st.sampled_from([16, 64]))
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    rows = draw(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 20), st.integers(0, 3), st.integers(0, 40),
+                                   st.integers(1, 70)), min_size=1, max_size=4))  # fmt: skip
+    sealed = sum(blocks for blocks, *_rest in rows)
+    pools = []
+    for side in (fmt.key, fmt.value):
+        pool = side.allocate(sealed + 1, block_size, kv_heads, head_dim)
+        if sealed:
+            side.quantize(torch.randn(sealed, block_size, kv_heads, head_dim, generator=generator), pool,
+                          torch.arange(1, sealed + 1))  # fmt: skip
+        pools.append(pool)
+    ids = (torch.randperm(sealed, generator=generator) + 1).tolist()
+    q_width = max(blocks for blocks, *_rest in rows) or 1
+    q_tables, q_reads, t_counts, counts, ranges = torch.zeros(len(rows), q_width, dtype=torch.long), [], [], [], []
+    for index, (blocks, skip, transition, stored, queries) in enumerate(rows):
+        q_tables[index, :blocks] = torch.tensor([ids.pop() for _ in range(blocks)], dtype=torch.long)
+        q_reads.append([min(skip, blocks * block_size), blocks * block_size])
+        t_counts.append(transition * block_size)
+        ranges.append((0, stored))
+        reads = q_reads[-1][1] - q_reads[-1][0] + t_counts[-1] + stored
+        counts.append(1 if reads <= 1 else min(queries, reads))
+    width = max(-(-stop // block_size) for _first, stop in ranges) or 1
+    num_blocks = len(rows) * width + 1
+    keys = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator)
+    values = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator)
+    tables = (torch.randperm(num_blocks - 1, generator=generator)[: len(rows) * width] + 1).view(len(rows), width)
+    t_starts = torch.tensor([0, *t_counts]).cumsum(0)
+    exact = [torch.randn(kv_heads, int(t_starts[-1]), head_dim, generator=generator) for _ in range(2)]
+    decoded = [part + 0.1 * torch.randn(part.shape, generator=generator) for part in exact]
+    quantized = cpu_attention.QuantizedRows(fmt.key, fmt.value, pools[0], pools[1], q_tables, torch.tensor(q_reads))
+    transition = cpu_attention.TransitionRows(tuple(exact), tuple(decoded), t_starts, draw(st.sampled_from([0, 5, 16])))
+    query = torch.randn(sum(counts), kv_heads * group, head_dim, generator=generator)
+    starts = torch.tensor([0, *counts]).cumsum(0)
+    firsts, stops = (torch.tensor([r[side] for r in ranges]) for side in (0, 1))
+    return query, keys, values, tables, starts, stops, firsts, quantized, transition
+
+
+def decoded_from_codes(quantized, transition, block_size):
+    """`transition` turned into one whose decoded tokens are the last whole blocks of each row's quantized read."""
+    counts = []
+    for row, (first, stop) in enumerate(quantized.reads.tolist()):
+        wanted = int(transition.starts[row + 1] - transition.starts[row]) // block_size
+        counts.append(min(wanted, (stop - first) // block_size) * block_size)
+    starts = torch.tensor([0, *counts]).cumsum(0)
+    exact = tuple(part[:, : int(starts[-1])] for part in transition.exact)
+    return cpu_attention.TransitionRows(exact, None, starts, transition.window)
+
+
+@settings(max_examples=60, deadline=None)
+@given(quantized_batches(), st.sampled_from(["none", "arrays", "codes"]))
+def test_cpu_attention_reads_quantized_blocks_and_transitions_as_its_reference(batch, mode):
+    *plain, quantized, transition = batch
+    if mode == "codes":
+        transition = decoded_from_codes(quantized, transition, plain[1].shape[1])
+    if mode == "none":
+        transition = None
+    # a row needs keys of its own for its queries: keep the batches that have them
+    counts = plain[4].diff()
+    reads = quantized.reads.diff(dim=1)[:, 0] + plain[5] - plain[6]
+    if mode == "arrays":
+        reads = reads + transition.starts.diff()
+    assume(not bool(((counts > 1) & (reads < counts)).any()) and bool((reads > 0).any()))
+    out = cpu_attention.paged_attention_cpu(*plain, 0.25, quantized, transition)
+    expected = cpu_attention.paged_attention_cpu_ref(*plain, 0.25, quantized, transition)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_attention_decodes_int4_blocks_as_the_format_does():
+    """One row of two sealed int4 blocks and no full-precision token: the kernel's output is attention over the
+    format's own decode of the blocks (checked by hand, not by the reference)."""
+    fmt = format_from_spec("int4")
+    pools = [side.allocate(3, 16, 1, 64) for side in (fmt.key, fmt.value)]
+    for side, pool in zip((fmt.key, fmt.value), pools):
+        side.quantize(torch.randn(2, 16, 1, 64), pool, torch.tensor([1, 2]))
+    quantized = cpu_attention.QuantizedRows(fmt.key, fmt.value, pools[0], pools[1], torch.tensor([[2, 1]]),
+                                            torch.tensor([[0, 32]]))  # fmt: skip
+    empty = torch.zeros(1, 16, 1, 64)
+    query = torch.randn(1, 1, 64)
+    out = cpu_attention.paged_attention_cpu(query, empty, empty, torch.zeros(1, 1, dtype=torch.long),
+                                            torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([0]), 0.125,
+                                            quantized)  # fmt: skip
+    keys = fmt.key.dequantize(pools[0], [2, 1]).flatten(0, 2)  # [32, 64]
+    values = fmt.value.dequantize(pools[1], [2, 1]).flatten(0, 2)
+    torch.testing.assert_close(out[0, 0], torch.softmax(keys @ query[0, 0] * 0.125, 0) @ values, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_attention_refuses_formats_it_cannot_decode():
+    fmt = format_from_spec("int2")  # rotated values
+    assert not cpu_attention.reads_format(fmt.value, 16, 64) and cpu_attention.reads_format(fmt.key, 16, 64)
+    pools = [side.allocate(2, 16, 1, 64) for side in (fmt.key, fmt.value)]
+    quantized = cpu_attention.QuantizedRows(fmt.key, fmt.value, pools[0], pools[1], torch.tensor([[1]]),
+                                            torch.tensor([[0, 16]]))  # fmt: skip
+    empty = torch.zeros(1, 16, 1, 64)
+    with pytest.raises(ValueError, match="cannot decode"):
+        cpu_attention.paged_attention_cpu(torch.randn(1, 1, 64), empty, empty, torch.zeros(1, 1, dtype=torch.long),
+                                          torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([0]), 1.0, quantized)
