@@ -127,7 +127,7 @@ def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, sof
         pieces += _attend_shared_prefix(query, group, prefix, packed.memo, scale, softcap)
         read.update(start for start, _part in group)
     if softcap is None and sinks is None:
-        rows = _rows_in_place([part for part in plain if part[0] not in read], query)
+        rows = _rows_in_place([part for part in packed.parts if part[0] not in read and part[2].reads_in_kernel], query)
         if rows:
             spans = tuple((start, stop) for start, stop, _part in rows)
             every = spans[0][0] == 0 and spans[-1][1] == query.shape[2] and all(
@@ -141,7 +141,7 @@ def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, sof
                 tokens = packed.memo[key]
                 queries = query[0].index_select(1, tokens).transpose(0, 1)
             layer = rows[0][2].layer
-            out = layer.attend_rows_in_place(queries, [part.plan for _start, _stop, part in rows],
+            out = layer.attend_rows_in_place(queries, [part for _start, _stop, part in rows],
                                              [stop - start for start, stop in spans], packed.memo, scale)  # fmt: skip
             if every:
                 return out[None]
@@ -169,9 +169,9 @@ def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, sof
 
 
 def _rows_in_place(plain: list[tuple[int, int, PagedKV]], query: torch.Tensor) -> list[tuple[int, int, PagedKV]]:
-    """The parts among `plain` (one-row plain reads, not read yet) that the C++ CPU attention kernel attends in one
-    call: those of the first one's storage, where its layer allows the kernel, whose queries are one token or attend
-    under plain causality (no window or chunk mask)."""
+    """The parts among `plain` (one-row reads the kernel can take, `PagedKV.reads_in_kernel`, not read yet) that the
+    C++ CPU attention kernel attends in one call: those of the first one's storage, where its layer allows the kernel,
+    whose queries are one token or attend under plain causality (no window or chunk mask)."""
     rows = [(start, stop, part) for start, stop, part in plain
             if stop - start == 1 or part.own_mask(stop - start, query.device) is None]  # fmt: skip
     if not rows or not rows[0][2].layer.reads_rows_in_place(query.dtype):

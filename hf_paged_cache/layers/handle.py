@@ -101,6 +101,13 @@ class PagedKV:
         tokens of a packed forward): the torch path reads one plain row, and nothing is due after the attention."""
         return self.after_attention is None and not self.gathered and self.layer.reads_plain_row(self.plan)
 
+    @property
+    def reads_in_kernel(self) -> bool:
+        """Whether the C++ CPU kernel can attend this handle's queries with other sequences' in one call
+        (`PagedLayer.attend_rows_in_place`): its layer reads the one row as its blocks lie, and nothing is due after
+        the attention."""
+        return self.after_attention is None and not self.gathered and self.layer.kernel_reads_row(self.plan)
+
 
 class PackedPagedKV:
     """The handle a packed forward (the batch generator's) leaves instead of one `PagedKV`: for each sequence,

@@ -293,8 +293,13 @@ class PagedLayer(CacheLayerMixin):
     def read_blocks(self, plan: StepPlan) -> list[int]:
         """The ids of the blocks the one-row `plan`'s stored read range lies in, in order. Rows of one storage whose
         lists start alike (a cached prefix) read the same keys there, so a packed forward reads them once for all."""
+        return self.stored_blocks(plan)
+
+    def stored_blocks(self, plan: StepPlan, skip: int = 0) -> list[int]:
+        """The ids of the full-precision blocks the one-row `plan`'s stored read range lies in, but its first `skip`
+        blocks, in order."""
         block_size, ids = self.tables.block_size, plan.tables.rows[0].blocks.ids
-        return ids[plan.read_start[0] // block_size : -(-plan.read_stop[0] // block_size)]
+        return ids[max(plan.read_start[0] // block_size, skip) : -(-plan.read_stop[0] // block_size)]
 
     def reads_plain_row(self, plan: StepPlan) -> bool:
         """Whether the torch path reads `plan`'s one row as its stored blocks in order (no kernels, no compaction), so
@@ -328,35 +333,48 @@ class PagedLayer(CacheLayerMixin):
                         for blocks in (self.key_blocks, self.value_blocks))  # fmt: skip
         return keys, values, mask
 
+    def kernel_reads_row(self, plan: StepPlan) -> bool:
+        """Whether `attend_rows_in_place` can read `plan`'s one row: it reads its stored blocks in order (no Triton
+        kernels, no compaction) and reads something."""
+        return PagedLayer.reads_plain_row(self, plan)
+
     def reads_rows_in_place(self, dtype: torch.dtype) -> bool:
         """Whether `attend_rows_in_place` can attend one-row plans' queries of `dtype` over this layer: the backend
         allows the CPU attention kernel and it is built (`kernels.cpu_attention`), and the full-precision storage and
         the queries are float32."""
-        return (not self.is_quantized and self.options.uses_cpu_kernel(self.device) and self.dtype == torch.float32
-                and dtype == torch.float32 and cpu_attention.available())  # fmt: skip
+        return (self.options.uses_cpu_kernel(self.device) and self.dtype == torch.float32 and dtype == torch.float32
+                and cpu_attention.available())  # fmt: skip
 
-    def attend_rows_in_place(self, queries: torch.Tensor, plans: list[StepPlan], counts: list[int], memo: dict,
+    def attend_rows_in_place(self, queries: torch.Tensor, parts: list[PagedKV], counts: list[int], memo: dict,
                              scale: float) -> torch.Tensor:  # fmt: skip
-        """Queries `[sum(counts), heads, d]`, `counts[i]` of them for the one-row plan `plans[i]` (sequences whose
-        caches share this layer's storage): the last `counts[i]` tokens of its stored read range, each attending
-        causally over that range (a decode token sees all of it), in one call that reads the blocks where they lie (no
-        copy of a history cut into runs, no call per row). `memo` keeps the block tables for the plans' other
-        layers."""
+        """Queries `[sum(counts), heads, d]`, `counts[i]` of them for the one-row plan of `parts[i]` (sequences whose
+        caches share this layer's storage, each `kernel_reads_row`): the last `counts[i]` tokens of its read range,
+        each attending causally over that range (a decode token sees all of it), in one call that reads the blocks
+        where they lie (no copy of a history cut into runs, no call per row). `memo` keeps the block tables for the
+        plans' other layers."""
+        tables = self._kernel_tables([part.plan for part in parts], counts, memo)
+        return cpu_attention.paged_attention_cpu(queries, self.key_blocks, self.value_blocks, *tables, scale)
+
+    def _kernel_tables(self, plans: list[StepPlan], counts: list[int], memo: dict,
+                       skips: list[int] | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        """The kernel's (block tables, query starts, stops, first tokens) of the plans' full-precision read ranges but
+        their first `skips[i]` blocks, built once per forward (`memo`) for the plans' group."""
 
         def build() -> tuple[torch.Tensor, ...]:
-            bs, ids = self.tables.block_size, [self.read_blocks(plan) for plan in plans]
-            table = torch.zeros(len(plans), max(map(len, ids)), dtype=torch.long)  # padded with the null block
+            bs, skipped = self.tables.block_size, skips or [0] * len(plans)
+            ids = [self.stored_blocks(plan, skip) for plan, skip in zip(plans, skipped)]
+            table = torch.zeros(len(plans), max(max(map(len, ids)), 1), dtype=torch.long)  # padded with the null block
             for row, blocks in enumerate(ids):
-                table[row, : len(blocks)] = torch.tensor(blocks)
-            firsts = torch.tensor([plan.read_start[0] % bs for plan in plans])
-            stops = firsts + torch.tensor([plan.read_stop[0] - plan.read_start[0] for plan in plans])
-            starts = torch.tensor([0, *counts]).cumsum(0)
-            return table, starts, stops, firsts
+                table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+            starts = [max(plan.read_start[0], skip * bs) for plan, skip in zip(plans, skipped)]
+            firsts = torch.tensor([start % bs for start in starts])
+            stops = firsts + torch.tensor([max(plan.read_stop[0] - start, 0) for plan, start in zip(plans, starts)])
+            return table, torch.tensor([0, *counts]).cumsum(0), stops, firsts
 
-        key = ("row_tables", tuple(map(id, plans)), tuple(counts))
+        key = ("row_tables", tuple(map(id, plans)), tuple(counts), tuple(skips or ()))
         if key not in memo:
             memo[key] = build()
-        return cpu_attention.paged_attention_cpu(queries, self.key_blocks, self.value_blocks, *memo[key], scale)
+        return memo[key]
 
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V at the given slots (any shape `S`), as `[*S[:-1], kv_heads, S[-1], head_dim]`."""

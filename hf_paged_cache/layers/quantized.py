@@ -24,11 +24,13 @@ import torch
 
 from ..blocks.plan import StepPlan
 from ..blocks.sealing import QuantizedBlockTables
+from .handle import PagedKV
 from .paged import PagedLayer
 from .storage import grown_blocks, reserved_blocks, storage_field
 from ..quantization.base import KVFormat
 from ..quantization.registry import kv_format_fields
 from ..attention.torch_path import OnlineSoftmax, visible_columns
+from ..kernels import cpu_attention, cpu_quantize
 
 CHUNK_TOKENS = 2048  # quantized tokens dequantized at a time by the paged read (a bounded transient)
 QUERY_TILE = 512  # queries of a long step attended at a time by that read (its logits: a tile x a chunk)
@@ -184,24 +186,27 @@ class QuantizedLayer(PagedLayer):
         """Blocks `src` of `key_blocks` / `value_blocks` (the storage, or a transient copy) into quantized blocks
         `targets`; the first of them is decoded again to sample the reconstruction error."""
         dst = torch.tensor(targets, device=self.device)
-        kernels = self.uses_kernels()
+        kernels, fmt = self.uses_kernels(), self.kv_format
         if kernels:  # one launch quantizes every block of K and V
             from ..kernels import quantize_blocks
 
-            fmt = self.kv_format
             quantize_blocks(key_blocks, value_blocks, src, self.qkey, self.qvalue, dst, fmt.key, fmt.value)
+        cpu = not kernels and key_blocks.dtype == torch.float32 and self.reads_rows_in_place(torch.float32)
         for name, blocks, fmt, fields in (
             ("key", key_blocks, self.kv_format.key, self.qkey),
             ("value", value_blocks, self.kv_format.value, self.qvalue),
         ):
-            if not kernels:
-                fmt.quantize(blocks.index_select(0, src), fields, dst)
-            sample = blocks[src[:1]].float()
-            decoded = fmt.dequantize(fields, dst[:1])
-            # Per token and head, relative to the head's mean token norm in the block (a near-zero token
-            # would make its own norm a meaningless denominator).
-            scale = sample.norm(dim=-1).mean(dim=1, keepdim=True).clamp(min=1e-12)
-            error = (decoded - sample).norm(dim=-1) / scale
+            if cpu:  # the C++ encode, bit for bit the format's: one call instead of a dozen small ops
+                error = cpu_quantize.quantize_blocks_cpu(fmt, blocks, src, fields, dst)
+            else:
+                if not kernels:
+                    fmt.quantize(blocks.index_select(0, src), fields, dst)
+                sample = blocks[src[:1]].float()
+                decoded = fmt.dequantize(fields, dst[:1])
+                # Per token and head, relative to the head's mean token norm in the block (a near-zero token
+                # would make its own norm a meaningless denominator).
+                scale = sample.norm(dim=-1).mean(dim=1, keepdim=True).clamp(min=1e-12)
+                error = (decoded - sample).norm(dim=-1) / scale
             stats = self.error_stats[name]
             stats[0] += error.mean().item()
             stats[1] += 1
@@ -363,7 +368,7 @@ class QuantizedLayer(PagedLayer):
         out = []
         for row in range(batch):
             row_query = key_format.code_space(query[row])
-            transition = self._transition_kv(plan, row) if plan.transition[row] else None
+            transition = self.transition_kv(plan, row) if plan.transition[row] else None
             tile = QUERY_TILE if transition is None else TRANSITION_TILE
             tiles = [(q0, None if mask is None else mask[row if mask.shape[0] > 1 else 0, 0, q0 : q0 + tile],
                       OnlineSoftmax(row_query[:, q0 : q0 + tile], scale, softcap, sinks))
@@ -383,9 +388,88 @@ class QuantizedLayer(PagedLayer):
                         softmax.update(keys, values, visible)
             result = torch.cat([softmax.result() for _q0, _mask, softmax in tiles], dim=1)
             out.append(value_format.code_space(result))
-        if not self.read_by_others:  # the transient copy is not needed again this step
-            self._arrived = {}
+        self.attended()
         return (out[0][None] if batch == 1 else torch.stack(out)).to(query.dtype)
+
+    def attended(self) -> None:
+        """Called once this step's attention read this layer: the full-precision copy of the blocks it sealed as they
+        arrived is not needed again, unless another layer reads this one's step (`read_by_others`)."""
+        if not self.read_by_others:
+            self._arrived = {}
+
+    def kernel_reads_row(self, plan: StepPlan) -> bool:
+        """`PagedLayer.kernel_reads_row`, for a row that may read only sealed blocks (the kernel reads those, blocks
+        read both ways and long histories too)."""
+        return (len(plan.read_start) == 1 and not plan.tables.compacted and not self.uses_kernels()
+                and plan.new_len > plan.kv_offset)  # fmt: skip
+
+    def reads_rows_in_place(self, dtype: torch.dtype) -> bool:
+        """`PagedLayer.reads_rows_in_place`, for formats the kernel decodes (`cpu_attention.reads_format`)."""
+        bs, fmt = self.tables.block_size, self.kv_format
+        return (super().reads_rows_in_place(dtype) and cpu_attention.reads_format(fmt.key, bs, self.kv_shape[1])
+                and cpu_attention.reads_format(fmt.value, bs, self.value_dim))  # fmt: skip
+
+    def attend_rows_in_place(self, queries: torch.Tensor, parts: list[PagedKV], counts: list[int], memo: dict,
+                             scale: float) -> torch.Tensor:  # fmt: skip
+        """`PagedLayer.attend_rows_in_place` over quantized histories: each row reads its sealed blocks (decoded in
+        the kernel), then its transition blocks both ways (each query choosing as it would one token at a time), then
+        its full-precision blocks. Blocks sealed as they arrived are decoded in the kernel too, next to their
+        full-precision copy (`arrival_kv`); a transition not sealed yet is decoded here (`transition_kv`)."""
+        plans, bs = [part.plan for part in parts], self.tables.block_size
+        arrivals = [part.layer.arrival_kv(0) if part.plan.transition[0] else None for part in parts]
+        unsealed = any(plan.transition[0] and arrival is None for plan, arrival in zip(plans, arrivals))
+        transitions = [part.layer.transition_kv(part.plan, 0) if part.plan.transition[0] else None
+                       for part in parts] if unsealed else [None] * len(parts)  # fmt: skip
+
+        def build() -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+            # The quantized read ends with the blocks sealed as they arrived, unless they are decoded here.
+            quantized = [plan.quantized_tables[0][: len(plan.quantized_tables[0]) - (plan.transition[0] if unsealed
+                                                                                     and arrival is not None else 0)]
+                         for plan, arrival in zip(plans, arrivals)]  # fmt: skip
+            table = torch.zeros(len(plans), max(max(map(len, quantized)), 1), dtype=torch.long)
+            reads = torch.zeros(len(plans), 2, dtype=torch.long)
+            for row, (plan, ids) in enumerate(zip(plans, quantized)):
+                first, start = self._first_readable(plan, 0)
+                table[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+                reads[row] = torch.tensor([min(max(plan.kv_offset - start, first * bs), len(ids) * bs), len(ids) * bs])
+            # A transition not sealed yet is the first of the stored blocks.
+            skips = [plan.transition[0] if plan.transition[0] and arrival is None else 0
+                     for plan, arrival in zip(plans, arrivals)]  # fmt: skip
+            return table, reads, skips
+
+        key = ("quantized_row_tables", tuple(map(id, plans)))
+        if key not in memo:
+            memo[key] = build()
+        table, reads, skips = memo[key]
+        fmt = self.kv_format
+        quantized = cpu_attention.QuantizedRows(fmt.key, fmt.value, self.qkey, self.qvalue, table, reads)
+        transition = None
+        if unsealed:  # every transition decoded here
+            present = [t for t in transitions if t is not None]
+            exact, decoded = ([torch.cat([t[pair][side] for t in present], 1) for side in (0, 1)] for pair in (1, 2))
+            sizes = [0 if t is None else t[1][0].shape[1] for t in transitions]
+            transition = cpu_attention.TransitionRows((exact[0], exact[1]), (decoded[0], decoded[1]),
+                                                      torch.tensor([0, *sizes]).cumsum(0), self.tables.window)  # fmt: skip
+        elif any(arrival is not None for arrival in arrivals):  # decoded in the kernel from the quantized read's end
+            present = [arrival for arrival in arrivals if arrival is not None]
+            exact = [present[0][side] if len(present) == 1 else torch.cat([a[side] for a in present], 1)
+                     for side in (0, 1)]  # fmt: skip
+            sizes = [0 if arrival is None else arrival[0].shape[1] for arrival in arrivals]
+            transition = cpu_attention.TransitionRows((exact[0], exact[1]), None, torch.tensor([0, *sizes]).cumsum(0),
+                                                      self.tables.window)  # fmt: skip
+        tables = self._kernel_tables(plans, counts, memo, skips)
+        out = cpu_attention.paged_attention_cpu(queries, self.key_blocks, self.value_blocks, *tables, scale, quantized,
+                                                transition)  # fmt: skip
+        for part in parts:
+            part.layer.attended()
+        return out
+
+    def arrival_kv(self, row: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The full-precision K/V `[kv_heads, n, d]` (views, in the layer's dtype) of the blocks row `row` sealed as
+        they arrived this step, if it did."""
+        if row not in self._arrived:
+            return None
+        return tuple(part.flatten(0, 1).transpose(0, 1) for part in self._arrived[row])  # type: ignore[return-value]
 
     def _read_parts(self, plan: StepPlan, row: int, span: tuple[int, int] | None = None):
         """The row's read as float32 `(keys, values, first position)` parts in the code space, `[kv_heads, n, d]`:
@@ -432,7 +516,7 @@ class QuantizedLayer(PagedLayer):
         keys, values = (part[:, skip:].float() for part in self.row_kv(plan, row))
         return self.kv_format.key.code_space(keys), self.kv_format.value.code_space(values)
 
-    def _transition_kv(self, plan: StepPlan, row: int) -> tuple[int, tuple, tuple]:
+    def transition_kv(self, plan: StepPlan, row: int) -> tuple[int, tuple, tuple]:
         """The row's transition blocks both ways, once per step: their first position, their full-precision K/V
         and their quantized (decoded) K/V, each `[kv_heads, n, d]` in float32 (rotated sides as stored)."""
         tables, count = self.tables, plan.transition[row]
@@ -458,7 +542,7 @@ class QuantizedLayer(PagedLayer):
 
     def _transition_pieces(self, plan: StepPlan, transition: tuple, suffix: tuple | None, row_mask: torch.Tensor,
                            q0: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
-        """A row's transition blocks (`_transition_kv`) as each query of the tile starting at step token `q0` would
+        """A row's transition blocks (`transition_kv`) as each query of the tile starting at step token `q0` would
         read them one token at a time: quantized when they end `window` positions or more before the query's own
         position + 1, else in full precision; then the row's `suffix` (keys, values, first position), if any.
         Returns `(keys, values, visible)` pieces of at most `CHUNK_TOKENS` columns each way (a bounded transient,

@@ -206,7 +206,8 @@ def test_packed_queries_read_through_the_cpu_kernel_give_the_logits_of_each_alon
 
 @pytest.mark.parametrize("chunk_tokens", [2048, 30])
 @pytest.mark.parametrize("quant", ["int4", "int2", "fp8", "K2rV2r"])
-def test_quantized_decode_tokens_attended_together_give_the_logits_of_each_alone(quant, chunk_tokens, monkeypatch):
+def test_quantized_decode_tokens_attended_together_give_the_logits_of_each_alone(quant, chunk_tokens, monkeypatch,
+                                                                                 torch_decode):  # fmt: skip
     """Decode tokens of sequences whose quantized histories differ in length (one not sealed yet, a rotated format)
     are read in one batch per bucket (their quantized blocks decoded together), written in one copy after the first
     layer, and give each sequence's logits of a decode alone through the quantized read. Histories longer than a
@@ -237,3 +238,56 @@ def test_quantized_decode_tokens_attended_together_give_the_logits_of_each_alone
     assert written[-later:] == [4] * later
     for row, reference in zip(logits, references):
         torch.testing.assert_close(row, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason="the CPU attention kernel could not be built here")
+@pytest.mark.parametrize("residual", [0, 6])
+@pytest.mark.parametrize("quant", ["int4", "int8", "K4V2", "int2", "fp8"])
+def test_quantized_rows_read_through_the_cpu_kernel_give_the_logits_of_each_alone(quant, residual, monkeypatch):
+    """Decode tokens over sealed histories (one not sealed yet) and prompt chunks whose own blocks are sealed as they
+    arrive, or read both ways before they are sealed (a chunk no longer than the residual window), go to one kernel
+    call per layer for the formats it decodes (int8, int4, unrotated 2-bit values); rotated and fp8 formats keep the
+    torch path. Each sequence gives its logits alone."""
+    calls, kernel = [], cpu_attention.paged_attention_cpu
+
+    def counted(query, *args):
+        calls.append(query.shape[0])
+        return kernel(query, *args)
+
+    monkeypatch.setattr(cpu_attention, "paged_attention_cpu", counted)
+    model = tiny_model("llama_gqa")
+    model.set_attn_implementation("paged")
+    options = dict(block_size=4, num_blocks=120, quant=quant, residual_length=residual)
+    template = PagedCache(model.config, **options)
+    prompts = random_prompts((3, 21, 26, 33, 19, 25), seed=8)
+    caches = [template.sibling() for _ in prompts]
+    with torch.no_grad():
+        references = []
+        for cache, prompt in zip(caches[:3], prompts[:3]):  # three decode tokens
+            model(input_ids=torch.tensor([prompt[:-1]]), cache=cache)
+            alone = PagedCache(model.config, **options)
+            model(input_ids=torch.tensor([prompt[:-1]]), cache=alone)
+            references.append(model(input_ids=torch.tensor([prompt[-1:]]), cache=alone).logits[0, -1])
+        model(input_ids=torch.tensor([prompts[3][:7]]), cache=caches[3])  # a chunk after 7 tokens, one from scratch
+        alone = PagedCache(model.config, **options)
+        model(input_ids=torch.tensor([prompts[3][:7]]), cache=alone)
+        references.append(model(input_ids=torch.tensor([prompts[3][7:]]), cache=alone).logits[0, -1])
+        fresh = PagedCache(model.config, **options)
+        references.append(model(input_ids=torch.tensor([prompts[4]]), cache=fresh).logits[0, -1])
+        model(input_ids=torch.tensor([prompts[5][:20]]), cache=caches[5])  # then a chunk of 5
+        alone = PagedCache(model.config, **options)
+        model(input_ids=torch.tensor([prompts[5][:20]]), cache=alone)
+        references.append(model(input_ids=torch.tensor([prompts[5][20:]]), cache=alone).logits[0, -1])
+        calls.clear()
+        sliding = [layer.is_sliding for layer in template.layers]
+        parts = [(cache, prompt[-1:], len(prompt) - 1) for cache, prompt in zip(caches[:3], prompts[:3])]
+        parts += [(caches[3], prompts[3][7:], 7), (caches[4], prompts[4], 0), (caches[5], prompts[5][20:], 20)]
+        logits = packed_logits(model, parts, sliding)
+        if residual:  # the last chunk reads its first stored blocks both ways, none sealed yet
+            assert caches[5].layers[0].tables.plan.transition == [1] and not caches[5].layers[0].tables.plan.arrivals
+    readable = quant in ("int4", "int8", "K4V2")
+    assert calls == ([3 + 26 + 19 + 5] * len(template.layers) if readable else [])
+    # The kernel sums in another order, and a later layer's K/V a last bit apart can round to the next code, which
+    # moves a logit by up to ~1e-4 (each layer's output alone agrees within 1e-6): a looser bound than exact reads'.
+    for row, reference in zip(logits, references):
+        torch.testing.assert_close(row, reference, rtol=2e-4, atol=2e-4)
