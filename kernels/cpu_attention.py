@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from hf_paged_cache.quantization import QuantFormat
+from hf_paged_cache.quantization import KernelFormat, QuantFormat
 
 from .reference import gather_kv
 
@@ -56,9 +56,15 @@ def available() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def kernel_format(fmt: QuantFormat, block_size: int, head_dim: int) -> KernelFormat:
+    """`fmt.kernel_format(block_size, head_dim)`, computed once (a layer asks at every step)."""
+    return fmt.kernel_format(block_size, head_dim)
+
+
 def reads_format(fmt: QuantFormat, block_size: int, head_dim: int) -> bool:
     """Whether the kernel decodes blocks of `fmt`: symmetric int8, or unrotated 4 / 2-bit codes with zero points."""
-    kernel = fmt.kernel_format(block_size, head_dim)
+    kernel = kernel_format(fmt, block_size, head_dim)
     return (kernel.exponent_bits == 0 and not kernel.rotate and kernel.bits in (2, 4, 8)
             and kernel.zero_point == (kernel.bits != 8))  # fmt: skip
 
@@ -82,7 +88,7 @@ class QuantizedRows:
                                (self.value_format, self.value_fields, value_dim)):  # fmt: skip
             if not reads_format(fmt, block_size, dim):
                 raise ValueError(f"paged_attention_cpu cannot decode {fmt!r} (see reads_format)")
-            kernel = fmt.kernel_format(block_size, dim)
+            kernel = kernel_format(fmt, block_size, dim)
             scale, zero = pool["scale"], pool.get("zero", pool["scale"].new_empty(0))
             if kernel.per_token:  # [blocks, slots, heads(, groups)]
                 scale, zero = (t if t.dim() == 4 or not t.numel() else t.unsqueeze(-1) for t in (scale, zero))

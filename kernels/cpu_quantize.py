@@ -12,7 +12,7 @@ import torch
 
 from hf_paged_cache.quantization import QuantFormat
 
-from .cpu_attention import reads_format
+from .cpu_attention import kernel_format, reads_format
 
 
 def quantize_blocks_cpu(fmt: QuantFormat, x: torch.Tensor, sources: torch.Tensor, fields: dict[str, torch.Tensor],
@@ -24,7 +24,7 @@ def quantize_blocks_cpu(fmt: QuantFormat, x: torch.Tensor, sources: torch.Tensor
     block_size, head_dim = x.shape[1], x.shape[-1]
     if not reads_format(fmt, block_size, head_dim):
         raise ValueError(f"quantize_blocks_cpu cannot encode {fmt!r} (see cpu_attention.reads_format)")
-    kernel = fmt.kernel_format(block_size, head_dim)
+    kernel = kernel_format(fmt, block_size, head_dim)
     zero = fields.get("zero", fields["scale"].new_empty(0))
     errors = torch.zeros(block_size, x.shape[2])
     torch.ops.hf_paged_cache.quantize_blocks_cpu(x, sources, fields["codes"], fields["scale"], zero, targets,

@@ -6,8 +6,13 @@
 // torch.ops.hf_paged_cache.paged_attention_cpu; kernels/cpu_attention.py builds and calls it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>  // AVX-512 / AVX2 when built with its CPU_CAPABILITY (cpu_attention.py)
 #include <torch/library.h>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <array>
@@ -99,10 +104,18 @@ void chunk_values(float* o, int64_t count, int64_t value_dim, const float* p, co
   }
 }
 
+// Two vector accumulators, summed across lanes by a shuffle tree (a scalar loop would add the lanes one by one, a chain
+// of adds longer than the products).
 inline float dot(const float* a, const float* b, int64_t n) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  Vec even(0.f), odd(0.f);
+  int64_t i = 0;
+  for (; i + 2 * LANES <= n; i += 2 * LANES) {
+    even = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), even);
+    odd = at::vec::fmadd(Vec::loadu(a + i + LANES), Vec::loadu(b + i + LANES), odd);
+  }
+  for (; i + LANES <= n; i += LANES) even = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), even);
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, even + odd);
+  for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }
 
@@ -169,32 +182,62 @@ struct QuantSide {
     }
   }
 
+  // Whether one scale (and zero point) serves every token of a block (keys per channel).
+  bool per_block() const { return s1 == 0 && (zero == nullptr || z1 == 0); }
+
+  // The scale and zero point (0 without) of a token whose channels form one group.
+  void token_metadata(int64_t block, int64_t slot, int64_t head, float& scale, float& offset) const {
+    const int64_t at_scale = block * s0 + slot * s1 + head * s2, at_zero = block * z0 + slot * z1 + head * z2;
+    const float step = unit >= 0 ? static_cast<float>(zero[at_zero + unit * z3]) : 1.f;
+    scale = scale8 ? static_cast<float>(scale8[at_scale]) * step : static_cast<float>(scale16[at_scale]);
+    offset = zero ? static_cast<float>(zero[at_zero]) : 0.f;
+  }
+
   // The codes of one token as floats.
   void unpack(int64_t block, int64_t slot, int64_t head, int64_t dim, float* out) const {
     const uint8_t* c = codes + block * c0 + slot * c1 + head * c2;
     if (bits == 8) {
-      const int8_t* signed_codes = reinterpret_cast<const int8_t*>(c);
-      for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(signed_codes[d]);
+      unpack_plane(c, dim, 0, 0, out);
       return;
     }
     const int64_t m = dim * bits / 8, per_byte = 8 / bits;  // planar: byte i holds code i + k * m at bit k * bits
-    const int mask = (1 << bits) - 1;
-    for (int64_t k = 0; k < per_byte; ++k) {
-      const int shift = static_cast<int>(k * bits);
-      float* o = out + k * m;
-      for (int64_t i = 0; i < m; ++i) o[i] = static_cast<float>((c[i] >> shift) & mask);
+    for (int64_t k = 0; k < per_byte; ++k) unpack_plane(c, m, static_cast<int>(k * bits), (1 << bits) - 1, out + k * m);
+  }
+
+  // o[i] = (c[i] >> shift) & mask as floats for i < n; mask 0: c holds signed 8-bit codes. Vector instructions where
+  // the build has them (the compiler leaves the byte-to-float conversion scalar).
+  static void unpack_plane(const uint8_t* c, int64_t n, int shift, int mask, float* o) {
+    int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m512i shifts = _mm512_set1_epi32(shift), masks = _mm512_set1_epi32(mask);
+    for (; i + 16 <= n; i += 16) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i));
+      const __m512i wide = mask ? _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(bytes), shifts), masks)
+                                : _mm512_cvtepi8_epi32(bytes);
+      _mm512_storeu_ps(o + i, _mm512_cvtepi32_ps(wide));
     }
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m256i shifts = _mm256_set1_epi32(shift), masks = _mm256_set1_epi32(mask);
+    for (; i + 8 <= n; i += 8) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i));
+      const __m256i wide = mask ? _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(bytes), shifts), masks)
+                                : _mm256_cvtepi8_epi32(bytes);
+      _mm256_storeu_ps(o + i, _mm256_cvtepi32_ps(wide));
+    }
+#endif
+    for (; i < n; ++i)
+      o[i] = mask ? static_cast<float>((c[i] >> shift) & mask) : static_cast<float>(static_cast<int8_t>(c[i]));
   }
 
   // Every channel's scale and zero point (0 without) for a token, expanded from its groups.
   void metadata(int64_t block, int64_t slot, int64_t head, int64_t dim, float* scales, float* zeros) const {
     const int64_t at_scale = block * s0 + slot * s1 + head * s2, at_zero = block * z0 + slot * z1 + head * z2;
     const float step = unit >= 0 ? static_cast<float>(zero[at_zero + unit * z3]) : 1.f;
-    for (int64_t d = 0; d < dim; ++d) {
-      const int64_t g = d / group;
-      scales[d] = scale8 ? static_cast<float>(scale8[at_scale + g * s3]) * step
-                         : static_cast<float>(scale16[at_scale + g * s3]);
-      zeros[d] = zero ? static_cast<float>(zero[at_zero + g * z3]) : 0.f;
+    for (int64_t g = 0; g * group < dim; ++g) {
+      const float s = scale8 ? static_cast<float>(scale8[at_scale + g * s3]) * step
+                             : static_cast<float>(scale16[at_scale + g * s3]);
+      const float z = zero ? static_cast<float>(zero[at_zero + g * z3]) : 0.f;
+      for (int64_t d = g * group; d < std::min((g + 1) * group, dim); ++d) scales[d] = s, zeros[d] = z;
     }
   }
 };
@@ -384,6 +427,9 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
     std::vector<float> decoded_keys(has_quantized ? KEYS * dim : 0);
     std::vector<float> decoded_values(has_quantized ? KEYS * value_dim : 0);
     std::vector<float> meta(has_quantized ? 2 * std::max(dim, value_dim) : 0);
+    std::vector<float> folded_queries(has_quantized ? most * dim : 0), folded_offsets(most);
+    std::vector<float> value_scales(KEYS), value_offsets(KEYS);
+    bool folded = false;
     const float* key_rows[KEYS];
     const float* value_rows[KEYS];
     for (int64_t task = next++; task < tasks; task = next++) {
@@ -425,7 +471,50 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
         }
         for (int64_t t0 = span_lo; t0 < span_hi; t0 += KEYS) {
           const int64_t keys = std::min(KEYS, span_hi - t0);
-          if (segment == QUANTIZED || (segment == DECODED && decoded_codes)) {
+          const bool codes = segment == QUANTIZED || (segment == DECODED && decoded_codes);
+          // A decode tile folds the scales into its query and weights instead of decoding every key and value: the
+          // scores of a block's keys are (q * scale) . codes + q . zero, and the values of a token whose channels
+          // form one group add (p * scale) * codes + p * zero (`folded`).
+          const bool folded_keys = codes && direct && qkey.per_block();
+          folded = codes && direct && qvalue.group >= value_dim;
+          if (folded_keys || folded) {
+            const int64_t* qtable = qtp + row * qwidth;
+            for (int64_t j = 0, token = qrp[2 * row] + t0; j < keys;) {
+              const int64_t block = qtable[token / block_size], slot = token % block_size;
+              const int64_t run = std::min(keys - j, block_size - slot);
+              if (folded_keys) {
+                qkey.metadata(block, slot, kvh, dim, meta.data(), meta.data() + dim);
+                for (int64_t m = 0; m < m_count; ++m) {
+                  const float* query_m = qs.data() + m * dim;
+                  for (int64_t d = 0; d < dim; ++d) folded_queries[m * dim + d] = query_m[d] * meta[d];
+                  folded_offsets[m] = dot(query_m, meta.data() + dim, dim);
+                }
+                for (int64_t r = 0; r < run; ++r) {
+                  qkey.unpack(block, slot + r, kvh, dim, decoded_keys.data());
+                  for (int64_t m = 0; m < m_count; ++m)
+                    scores[m * KEYS + j + r] = dot(folded_queries.data() + m * dim, decoded_keys.data(), dim) +
+                                               folded_offsets[m];
+                }
+              } else {
+                qkey.decode(block, slot, run, kvh, dim, decoded_keys.data(), dim, meta.data());
+                for (int64_t r = 0; r < run; ++r)
+                  for (int64_t m = 0; m < m_count; ++m)
+                    scores[m * KEYS + j + r] = dot(qs.data() + m * dim, decoded_keys.data() + r * dim, dim);
+              }
+              for (int64_t r = 0; r < run; ++r) {
+                float* row_values = decoded_values.data() + (j + r) * value_dim;
+                if (folded) {
+                  qvalue.unpack(block, slot + r, kvh, value_dim, row_values);
+                  qvalue.token_metadata(block, slot + r, kvh, value_scales[j + r], value_offsets[j + r]);
+                } else {
+                  qvalue.decode(block, slot + r, 1, kvh, value_dim, row_values, value_dim, meta.data());
+                }
+                value_rows[j + r] = row_values;
+              }
+              j += run;
+              token += run;
+            }
+          } else if (codes) {
             // decoded here, into this thread's buffers, a block's run at a time (read position t: quantized token t)
             const int64_t* qtable = qtp + row * qwidth;
             for (int64_t j = 0, token = qrp[2 * row] + t0; j < keys;) {
@@ -458,7 +547,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
               value_rows[j] = tsrc[k + 1] + kvh * th[k + 1] + token * tt[k + 1];
             }
           }
-          if (direct) {
+          if (folded_keys || folded) {  // scored above
+          } else if (direct) {
             direct_scores(qs.data(), m_count, dim, key_rows, keys, scores.data());
           } else {  // the chunk's keys transposed, so a score tile is a few vector products
             for (int64_t j = 0; j < KEYS; ++j)
@@ -491,7 +581,21 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
             total[m] = total[m] * correction[m] + std::accumulate(lanes, lanes + LANES, 0.f);
             top[m] = new_top;
           }
+          if (folded) {  // weights times the tokens' scales on the codes, then the zero points' share
+            for (int64_t m = 0; m < m_count; ++m) {
+              float* p = scores.data() + m * KEYS;
+              folded_offsets[m] = 0.f;
+              for (int64_t j = 0; j < keys; ++j) {
+                folded_offsets[m] += p[j] * value_offsets[j];
+                p[j] *= value_scales[j];
+              }
+            }
+          }
           chunk_values(acc.data(), m_count, value_dim, scores.data(), correction.data(), value_rows, keys);
+          if (folded) {
+            for (int64_t m = 0; m < m_count; ++m)
+              for (int64_t d = 0; d < value_dim; ++d) acc[m * value_dim + d] += folded_offsets[m];
+          }
         }
       }
       for (int64_t g = 0; g < group; ++g) {
