@@ -678,7 +678,7 @@ void quantize_blocks_cpu(const at::Tensor& x, const at::Tensor& sources, at::Ten
   at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> values(block_size * dim), step(groups), low(groups);
     std::vector<uint8_t> q(dim);
-    std::vector<float> decoded(block_size * dim);
+    std::vector<float> decoded(block_size * dim), zero_points(dim), divisors(dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / heads, h = task % heads, block = tp[i];
       for (int64_t t = 0; t < block_size; ++t) {  // clamped to the float16 range (asymmetric formats)
@@ -752,12 +752,15 @@ void quantize_blocks_cpu(const at::Tensor& x, const at::Tensor& sources, at::Ten
               step[g] = static_cast<float>(s);
             }
           }
+          for (int64_t g = 0; g < groups; ++g) {  // per channel, so the loop over a token's channels vectorizes
+            for (int64_t d = g * group; d < (g + 1) * group; ++d) zero_points[d] = low[g], divisors[d] = nonzero(step[g]);
+          }
+          const float top = static_cast<float>(levels);
           for (int64_t t = slice * tokens; t < (slice + 1) * tokens; ++t) {
-            for (int64_t d = 0; d < dim; ++d) {
-              const int64_t g = d / group;
-              const float c = std::nearbyint((values[t * dim + d] - low[g]) / nonzero(step[g]));
-              q[d] = static_cast<uint8_t>(std::min(std::max(c, 0.f), static_cast<float>(levels)));
-            }
+            const float* v = values.data() + t * dim;
+            for (int64_t d = 0; d < dim; ++d)
+              q[d] = static_cast<uint8_t>(std::min(std::max(std::nearbyint((v[d] - zero_points[d]) / divisors[d]), 0.f),
+                                                   top));
             write_codes(t);
           }
         }

@@ -74,14 +74,15 @@ class PackedCache(Cache):
             )
         positions = attention_kwargs.get("position_ids")
         positions = self.positions if positions is None else positions
-        parts, histories = self._write_together(key_states, value_states, layer_idx), []
-        if parts is None:
-            parts = []
-            for cache, (start, stop) in zip(self.caches, self.spans):
-                own = {} if positions is None else {"position_ids": positions[..., start:stop]}
-                histories.append(cache.update(key_states[:, :, start:stop], value_states[:, :, start:stop], layer_idx,
-                                              kwargs=own))  # fmt: skip
-                parts.append((start, stop, own[PAGED_KV_KWARG]))
+        written, parts, histories = self._write_together(key_states, value_states, layer_idx), [], []
+        for index, (cache, (start, stop)) in enumerate(zip(self.caches, self.spans)):
+            if index in written:
+                parts.append(written[index])
+                continue
+            own = {} if positions is None else {"position_ids": positions[..., start:stop]}
+            histories.append(cache.update(key_states[:, :, start:stop], value_states[:, :, start:stop], layer_idx,
+                                          kwargs=own))  # fmt: skip
+            parts.append((start, stop, own[PAGED_KV_KWARG]))
         packed = attention_kwargs[PAGED_KV_KWARG] = PackedPagedKV(parts, self.memo)
         if packed.gathered:  # a model that caches latents expands every sequence's gathered history into K/V
             return tuple(torch.cat(states, dim=2) for states in zip(*histories))
@@ -89,18 +90,29 @@ class PackedCache(Cache):
         return paged_only(key_states, reader), paged_only(value_states, reader)
 
     def _write_together(self, key_states: torch.Tensor, value_states: torch.Tensor,
-                        layer_idx: int) -> list[tuple[int, int, PagedKV]] | None:  # fmt: skip
-        """A later layer of the step (an earlier one planned every cache's step): every sequence's new K/V written in
-        one copy, and each sequence's handle; None when a cache needs its own `update` (planning, eviction, sealing,
-        mirrors, the kernels) or the caches do not share the layer's storage."""
+                        layer_idx: int) -> dict[int, tuple[int, int, PagedKV]]:  # fmt: skip
+        """A later layer of the step (an earlier one planned every cache's step): the new K/V of the sequences whose
+        caches need nothing but the write, and share the layer's storage with the first such, written in one copy; their
+        handles by index. The others (planning, eviction, sealing, mirrors, the kernels) take their own `update`."""
         plans = [cache.planned_row(layer_idx, stop - start, key_states.device) for cache, (start, stop) in zip(self.caches, self.spans)]
         layers = [cache.layers[layer_idx] for cache in self.caches]
-        if any(plan is None for plan in plans) or any(layer.storage is not layers[0].storage for layer in layers):
-            return None
-        parts = [(start, stop, cache.take_step(layer_idx, plan, key_states, value_states))
-                 for cache, (start, stop), plan in zip(self.caches, self.spans, plans)]  # fmt: skip
-        layers[0].write_rows(plans, key_states, value_states, self.memo)
-        return parts
+        plain = [index for index, plan in enumerate(plans) if plan is not None]
+        together = [index for index in plain if layers[index].storage is layers[plain[0]].storage] if plain else []
+        if not together:
+            return {}
+        written = {index: (*self.spans[index], self.caches[index].take_step(layer_idx, plans[index], key_states,
+                                                                            value_states))
+                   for index in together}  # fmt: skip
+        if len(together) == len(self.caches):  # every token: the states as they lie
+            layers[together[0]].write_rows([plans[index] for index in together], key_states, value_states, self.memo)
+        else:
+            key = ("write_tokens", tuple(together))
+            if key not in self.memo:  # the same for every later layer of the forward
+                self.memo[key] = torch.cat([torch.arange(*self.spans[index]) for index in together]).to(key_states.device)
+            tokens = self.memo[key]
+            layers[together[0]].write_rows([plans[index] for index in together], key_states.index_select(2, tokens),
+                                           value_states.index_select(2, tokens), self.memo)  # fmt: skip
+        return written
 
 
 def check_packable(template: PagedCache) -> None:
