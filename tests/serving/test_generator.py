@@ -64,8 +64,9 @@ def test_chunked_attention_under_preemption_equals_each_prompt_alone(preemption)
 
 @pytest.mark.parametrize("options", [
     {"quant": "int8", "residual_length": 4},
+    {"quant": "int4", "residual_length": 0},
     {"eviction": StreamingLLM(budget=12, sinks=2, window=6)},
-], ids=["int8", "streaming_llm"])  # fmt: skip
+], ids=["int8", "int4", "streaming_llm"])  # fmt: skip
 def test_cache_options_apply_per_request(options):
     model = tiny_model("llama_gqa")
     prompts = random_prompts((25, 17, 40), seed=2)
