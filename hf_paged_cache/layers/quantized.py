@@ -186,10 +186,11 @@ class QuantizedLayer(PagedLayer):
         """Blocks `src` of `key_blocks` / `value_blocks` (the storage, or a transient copy) into quantized blocks
         `targets`; the first of them is decoded again to sample the reconstruction error."""
         dst = torch.tensor(targets, device=self.device)
-        kernels, fmt = self.uses_kernels(), self.kv_format
+        kernels = self.uses_kernels()
         if kernels:  # one launch quantizes every block of K and V
             from ..kernels import quantize_blocks
 
+            fmt = self.kv_format
             quantize_blocks(key_blocks, value_blocks, src, self.qkey, self.qvalue, dst, fmt.key, fmt.value)
         cpu = not kernels and key_blocks.dtype == torch.float32 and self.reads_rows_in_place(torch.float32)
         for name, blocks, fmt, fields in (
