@@ -127,7 +127,10 @@ def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, sof
         pieces += _attend_shared_prefix(query, group, prefix, packed.memo, scale, softcap)
         read.update(start for start, _part in group)
     if softcap is None and sinks is None:
-        rows = _rows_in_place([part for part in packed.parts if part[0] not in read and part[2].reads_in_kernel], query)
+        # A plain row is one the kernel reads (`kernel_reads_row` allows what `reads_plain_row` does): asked of the rest.
+        plain_starts = {start for start, _stop, _part in plain}
+        rows = _rows_in_place([part for part in packed.parts if part[0] not in read
+                               and (part[0] in plain_starts or part[2].reads_in_kernel)], query)  # fmt: skip
         if rows:
             spans = tuple((start, stop) for start, stop, _part in rows)
             every = spans[0][0] == 0 and spans[-1][1] == query.shape[2] and all(

@@ -141,56 +141,30 @@ struct QuantSide {
   int64_t bits = 8, group = 1, unit = -1;
 
   // Tokens slot .. slot + count - 1 of block `block`, KV head `head`, decoded into rows of `out` `stride` floats
-  // apart as the format's torch decode does it: code * scale (+ zero), in float32. A format with one scale (and zero)
-  // per block expands them once per call into `meta` ([2, dim] floats).
+  // apart as the format's torch decode does it: code * scale + zero (0 without), in float32. The scales and zero points
+  // are expanded per channel into `meta` ([2, dim] floats): once per call for a format with one per block.
   void decode(int64_t block, int64_t slot, int64_t count, int64_t head, int64_t dim, float* out, int64_t stride,
               float* meta) const {
-    const bool per_block = s1 == 0 && (zero == nullptr || z1 == 0);
-    if (per_block) {
-      float* scales = meta;
-      float* zeros = meta + dim;
-      metadata(block, slot, head, dim, scales, zeros);
-    }
+    float* scales = meta;
+    float* zeros = meta + dim;
     for (int64_t t = 0; t < count; ++t) {
+      if (t == 0 || !per_block()) metadata(block, slot + t, head, dim, scales, zeros);
       float* o = out + t * stride;
       unpack(block, slot + t, head, dim, o);
-      if (per_block) {
-        const float* scales = meta;
-        const float* zeros = meta + dim;
-        if (zero) {
-          for (int64_t d = 0; d < dim; ++d) o[d] = o[d] * scales[d] + zeros[d];
-        } else {
-          for (int64_t d = 0; d < dim; ++d) o[d] = o[d] * scales[d];
-        }
-        continue;
-      }
-      const int64_t at_scale = block * s0 + (slot + t) * s1 + head * s2;
-      const int64_t at_zero = block * z0 + (slot + t) * z1 + head * z2;
-      const float step = unit >= 0 ? static_cast<float>(zero[at_zero + unit * z3]) : 1.f;
-      for (int64_t g = 0; g * group < dim; ++g) {
-        const float s = scale8 ? static_cast<float>(scale8[at_scale + g * s3]) * step
-                               : static_cast<float>(scale16[at_scale + g * s3]);
-        float* x = o + g * group;
-        const int64_t n = std::min(group, dim - g * group);
-        if (zero) {
-          const float z = static_cast<float>(zero[at_zero + g * z3]);
-          for (int64_t d = 0; d < n; ++d) x[d] = x[d] * s + z;
-        } else {
-          for (int64_t d = 0; d < n; ++d) x[d] = x[d] * s;
-        }
-      }
+      for (int64_t d = 0; d < dim; ++d) o[d] = o[d] * scales[d] + zeros[d];
     }
   }
 
   // Whether one scale (and zero point) serves every token of a block (keys per channel).
   bool per_block() const { return s1 == 0 && (zero == nullptr || z1 == 0); }
 
-  // The scale and zero point (0 without) of a token whose channels form one group.
-  void token_metadata(int64_t block, int64_t slot, int64_t head, float& scale, float& offset) const {
+  // The scale and zero point (0 without) of group g of a token.
+  void group_metadata(int64_t block, int64_t slot, int64_t head, int64_t g, float& scale, float& offset) const {
     const int64_t at_scale = block * s0 + slot * s1 + head * s2, at_zero = block * z0 + slot * z1 + head * z2;
     const float step = unit >= 0 ? static_cast<float>(zero[at_zero + unit * z3]) : 1.f;
-    scale = scale8 ? static_cast<float>(scale8[at_scale]) * step : static_cast<float>(scale16[at_scale]);
-    offset = zero ? static_cast<float>(zero[at_zero]) : 0.f;
+    scale = scale8 ? static_cast<float>(scale8[at_scale + g * s3]) * step
+                   : static_cast<float>(scale16[at_scale + g * s3]);
+    offset = zero ? static_cast<float>(zero[at_zero + g * z3]) : 0.f;
   }
 
   // The codes of one token as floats.
@@ -231,13 +205,10 @@ struct QuantSide {
 
   // Every channel's scale and zero point (0 without) for a token, expanded from its groups.
   void metadata(int64_t block, int64_t slot, int64_t head, int64_t dim, float* scales, float* zeros) const {
-    const int64_t at_scale = block * s0 + slot * s1 + head * s2, at_zero = block * z0 + slot * z1 + head * z2;
-    const float step = unit >= 0 ? static_cast<float>(zero[at_zero + unit * z3]) : 1.f;
     for (int64_t g = 0; g * group < dim; ++g) {
-      const float s = scale8 ? static_cast<float>(scale8[at_scale + g * s3]) * step
-                             : static_cast<float>(scale16[at_scale + g * s3]);
-      const float z = zero ? static_cast<float>(zero[at_zero + g * z3]) : 0.f;
-      for (int64_t d = g * group; d < std::min((g + 1) * group, dim); ++d) scales[d] = s, zeros[d] = z;
+      float scale, offset;
+      group_metadata(block, slot, head, g, scale, offset);
+      for (int64_t d = g * group; d < std::min((g + 1) * group, dim); ++d) scales[d] = scale, zeros[d] = offset;
     }
   }
 };
@@ -505,7 +476,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
                 float* row_values = decoded_values.data() + (j + r) * value_dim;
                 if (folded) {
                   qvalue.unpack(block, slot + r, kvh, value_dim, row_values);
-                  qvalue.token_metadata(block, slot + r, kvh, value_scales[j + r], value_offsets[j + r]);
+                  qvalue.group_metadata(block, slot + r, kvh, 0, value_scales[j + r], value_offsets[j + r]);
                 } else {
                   qvalue.decode(block, slot + r, 1, kvh, value_dim, row_values, value_dim, meta.data());
                 }
@@ -753,7 +724,8 @@ void quantize_blocks_cpu(const at::Tensor& x, const at::Tensor& sources, at::Ten
             }
           }
           for (int64_t g = 0; g < groups; ++g) {  // per channel, so the loop over a token's channels vectorizes
-            for (int64_t d = g * group; d < (g + 1) * group; ++d) zero_points[d] = low[g], divisors[d] = nonzero(step[g]);
+            for (int64_t d = g * group; d < (g + 1) * group; ++d)
+              zero_points[d] = low[g], divisors[d] = nonzero(step[g]);
           }
           const float top = static_cast<float>(levels);
           for (int64_t t = slice * tokens; t < (slice + 1) * tokens; ++t) {

@@ -444,20 +444,13 @@ class QuantizedLayer(PagedLayer):
         table, reads, skips = memo[key]
         fmt = self.kv_format
         quantized = cpu_attention.QuantizedRows(fmt.key, fmt.value, self.qkey, self.qvalue, table, reads)
-        transition = None
+        transition, window = None, self.tables.window
         if unsealed:  # every transition decoded here
-            present = [t for t in transitions if t is not None]
-            exact, decoded = ([torch.cat([t[pair][side] for t in present], 1) for side in (0, 1)] for pair in (1, 2))
-            sizes = [0 if t is None else t[1][0].shape[1] for t in transitions]
-            transition = cpu_attention.TransitionRows((exact[0], exact[1]), (decoded[0], decoded[1]),
-                                                      torch.tensor([0, *sizes]).cumsum(0), self.tables.window)  # fmt: skip
+            (exact, starts), (decoded, _starts) = (_joined([t and t[pair] for t in transitions]) for pair in (1, 2))
+            transition = cpu_attention.TransitionRows(exact, decoded, starts, window)
         elif any(arrival is not None for arrival in arrivals):  # decoded in the kernel from the quantized read's end
-            present = [arrival for arrival in arrivals if arrival is not None]
-            exact = [present[0][side] if len(present) == 1 else torch.cat([a[side] for a in present], 1)
-                     for side in (0, 1)]  # fmt: skip
-            sizes = [0 if arrival is None else arrival[0].shape[1] for arrival in arrivals]
-            transition = cpu_attention.TransitionRows((exact[0], exact[1]), None, torch.tensor([0, *sizes]).cumsum(0),
-                                                      self.tables.window)  # fmt: skip
+            exact, starts = _joined(arrivals)
+            transition = cpu_attention.TransitionRows(exact, None, starts, window)
         tables = self._kernel_tables(plans, counts, memo, skips)
         out = cpu_attention.paged_attention_cpu(queries, self.key_blocks, self.value_blocks, *tables, scale, quantized,
                                                 transition)  # fmt: skip
@@ -609,6 +602,17 @@ def _id_runs(table: list[int], first: int, block_size: int) -> list[tuple[slice,
         runs.append((slice(table[index], table[index] + run), index))
         index += run
     return runs
+
+
+def _joined(pairs: list[tuple[torch.Tensor, torch.Tensor] | None],
+            ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:  # fmt: skip
+    """Rows' (keys, values) `[kv_heads, n_i, d]` (None: a row without) joined along the tokens (a lone pair as it is),
+    and where each row's begin, `[rows + 1]`."""
+    present = [pair for pair in pairs if pair is not None]
+    keys, values = (present[0][side] if len(present) == 1 else torch.cat([pair[side] for pair in present], 1)
+                    for side in (0, 1))  # fmt: skip
+    starts = torch.tensor([0, *(0 if pair is None else pair[0].shape[1] for pair in pairs)]).cumsum(0)
+    return (keys, values), starts
 
 
 def _seen_columns(keys: torch.Tensor, values: torch.Tensor,
