@@ -27,7 +27,8 @@ from hf_paged_cache.quantization import KernelFormat, QuantFormat
 
 from .reference import gather_kv
 
-SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
+# The attention kernel and the fused layers' element-wise ops (`cpu_layer.py`): one extension, built together.
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention_cpu.cpp", "cpu_layer_ops.cpp")]
 
 # The instruction set torch's own CPU kernels use here, and the flags at::vec needs for it.
 _CAPABILITY_FLAGS = {
@@ -45,9 +46,11 @@ def available() -> bool:
         from torch.utils.cpp_extension import load
 
         capability = torch.backends.cpu.get_cpu_capability()
-        flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(capability, [])]  # OpenMP: at::parallel_for's threads
+        # OpenMP: at::parallel_for's threads. No contraction of a product and a sum into one rounding: the ops that
+        # reproduce torch's arithmetic (the seal, the rotary embedding) round each step as torch's separate ops do.
+        flags = ["-O3", "-fopenmp", "-ffp-contract=off", *_CAPABILITY_FLAGS.get(capability, [])]
         name = f"hf_paged_cache_cpu_attention_{capability.lower() if capability in _CAPABILITY_FLAGS else 'default'}"
-        load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
+        load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
              verbose=False)  # fmt: skip
     except Exception as error:  # no compiler, no ninja, or a failed build: the torch path stays
         warnings.warn(f"hf_paged_cache: the CPU attention kernel was not built ({error}); using the torch path",

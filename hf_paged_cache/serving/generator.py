@@ -40,6 +40,7 @@ from ..paged_attention import ATTENTION_NAME, check_model_features
 from .batch_config import BatchConfig, pools_up_front, split_options
 from .metrics import BatchMetrics, ServingCounters
 from .compiled import CompiledModules
+from .fused_layers import FusedDecoderLayers
 from .onednn import OneDnnLinears
 from .packed_cache import check_packable, layer_sliding, packed_logits
 from .preemption import RECOMPUTE, SWAP
@@ -81,6 +82,9 @@ class BatchGenerator:
         self.compiled = CompiledModules(model, len(self.template.layers)) if self.config.compile else None
         self.onednn = (OneDnnLinears(model, self.config.prepack_weights, self.config.max_batch_tokens)
                        if self.config.onednn else None)  # fmt: skip
+        self.fused = (FusedDecoderLayers.of(model, len(self.template.layers), self.onednn,
+                                            self.per_request.layers if self.per_request is not None else [])
+                      if self.onednn is not None and self.compiled is None else None)  # fmt: skip
         cacheable = self.config.prefix_caching and self.template.options.sharing and PrefixCache.supports(self.template)
         self.prefix_cache = PrefixCache(self.template) if cacheable else None
         self.swap = self.preemption.swap_space(self.template, model.device)
@@ -342,7 +346,8 @@ class BatchGenerator:
         chunks = [(request.cache, request.tokens[request.fed : request.fed + q], request.fed) for request, q in batch]
         states = [request.settings.snapshot() for request, _ in batch]
         try:
-            logits = packed_logits(self.model, chunks, self.sliding, self.per_request, self.compiled, self.onednn)
+            logits = packed_logits(self.model, chunks, self.sliding, self.per_request, self.compiled, self.onednn,
+                                   self.fused)  # fmt: skip
             samples = [request.next_token(q, logits[index]) for index, (request, q) in enumerate(batch)]
         except BaseException:
             self._roll_back(batch, states)

@@ -20,6 +20,7 @@ through `.data` is not seen.
 from __future__ import annotations
 
 import functools
+import inspect
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -43,7 +44,10 @@ def _runs_on_onednn(module: torch.nn.Module) -> bool:
             and "forward" not in module.__dict__)  # fmt: skip
 
 
-def _same_code(first, second) -> bool:
+def same_code(first, second) -> bool:
+    """Whether two functions (or methods, their decorators unwrapped) run the same code: a model's modular copy of
+    transformers' Llama code is, so what is verified against Llama applies to it."""
+    first, second = inspect.unwrap(first), inspect.unwrap(second)
     return all(getattr(first.__code__, name) == getattr(second.__code__, name)
                for name in ("co_code", "co_names", "co_consts", "co_varnames"))  # fmt: skip
 
@@ -51,17 +55,27 @@ def _same_code(first, second) -> bool:
 def _is_gated_silu_mlp(module: torch.nn.Module) -> bool:
     """An MLP whose forward is Llama's code (the same bytecode: the modular copies, Qwen2's, Mistral's, ..., are) over
     plain linears oneDNN runs, with no hooks the fused forward would skip, and a plain SiLU."""
-    if "forward" in module.__dict__ or not _same_code(type(module).forward, LlamaMLP.forward):
+    if "forward" in module.__dict__ or not same_code(type(module).forward, LlamaMLP.forward):
         return False
     linears = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
     act = getattr(module, "act_fn", None)
-    return (all(isinstance(linear, torch.nn.Module) and _runs_on_onednn(linear) and not _hooked(linear) for linear in linears)
-            and type(act) in (torch.nn.SiLU, SiLUActivation) and "forward" not in act.__dict__ and not _hooked(act)
+    return (all(isinstance(linear, torch.nn.Module) and _runs_on_onednn(linear) and not hooked(linear) for linear in linears)
+            and type(act) in (torch.nn.SiLU, SiLUActivation) and "forward" not in act.__dict__ and not hooked(act)
             and len({linear.weight.dtype for linear in linears}) == 1)  # fmt: skip
 
 
-def _hooked(module: torch.nn.Module) -> bool:
-    # nn.Module has no public query for its hooks; the fused forward calls no child, so a child's hook would not run.
+def has_global_hooks() -> bool:
+    """Whether forward hooks registered for every module (`register_module_forward_hook`...) are set: a fused forward
+    that does not call a module would skip them."""
+    # torch has no public query for them either.
+    from torch.nn.modules import module as nn_module
+
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+
+
+def hooked(module: torch.nn.Module) -> bool:
+    """Whether `module` has forward hooks, which a fused forward that does not call it would skip."""
+    # nn.Module has no public query for its hooks.
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
@@ -95,22 +109,39 @@ def _weight(module: torch.nn.Linear, packed: PackedWeights | None) -> torch.Tens
     return module.weight if packed is None else packed.weight(module)
 
 
+def _product(module: torch.nn.Linear, packed: PackedWeights | None, inputs: torch.Tensor,
+             residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """`module(inputs)` on oneDNN (`inputs` on the CPU in the weight's dtype), plus `residual` added by the product's
+    post-op if given (the same bits as a separate add: the product rounds once, then the sum)."""
+    inputs = inputs.contiguous()
+    if residual is None:
+        return torch.ops.mkldnn._linear_pointwise(inputs, _weight(module, packed), module.bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(inputs, residual.contiguous(), _weight(module, packed), module.bias,
+                                                     "add")  # fmt: skip
+
+
+def _gated_mlp(module: torch.nn.Module, packed: PackedWeights | None, inputs: torch.Tensor,
+               residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """A gated-SiLU MLP (`_is_gated_silu_mlp`) as two fused products and the down product (+ `residual`)."""
+    gate, up, down = module.gate_proj, module.up_proj, module.down_proj
+    inputs = inputs.contiguous()
+    act = torch.ops.mkldnn._linear_pointwise(inputs, _weight(gate, packed), gate.bias, "swish", [], "")  # oneDNN's SiLU
+    hidden = torch.ops.mkldnn._linear_pointwise.binary(inputs, act, _weight(up, packed), up.bias, "mul")
+    return _product(down, packed, hidden, residual)
+
+
 @torch.compiler.disable  # Inductor lowers this op only for weights frozen into the graph: a compiled module calls it
 def _onednn_forward(module: torch.nn.Linear, packed: PackedWeights | None, inputs: torch.Tensor) -> torch.Tensor:
     if inputs.dtype != module.weight.dtype or inputs.device.type != "cpu":  # mixed dtypes: the module's own math
         return torch.nn.functional.linear(inputs, module.weight, module.bias)
-    return torch.ops.mkldnn._linear_pointwise(inputs.contiguous(), _weight(module, packed), module.bias, "none", [], "")
+    return _product(module, packed, inputs)
 
 
 @torch.compiler.disable
 def _fused_mlp_forward(module: torch.nn.Module, packed: PackedWeights | None, inputs: torch.Tensor) -> torch.Tensor:
-    gate, up, down = module.gate_proj, module.up_proj, module.down_proj
-    if inputs.dtype != gate.weight.dtype or inputs.device.type != "cpu":
+    if inputs.dtype != module.gate_proj.weight.dtype or inputs.device.type != "cpu":
         return type(module).forward(module, inputs)
-    inputs = inputs.contiguous()
-    act = torch.ops.mkldnn._linear_pointwise(inputs, _weight(gate, packed), gate.bias, "swish", [], "")  # oneDNN's SiLU
-    hidden = torch.ops.mkldnn._linear_pointwise.binary(inputs, act, _weight(up, packed), up.bias, "mul")
-    return _onednn_forward(down, packed, hidden)
+    return _gated_mlp(module, packed, inputs)
 
 
 class OneDnnLinears:
@@ -122,6 +153,7 @@ class OneDnnLinears:
         linears = [module for module in model.modules() if available and _runs_on_onednn(module)]
         mlps = [module for module in model.modules() if available and _is_gated_silu_mlp(module)]
         self.modules = linears + mlps
+        self._running = set(self.modules)
         self.packed = PackedWeights(linears, batch_tokens) if prepack and linears else None
         self.forwards = [functools.partial(_onednn_forward, module, self.packed) for module in linears]
         self.forwards += [functools.partial(_fused_mlp_forward, module, self.packed) for module in mlps]
@@ -130,6 +162,19 @@ class OneDnnLinears:
     def packed_bytes(self) -> int:
         """Bytes the packed weights hold (0 without `prepack`)."""
         return self.packed.nbytes if self.packed is not None else 0
+
+    def runs(self, module: torch.nn.Module) -> bool:
+        """Whether `module` (a linear layer or a gated-SiLU MLP) runs on oneDNN here."""
+        return module in self._running
+
+    def linear(self, module: torch.nn.Linear, inputs: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`module(inputs)` (+ `residual`, added in the product) for a linear layer that `runs` here, on inputs in its
+        weight's dtype on the CPU."""
+        return _product(module, self.packed, inputs, residual)
+
+    def mlp(self, module: torch.nn.Module, inputs: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`module(inputs)` (+ `residual`) for a gated-SiLU MLP that `runs` here, on inputs as for `linear`."""
+        return _gated_mlp(module, self.packed, inputs, residual)
 
     def active(self) -> AbstractContextManager[None]:
         """Within the block, the layers run their oneDNN forwards."""

@@ -22,6 +22,7 @@ from ..attention.contract import PAGED_KV_KWARG
 from ..layers.handle import PackedPagedKV, PagedKV
 from ..attention.paged_states import paged_only
 from .compiled import CompiledModules
+from .fused_layers import FusedDecoderLayers
 from .onednn import OneDnnLinears
 from .recurrent import PerRequestLayers
 
@@ -134,11 +135,11 @@ def layer_sliding(cache: PagedCache) -> list[bool]:
 
 def packed_logits(model, chunks: list[tuple[PagedCache, list[int], int]], sliding: list[bool],
                   per_request: PerRequestLayers | None = None, compiled: CompiledModules | None = None,
-                  onednn: OneDnnLinears | None = None) -> torch.Tensor:  # fmt: skip
+                  onednn: OneDnnLinears | None = None, fused: FusedDecoderLayers | None = None) -> torch.Tensor:  # fmt: skip
     """One forward of every chunk (its cache, its tokens, the position of the first) packed into one row; the
     logits of each chunk's last token, one row per chunk (`sliding`: which layers are sliding-window;
     `per_request`: the layers that run once per chunk, recurrent ones; `compiled`: modules run compiled;
-    `onednn`: linear layers run on oneDNN)."""
+    `onednn`: linear layers run on oneDNN; `fused`: decoder layers run fused)."""
     tokens, positions, spans, keep = [], [], [], []
     for _cache, chunk, start in chunks:
         spans.append((len(tokens), len(tokens) + len(chunk)))
@@ -146,8 +147,11 @@ def packed_logits(model, chunks: list[tuple[PagedCache, list[int], int]], slidin
         tokens += chunk
         positions += range(start, start + len(chunk))
     ids, position_ids = torch.tensor([tokens], device=model.device), torch.tensor([positions], device=model.device)
+    keep = torch.tensor(keep, device=model.device)
     caches = [chunk[0] for chunk in chunks]
     with contextlib.ExitStack() as patches:
+        if fused is not None:  # first: it checks that no other forward is swapped into its layers
+            patches.enter_context(fused.active(keep))
         if per_request is not None:
             patches.enter_context(per_request.split(caches, spans))
         if onednn is not None:
@@ -155,4 +159,4 @@ def packed_logits(model, chunks: list[tuple[PagedCache, list[int], int]], slidin
         if compiled is not None:
             patches.enter_context(compiled.active())
         return model(input_ids=ids, position_ids=position_ids, cache=PackedCache(caches, spans, sliding, position_ids),
-                     use_cache=True, logits_to_keep=torch.tensor(keep, device=ids.device)).logits[0]  # fmt: skip
+                     use_cache=True, logits_to_keep=keep).logits[0]  # fmt: skip
