@@ -1,6 +1,6 @@
 // The element-wise steps of a Llama-style decoder layer, one pass each, for the batch generator's fused layers
-// (hf_paged_cache/serving/fused_layers.py): an RMS norm and the rotary embedding of queries and keys. In eager torch each
-// is a chain of small ops (a norm six, a rotary twelve), every one a pass over the tokens and an allocation.
+// (hf_paged_cache/serving/fused_layers.py): an RMS norm and the rotary embedding of queries and keys. In eager torch
+// each is a chain of small ops (a norm six, a rotary twelve), every one a pass over the tokens and an allocation.
 // Registered as torch.ops.hf_paged_cache.rms_norm_cpu / rotary_cpu; kernels/cpu_layer.py calls them, and holds their
 // torch references. Built with the attention kernel (cpu_attention.py), with floating-point contraction off, so a
 // product and a sum round as torch's separate ops do.

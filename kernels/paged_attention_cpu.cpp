@@ -28,36 +28,96 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t LANES = Vec::size();
 constexpr int64_t KEYS = 4 * LANES;    // keys per chunk: the width of a score tile (four vector registers)
 constexpr int64_t QUERIES = 32;        // query positions per task (times the heads of a KV head's group)
-constexpr int64_t ROWS = 4;            // query vectors whose scores are computed together (register blocking)
+constexpr int64_t ROWS = 4;            // query vectors whose values are added together (register blocking)
 constexpr int64_t DIRECT_QUERIES = 4;  // tiles of fewer query positions read the keys where they lie
 constexpr float MINUS_INF = -std::numeric_limits<float>::infinity();
 
-// scores[r][0:KEYS] = q[r] . kt[:, 0:KEYS] for R query vectors of `q` ([R, dim]), held in registers; `kt` is a chunk's
-// keys transposed ([dim, KEYS]).
-template <int64_t R>
-inline void score_rows(const float* q, int64_t dim, const float* kt, float* scores) {
-  constexpr int64_t V = KEYS / LANES;
+constexpr int64_t KEY_ROWS = LANES >= 16 ? 4 : 2;  // keys scored together against a slab of query vectors
+constexpr int64_t SLAB = 4;                           // query vectors (LANES queries each) of a score slab
+
+// A prompt tile's scores are kept transposed, st [keys, stride] (a key's scores against every query of the tile, the
+// queries padded to whole vectors), so the online softmax runs across queries a vector at a time, with no sum or
+// maximum across the lanes of a vector; and the tile's queries are transposed once, qt [dim, stride], so the keys are
+// read where they lie (a key's channel is broadcast), never copied.
+
+// st[r][v] = keys[r] . qt[:, v] for R keys and V query vectors from `qt` (held in registers).
+template <int64_t R, int64_t V>
+inline void score_keys(const float* const* keys, const float* qt, int64_t stride, int64_t dim, float* st) {
   Vec acc[R][V];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t v = 0; v < V; ++v) acc[r][v] = Vec(0.f);
   for (int64_t d = 0; d < dim; ++d) {
-    Vec k[V];
-    for (int64_t v = 0; v < V; ++v) k[v] = Vec::loadu(kt + d * KEYS + v * LANES);
+    Vec q[V];
+    for (int64_t v = 0; v < V; ++v) q[v] = Vec::loadu(qt + d * stride + v * LANES);
     for (int64_t r = 0; r < R; ++r) {
-      const Vec x(q[r * dim + d]);
-      for (int64_t v = 0; v < V; ++v) acc[r][v] = at::vec::fmadd(x, k[v], acc[r][v]);
+      const Vec k(keys[r][d]);
+      for (int64_t v = 0; v < V; ++v) acc[r][v] = at::vec::fmadd(k, q[v], acc[r][v]);
     }
   }
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t v = 0; v < V; ++v) acc[r][v].store(scores + r * KEYS + v * LANES);
+    for (int64_t v = 0; v < V; ++v) acc[r][v].store(st + r * stride + v * LANES);
 }
 
-// o[r] = o[r] * correction[r] + p[r][0:keys] @ values[0:keys] over one slab of V vectors of the value dim from `d0`
+// The scores of R keys against `vectors` query vectors, a slab at a time.
+template <int64_t R>
+inline void score_key_rows(const float* const* keys, const float* qt, int64_t stride, int64_t vectors, int64_t dim,
+                           float* st) {
+  int64_t v = 0;
+  for (; v + SLAB <= vectors; v += SLAB) score_keys<R, SLAB>(keys, qt + v * LANES, stride, dim, st + v * LANES);
+  for (; v + 2 <= vectors; v += 2) score_keys<R, 2>(keys, qt + v * LANES, stride, dim, st + v * LANES);
+  for (; v < vectors; ++v) score_keys<R, 1>(keys, qt + v * LANES, stride, dim, st + v * LANES);
+}
+
+// st [n, stride]: the scores of a chunk's `n` keys (`keys`: their rows where they lie) against the tile's queries.
+void transposed_scores(const float* const* keys, int64_t n, const float* qt, int64_t stride, int64_t dim, float* st) {
+  const int64_t vectors = stride / LANES;
+  int64_t j = 0;
+  for (; j + KEY_ROWS <= n; j += KEY_ROWS)
+    score_key_rows<KEY_ROWS>(keys + j, qt, stride, vectors, dim, st + j * stride);
+  for (; j < n; ++j) score_key_rows<1>(keys + j, qt, stride, vectors, dim, st + j * stride);
+}
+
+// The online softmax of a chunk's transposed scores st [n, stride] (key t0 + j at row j): query m sees keys
+// [lo[m], hi[m]) (`masked`: some query does not see the whole chunk); the scores become weights, and each query's
+// running maximum `top`, sum `total` and the `correction` of its earlier sums are updated. A query that has seen no key
+// yet keeps weights 0 (its maximum stays -inf).
+void transposed_softmax(float* st, int64_t n, int64_t stride, int64_t t0, const float* lo, const float* hi, bool masked,
+                        float* top, float* total, float* correction) {
+  const Vec minus_inf(MINUS_INF), zero(0.f);
+  for (int64_t v = 0; v < stride; v += LANES) {
+    const Vec low = Vec::loadu(lo + v), high = Vec::loadu(hi + v);
+    Vec most(MINUS_INF);
+    for (int64_t j = 0; j < n; ++j) {
+      Vec s = Vec::loadu(st + j * stride + v);
+      if (masked) {
+        const Vec position(static_cast<float>(t0 + j));
+        s = Vec::blendv(minus_inf, s, (position >= low) & (position < high));
+        s.store(st + j * stride + v);
+      }
+      most = at::vec::maximum(most, s);
+    }
+    const Vec old_top = Vec::loadu(top + v);
+    const Vec new_top = at::vec::maximum(old_top, most);
+    const Vec base = Vec::blendv(new_top, zero, new_top == minus_inf);  // no key seen yet: exp(-inf - 0) = 0
+    const Vec scale = (old_top - base).exp();
+    Vec sums(0.f);
+    for (int64_t j = 0; j < n; ++j) {
+      const Vec e = (Vec::loadu(st + j * stride + v) - base).exp();
+      e.store(st + j * stride + v);
+      sums = sums + e;
+    }
+    (Vec::loadu(total + v) * scale + sums).store(total + v);
+    new_top.store(top + v);
+    scale.store(correction + v);
+  }
+}
+
+// o[r] = o[r] * correction[r] + sum_j p[r][j] * values[j] over one slab of V vectors of the value dim from `d0`
 // (`values`: the chunk's value rows where they lie; o's rows `stride` floats apart), for R accumulators held in
-// registers; p [R, KEYS].
+// registers; weight p[r][j] at p[r * row + j * key] (scores row-major [m, KEYS], or transposed [keys, m]).
 template <int64_t R, int64_t V>
-inline void add_values(float* o, int64_t stride, const float* p, const float* correction, const float* const* values,
-                       int64_t d0, int64_t keys) {
+inline void add_values(float* o, int64_t stride, const float* p, int64_t row, int64_t key, const float* correction,
+                       const float* const* values, int64_t d0, int64_t keys) {
   Vec acc[R][V];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t v = 0; v < V; ++v) acc[r][v] = Vec::loadu(o + r * stride + v * LANES) * Vec(correction[r]);
@@ -65,7 +125,7 @@ inline void add_values(float* o, int64_t stride, const float* p, const float* co
     Vec x[V];
     for (int64_t v = 0; v < V; ++v) x[v] = Vec::loadu(values[j] + d0 + v * LANES);
     for (int64_t r = 0; r < R; ++r) {
-      const Vec w(p[r * KEYS + j]);
+      const Vec w(p[r * row + j * key]);
       for (int64_t v = 0; v < V; ++v) acc[r][v] = at::vec::fmadd(w, x[v], acc[r][v]);
     }
   }
@@ -73,34 +133,27 @@ inline void add_values(float* o, int64_t stride, const float* p, const float* co
     for (int64_t v = 0; v < V; ++v) acc[r][v].store(o + r * stride + v * LANES);
 }
 
-// The scores of `count` query vectors ([count, dim]) against a chunk's transposed keys, ROWS at a time.
-void chunk_scores(const float* q, int64_t count, int64_t dim, const float* kt, float* scores) {
-  int64_t m = 0;
-  for (; m + ROWS <= count; m += ROWS) score_rows<ROWS>(q + m * dim, dim, kt, scores + m * KEYS);
-  for (; m < count; ++m) score_rows<1>(q + m * dim, dim, kt, scores + m * KEYS);
-}
-
 // o[m] = o[m] * correction[m] + p[m][0:keys] @ values[0:keys] for `count` accumulators ([count, value_dim]), ROWS
-// at a time; `values`: the chunk's value rows where they lie.
-void chunk_values(float* o, int64_t count, int64_t value_dim, const float* p, const float* correction,
-                  const float* const* values, int64_t keys) {
+// at a time; `values`: the chunk's value rows where they lie; weights as for `add_values`.
+void chunk_values(float* o, int64_t count, int64_t value_dim, const float* p, int64_t row, int64_t key,
+                  const float* correction, const float* const* values, int64_t keys) {
   int64_t d0 = 0;
   for (; d0 + 4 * LANES <= value_dim; d0 += 4 * LANES) {
     int64_t m = 0;
     for (; m + ROWS <= count; m += ROWS)
-      add_values<ROWS, 4>(o + m * value_dim + d0, value_dim, p + m * KEYS, correction + m, values, d0, keys);
+      add_values<ROWS, 4>(o + m * value_dim + d0, value_dim, p + m * row, row, key, correction + m, values, d0, keys);
     for (; m < count; ++m)
-      add_values<1, 4>(o + m * value_dim + d0, value_dim, p + m * KEYS, correction + m, values, d0, keys);
+      add_values<1, 4>(o + m * value_dim + d0, value_dim, p + m * row, row, key, correction + m, values, d0, keys);
   }
   for (; d0 + LANES <= value_dim; d0 += LANES) {
     for (int64_t m = 0; m < count; ++m)
-      add_values<1, 1>(o + m * value_dim + d0, value_dim, p + m * KEYS, correction + m, values, d0, keys);
+      add_values<1, 1>(o + m * value_dim + d0, value_dim, p + m * row, row, key, correction + m, values, d0, keys);
   }
   for (int64_t m = 0; m < count && d0 < value_dim; ++m) {  // a value dim that is not whole vectors: plain loops
     float* out = o + m * value_dim;
     for (int64_t d = d0; d < value_dim; ++d) out[d] *= correction[m];
     for (int64_t j = 0; j < keys; ++j)
-      for (int64_t d = d0; d < value_dim; ++d) out[d] += p[m * KEYS + j] * values[j][d];
+      for (int64_t d = d0; d < value_dim; ++d) out[d] += p[m * row + j * key] * values[j][d];
   }
 }
 
@@ -119,8 +172,8 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// A tile of few query vectors (a decode token) gains nothing from a transposed copy of the keys: its scores are dot
-// products with the keys where they lie (`keys`: the chunk's `n` key rows).
+// A tile of few query vectors (a decode token) gains nothing from transposed queries (`transposed_scores`): its scores
+// are dot products with the keys where they lie (`keys`: the chunk's `n` key rows).
 void direct_scores(const float* q, int64_t count, int64_t dim, const float* const* keys, int64_t n, float* scores) {
   for (int64_t j = 0; j < n; ++j)
     for (int64_t m = 0; m < count; ++m) scores[m * KEYS + j] = dot(q + m * dim, keys[j], dim);
@@ -391,10 +444,10 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
   std::atomic<int64_t> next{0};
 
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks), 1, [&](int64_t, int64_t) {
-    const int64_t most = group * QUERIES;
-    std::vector<float> qs(most * dim), acc(most * value_dim), top(most), total(most), correction(most);
+    const int64_t most = group * QUERIES, padded = (most + LANES - 1) / LANES * LANES;
+    std::vector<float> qs(most * dim), acc(most * value_dim), top(padded), total(padded), correction(padded);
     std::vector<int64_t> position(most), lo(most), hi(most);
-    std::vector<float> kt(dim * KEYS), scores(most * KEYS);
+    std::vector<float> scores(most * KEYS), qt(dim * padded), st(KEYS * padded), low(padded), high(padded);
     std::vector<float> decoded_keys(has_quantized ? KEYS * dim : 0);
     std::vector<float> decoded_values(has_quantized ? KEYS * value_dim : 0);
     std::vector<float> meta(has_quantized ? 2 * std::max(dim, value_dim) : 0);
@@ -420,8 +473,16 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
         }
       }
       std::fill(acc.begin(), acc.begin() + m_count * value_dim, 0.f);
-      std::fill(top.begin(), top.begin() + m_count, MINUS_INF);
-      std::fill(total.begin(), total.begin() + m_count, 0.f);
+      std::fill(top.begin(), top.end(), MINUS_INF);
+      std::fill(total.begin(), total.end(), 0.f);
+      // A prompt tile's queries transposed, padded to whole vectors (`transposed_scores`).
+      const int64_t stride = (m_count + LANES - 1) / LANES * LANES;
+      if (!direct) {
+        for (int64_t d = 0; d < dim; ++d) {
+          for (int64_t m = 0; m < m_count; ++m) qt[d * stride + m] = qs[m * dim + d];
+          std::fill(qt.begin() + d * stride + m_count, qt.begin() + (d + 1) * stride, 0.f);
+        }
+      }
       for (int segment = QUANTIZED; segment <= FULL; ++segment) {
         const int64_t begin = bounds[row][segment == QUANTIZED ? 0 : segment == FULL ? 2 : 1];
         const int64_t end = segment == QUANTIZED ? bounds[row][1] : segment == FULL ? read : exact_end;
@@ -439,6 +500,12 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
             else lo[m] = sealed;
           }
           if (hi[m] > lo[m]) span_lo = std::min(span_lo, lo[m]), span_hi = std::max(span_hi, hi[m]);
+        }
+        if (!direct) {  // as floats for the vectors of `transposed_softmax` (the padding sees every key)
+          for (int64_t m = 0; m < stride; ++m) {
+            low[m] = m < m_count ? static_cast<float>(lo[m]) : 0.f;
+            high[m] = m < m_count ? static_cast<float>(hi[m]) : std::numeric_limits<float>::infinity();
+          }
         }
         for (int64_t t0 = span_lo; t0 < span_hi; t0 += KEYS) {
           const int64_t keys = std::min(KEYS, span_hi - t0);
@@ -518,14 +585,16 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
               value_rows[j] = tsrc[k + 1] + kvh * th[k + 1] + token * tt[k + 1];
             }
           }
-          if (folded_keys || folded) {  // scored above
-          } else if (direct) {
-            direct_scores(qs.data(), m_count, dim, key_rows, keys, scores.data());
-          } else {  // the chunk's keys transposed, so a score tile is a few vector products
-            for (int64_t j = 0; j < KEYS; ++j)
-              for (int64_t d = 0; d < dim; ++d) kt[d * KEYS + j] = j < keys ? key_rows[j][d] : 0.f;
-            chunk_scores(qs.data(), m_count, dim, kt.data(), scores.data());
+          if (!direct) {  // a prompt tile: scores, weights and values with the scores transposed
+            bool masked = false;
+            for (int64_t m = 0; m < m_count && !masked; ++m) masked = lo[m] > t0 || hi[m] < t0 + keys;
+            transposed_scores(key_rows, keys, qt.data(), stride, dim, st.data());
+            transposed_softmax(st.data(), keys, stride, t0, low.data(), high.data(), masked, top.data(), total.data(),
+                               correction.data());
+            chunk_values(acc.data(), m_count, value_dim, st.data(), 1, stride, correction.data(), value_rows, keys);
+            continue;
           }
+          if (!folded_keys && !folded) direct_scores(qs.data(), m_count, dim, key_rows, keys, scores.data());
           for (int64_t m = 0; m < m_count; ++m) {  // the online softmax: scores become weights, sums are corrected
             float* s = scores.data() + m * KEYS;
             const int64_t from = std::max<int64_t>(lo[m] - t0, 0), to = std::min(keys, hi[m] - t0);
@@ -562,7 +631,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
               }
             }
           }
-          chunk_values(acc.data(), m_count, value_dim, scores.data(), correction.data(), value_rows, keys);
+          chunk_values(acc.data(), m_count, value_dim, scores.data(), KEYS, 1, correction.data(), value_rows, keys);
           if (folded) {
             for (int64_t m = 0; m < m_count; ++m)
               for (int64_t d = 0; d < value_dim; ++d) acc[m * value_dim + d] += folded_offsets[m];

@@ -79,8 +79,8 @@ class FusedDecoderLayers:
     @classmethod
     def of(cls, model: torch.nn.Module, num_layers: int, linears: OneDnnLinears,
            per_request: list[torch.nn.Module] = ()) -> FusedDecoderLayers | None:  # fmt: skip
-        """The fused layers of `model` (those of its `num_layers` decoder layers that run Llama's code, not per request);
-        None when there are none or the C++ ops are not built."""
+        """The fused layers of `model`: those of its `num_layers` decoder layers that run Llama's code and do not run
+        per request; None when there are none or the C++ ops are not built."""
         try:
             modules = list(decoder_layers(model, num_layers))
         except (AttributeError, ValueError):  # no decoder layers to find: nothing is fused
@@ -102,14 +102,16 @@ class FusedDecoderLayers:
 def _fused_forward(layer: torch.nn.Module, linears: OneDnnLinears, keep: torch.Tensor | None,
                    hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = False,
-                   position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:  # fmt: skip
+                   position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   **kwargs) -> torch.Tensor:  # fmt: skip
     """`LlamaDecoderLayer.forward` of `layer` (and `LlamaAttention.forward` of its attention), fused; the layer's own
     forward where the inputs are not what the fused ops take (training, another dtype or device, no rotary)."""
     attention = layer.self_attn
     if (layer.training or position_embeddings is None or hidden_states.dtype != torch.float32
             or hidden_states.device.type != "cpu"):  # fmt: skip
         return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                   cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)  # fmt: skip
+                                   cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
+                                   **kwargs)  # fmt: skip
     kwargs = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}  # what the layer hands its attention
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, attention.head_dim)

@@ -116,8 +116,8 @@ def _product(module: torch.nn.Linear, packed: PackedWeights | None, inputs: torc
     inputs = inputs.contiguous()
     if residual is None:
         return torch.ops.mkldnn._linear_pointwise(inputs, _weight(module, packed), module.bias, "none", [], "")
-    return torch.ops.mkldnn._linear_pointwise.binary(inputs, residual.contiguous(), _weight(module, packed), module.bias,
-                                                     "add")  # fmt: skip
+    weight = _weight(module, packed)
+    return torch.ops.mkldnn._linear_pointwise.binary(inputs, residual.contiguous(), weight, module.bias, "add")
 
 
 def _gated_mlp(module: torch.nn.Module, packed: PackedWeights | None, inputs: torch.Tensor,
@@ -167,7 +167,8 @@ class OneDnnLinears:
         """Whether `module` (a linear layer or a gated-SiLU MLP) runs on oneDNN here."""
         return module in self._running
 
-    def linear(self, module: torch.nn.Linear, inputs: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, module: torch.nn.Linear, inputs: torch.Tensor,
+               residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """`module(inputs)` (+ `residual`, added in the product) for a linear layer that `runs` here, on inputs in its
         weight's dtype on the CPU."""
         return _product(module, self.packed, inputs, residual)

@@ -135,7 +135,8 @@ def layer_sliding(cache: PagedCache) -> list[bool]:
 
 def packed_logits(model, chunks: list[tuple[PagedCache, list[int], int]], sliding: list[bool],
                   per_request: PerRequestLayers | None = None, compiled: CompiledModules | None = None,
-                  onednn: OneDnnLinears | None = None, fused: FusedDecoderLayers | None = None) -> torch.Tensor:  # fmt: skip
+                  onednn: OneDnnLinears | None = None,
+                  fused: FusedDecoderLayers | None = None) -> torch.Tensor:  # fmt: skip
     """One forward of every chunk (its cache, its tokens, the position of the first) packed into one row; the
     logits of each chunk's last token, one row per chunk (`sliding`: which layers are sliding-window;
     `per_request`: the layers that run once per chunk, recurrent ones; `compiled`: modules run compiled;

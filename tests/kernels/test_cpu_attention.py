@@ -46,7 +46,10 @@ def test_cpu_attention_matches_its_reference(batch, scale):
     query, keys, values, tables, starts, stops, firsts = batch
     out = cpu_attention.paged_attention_cpu(query, keys, values, tables, starts, stops, firsts, scale)
     expected = cpu_attention.paged_attention_cpu_ref(query, keys, values, tables, starts, stops, firsts, scale)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # Scale 1 over up to 80 channels gives logits of up to ~30, whose float32 rounding alone moves an output by ~1e-5
+    # (the kernel's worst error against a float64 reference on such rows, before and after its prompt tiles changed).
+    tolerance = 1e-5 if scale < 1 else 2e-5
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=tolerance)
     empty = torch.repeat_interleave(stops <= firsts, starts.diff())  # the queries of a row that reads nothing: 0
     assert torch.equal(out[empty], torch.zeros_like(out[empty]))
 

@@ -1,4 +1,4 @@
-"""rms_norm_cpu / rotary_cpu (the fused layers' element-wise C++ ops) against their torch references and transformers'."""
+"""rms_norm_cpu / rotary_cpu (the fused layers' element-wise C++ ops) against their references and transformers'."""
 
 import pytest
 import torch
