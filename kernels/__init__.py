@@ -29,7 +29,9 @@ decode tokens and prompt chunks; reference ``paged_attention_cpu_ref``. With ``q
 row first reads sealed blocks (int8, unrotated int4 / 2-bit), decoded in the kernel, and with
 ``transition=TransitionRows(...)`` blocks some of its queries read decoded and the others exact. Module
 ``cpu_quantize``: ``quantize_blocks_cpu(fmt, x, sources, fields, targets)`` seals blocks as the format's torch encode
-does, bit for bit.
+does, bit for bit. Module ``cpu_layer`` (the same extension): ``rms_norm_cpu`` and ``rotary_cpu``, a Llama decoder
+layer's norm and rotary embedding in one pass each (the batch generator's fused layers); references ``rms_norm_ref``,
+``rotary_ref``.
 
 Quantized history: ``quantized=QuantizedKV(key_format, value_format, key_fields, value_fields,
 block_tables, lens)`` makes each row's first ``lens[row]`` stored tokens come from whole quantized blocks

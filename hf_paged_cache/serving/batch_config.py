@@ -71,8 +71,9 @@ class BatchConfig:
             (`torch.compile`, dynamic shapes; `compiled.py`): faster steps after a compile on the first ones. Fused
             kernels round differently in the last bits, so a greedy token may, rarely, differ from eager `generate`.
         onednn: run the packed forwards' `nn.Linear` layers whose weights are on the CPU through oneDNN's matrix
-            product (`onednn.py`) rather than torch's BLAS, which is slower on some CPUs, and Llama-style gated-SiLU
-            MLPs as two fused products; no effect elsewhere. Its kernels round differently in the last bits, so a
+            product (`onednn.py`) rather than torch's BLAS, which is slower on some CPUs, Llama-style gated-SiLU
+            MLPs as two fused products, and decoder layers of Llama's code as one fused forward (`fused_layers.py`,
+            not with `compile`); no effect elsewhere. Its kernels round differently in the last bits, so a
             greedy token may, rarely, differ from eager `generate`.
         prepack_weights: with `onednn`, keep those layers' weights in oneDNN's own layout, packed once when the
             generator is built, instead of reordered at every product: faster steps (most of all decode steps), for
