@@ -107,7 +107,7 @@ def _fused_forward(layer: torch.nn.Module, linears: OneDnnLinears, keep: torch.T
     """`LlamaDecoderLayer.forward` of `layer` (and `LlamaAttention.forward` of its attention), fused; the layer's own
     forward where the inputs are not what the fused ops take (training, another dtype or device, no rotary)."""
     attention = layer.self_attn
-    if (layer.training or position_embeddings is None or hidden_states.dtype != torch.float32
+    if (layer.training or attention.training or position_embeddings is None or hidden_states.dtype != torch.float32
             or hidden_states.device.type != "cpu"):  # fmt: skip
         return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                    cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,

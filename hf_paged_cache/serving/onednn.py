@@ -113,10 +113,9 @@ def _product(module: torch.nn.Linear, packed: PackedWeights | None, inputs: torc
              residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`module(inputs)` on oneDNN (`inputs` on the CPU in the weight's dtype), plus `residual` added by the product's
     post-op if given (the same bits as a separate add: the product rounds once, then the sum)."""
-    inputs = inputs.contiguous()
+    inputs, weight = inputs.contiguous(), _weight(module, packed)
     if residual is None:
-        return torch.ops.mkldnn._linear_pointwise(inputs, _weight(module, packed), module.bias, "none", [], "")
-    weight = _weight(module, packed)
+        return torch.ops.mkldnn._linear_pointwise(inputs, weight, module.bias, "none", [], "")
     return torch.ops.mkldnn._linear_pointwise.binary(inputs, residual.contiguous(), weight, module.bias, "add")
 
 
