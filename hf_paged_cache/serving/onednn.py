@@ -44,12 +44,33 @@ def _runs_on_onednn(module: torch.nn.Module) -> bool:
             and "forward" not in module.__dict__)  # fmt: skip
 
 
-def same_code(first, second) -> bool:
-    """Whether two functions (or methods, their decorators unwrapped) run the same code: a model's modular copy of
-    transformers' Llama code is, so what is verified against Llama applies to it."""
+def same_code(first, second, _compared: set | None = None) -> bool:
+    """Whether two functions (or methods, their decorators unwrapped) run the same code: the same bytecode and
+    defaults, and every module-level name `second` reads bound in `first`'s module to the same object or to a function
+    of the same code in turn (a model's modular copy of transformers' Llama code is, unless it swaps a helper: Ernie
+    4.5's attention is Llama's bytecode calling its own interleaved `apply_rotary_pos_emb`)."""
     first, second = inspect.unwrap(first), inspect.unwrap(second)
-    return all(getattr(first.__code__, name) == getattr(second.__code__, name)
-               for name in ("co_code", "co_names", "co_consts", "co_varnames"))  # fmt: skip
+    if first is second:
+        return True
+    if not (inspect.isfunction(first) and inspect.isfunction(second)):
+        return False
+    if any(getattr(first.__code__, name) != getattr(second.__code__, name)
+           for name in ("co_code", "co_names", "co_consts", "co_varnames")):  # fmt: skip
+        return False
+    if (first.__defaults__, first.__kwdefaults__) != (second.__defaults__, second.__kwdefaults__):
+        return False
+    compared = set() if _compared is None else _compared
+    if (id(first), id(second)) in compared:  # under comparison further up (recursion): the rest decides
+        return True
+    compared.add((id(first), id(second)))
+    missing = object()
+    for name in second.__code__.co_names:
+        if name not in second.__globals__:
+            continue  # an attribute's name, or a builtin
+        ours, theirs = first.__globals__.get(name, missing), second.__globals__[name]
+        if ours is not theirs and not same_code(ours, theirs, compared):
+            return False
+    return True
 
 
 def _is_gated_silu_mlp(module: torch.nn.Module) -> bool:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from batch_workloads import NEW, alone, random_prompts, tiny_model
 from tiny_models import MODELS_BY_NAME
-from transformers import DynamicCache
+from transformers import DynamicCache, Ernie4_5Config, Ernie4_5ForCausalLM
 
 from hf_paged_cache import PagedCache
 from hf_paged_cache.kernels import cpu_attention
@@ -53,6 +53,28 @@ def test_every_llama_layer_is_fused_and_the_last_reads_only_its_kept_tokens():
 def test_layers_of_other_code_are_not_fused(name):
     """Mistral's attention passes its window to the attention function; Gemma's layers norm four times."""
     assert _fused(tiny_model(name)) is None
+
+
+def _ernie():
+    torch.manual_seed(0)
+    config = Ernie4_5Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
+    return Ernie4_5ForCausalLM(config).eval()
+
+
+def test_llama_bytecode_calling_another_helper_is_not_fused():
+    """Ernie 4.5's attention is Llama's bytecode, but the `apply_rotary_pos_emb` it calls (its module's own) rotates
+    interleaved channel pairs: fused, it would silently run Llama's rotation. Not fused, it gives the tokens of each
+    prompt alone."""
+    model = _ernie()
+    assert _fused(model) is None
+    prompts = random_prompts((7, 12), seed=5)
+    generator = BatchGenerator(model, max_new_tokens=NEW, block_size=4, max_batch_tokens=16)
+    assert generator.fused is None
+    for prompt in prompts:
+        generator.add_request(prompt)
+    for prompt, output in zip(prompts, generator.run()):
+        assert output.generated_tokens == alone(model, prompt, DynamicCache(), "sdpa")
 
 
 def test_a_fused_packed_forward_gives_the_logits_of_the_unfused_one(fused_calls):
