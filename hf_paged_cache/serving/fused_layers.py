@@ -54,8 +54,6 @@ def _is_llama_layer(layer: torch.nn.Module, linears: OneDnnLinears) -> bool:
 def _runs_plain(layer: torch.nn.Module) -> bool:
     """Whether nothing hooks into `layer` or the modules its fused forward does not call (checked at every forward:
     hooks can come at any time), and none of them has a forward of its own (an accelerate hook)."""
-    if has_global_hooks():
-        return False
     return all(not hooked(module) and "forward" not in module.__dict__ for module in layer.modules())
 
 
@@ -93,7 +91,7 @@ class FusedDecoderLayers:
 
     def active(self, keep: torch.Tensor) -> AbstractContextManager[None]:
         """Within the block, the layers run fused; the last one computes its output only for the tokens `keep`."""
-        layers = [layer for layer in self.layers if _runs_plain(layer)]
+        layers = [] if has_global_hooks() else [layer for layer in self.layers if _runs_plain(layer)]
         forwards = [functools.partial(_fused_forward, layer, self.linears, keep if layer is self.last else None)
                     for layer in layers]  # fmt: skip
         return swapped_forwards(layers, forwards)

@@ -24,6 +24,7 @@ import inspect
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+from torch.nn.modules import module as nn_module
 from transformers.activations import SiLUActivation
 from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -89,8 +90,6 @@ def has_global_hooks() -> bool:
     """Whether forward hooks registered for every module (`register_module_forward_hook`...) are set: a fused forward
     that does not call a module would skip them."""
     # torch has no public query for them either.
-    from torch.nn.modules import module as nn_module
-
     return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
 
 
