@@ -1,5 +1,10 @@
 """paged_attention_cpu (the C++ attention of the CPU torch path) against paged_attention_cpu_ref."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import assume, given, settings
@@ -189,3 +194,18 @@ def test_cpu_attention_refuses_formats_it_cannot_decode():
     with pytest.raises(ValueError, match="cannot decode"):
         cpu_attention.paged_attention_cpu(torch.randn(1, 1, 64), empty, empty, torch.zeros(1, 1, dtype=torch.long),
                                           torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([0]), 1.0, quantized)
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
+                    reason="a machine that runs AVX-512 can build and run the AVX2 variant too")  # fmt: skip
+def test_the_avx2_variant_builds_and_matches_the_references():
+    """A machine where torch runs at AVX2 builds that variant of the extension (at::vec's AVX2 header converts float16
+    with F16C instructions, so the build needs their flag): a child process told to run at AVX2 builds it and runs the
+    kernels' reference comparisons."""
+    here = Path(__file__).parent
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W",
+                            "error::UserWarning", "-k", "not avx2", str(here / "test_cpu_attention.py"),
+                            str(here / "test_cpu_quantize.py")], env=env, capture_output=True, text=True)  # fmt: skip
+    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
+    assert "skipped" not in child.stdout.splitlines()[-1], child.stdout[-1000:]
