@@ -256,8 +256,31 @@ struct QuantSide {
       o[i] = mask ? static_cast<float>((c[i] >> shift) & mask) : static_cast<float>(static_cast<int8_t>(c[i]));
   }
 
-  // Every channel's scale and zero point (0 without) for a token, expanded from its groups.
+  // Every channel's scale and zero point (0 without) for a token, expanded from its groups. A group of one channel
+  // (keys per channel) reads them as vectors where they lie contiguously: a block's keys decode them at every read.
   void metadata(int64_t block, int64_t slot, int64_t head, int64_t dim, float* scales, float* zeros) const {
+    if (group == 1 && s3 == 1 && (zero == nullptr || z3 == 1)) {
+      const int64_t at_scale = block * s0 + slot * s1 + head * s2, at_zero = block * z0 + slot * z1 + head * z2;
+      const float step = unit >= 0 ? static_cast<float>(zero[at_zero + unit]) : 1.f;
+      int64_t d = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+      for (; scale8 && d + 16 <= dim; d += 16) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scale8 + at_scale + d));
+        _mm512_storeu_ps(scales + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)),
+                                                   _mm512_set1_ps(step)));
+        if (zero)
+          _mm512_storeu_ps(zeros + d, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                          reinterpret_cast<const __m256i*>(zero + at_zero + d))));
+        else
+          _mm512_storeu_ps(zeros + d, _mm512_setzero_ps());
+      }
+#endif
+      for (; d < dim; ++d) {
+        scales[d] = scale8 ? static_cast<float>(scale8[at_scale + d]) * step : static_cast<float>(scale16[at_scale + d]);
+        zeros[d] = zero ? static_cast<float>(zero[at_zero + d]) : 0.f;
+      }
+      return;
+    }
     for (int64_t g = 0; g * group < dim; ++g) {
       float scale, offset;
       group_metadata(block, slot, head, g, scale, offset);
@@ -676,6 +699,75 @@ inline at::Half fp16_down(float x) {
 
 inline float nonzero(float scale) { return scale == 0.f ? 1.f : scale; }
 
+// The least and the greatest of x[0:n] (a vector's lanes at a time, then across them: the same in any order).
+inline void range_of(const float* x, int64_t n, float& lo, float& hi) {
+  int64_t i = 0;
+  lo = std::numeric_limits<float>::infinity(), hi = -lo;
+  if (n >= LANES) {
+    Vec least = Vec::loadu(x), most = least;
+    for (i = LANES; i + LANES <= n; i += LANES) {
+      const Vec v = Vec::loadu(x + i);
+      least = at::vec::minimum(least, v), most = at::vec::maximum(most, v);
+    }
+    float lanes[LANES];
+    least.store(lanes);
+    lo = *std::min_element(lanes, lanes + LANES);
+    most.store(lanes);
+    hi = *std::max_element(lanes, lanes + LANES);
+  }
+  for (; i < n; ++i) lo = std::min(lo, x[i]), hi = std::max(hi, x[i]);
+}
+
+// lowest[d] / highest[d] widened to take x[d] in, for d < n.
+inline void widen(const float* x, int64_t n, float* lowest, float* highest) {
+  int64_t d = 0;
+  for (; d + LANES <= n; d += LANES) {
+    const Vec v = Vec::loadu(x + d);
+    at::vec::minimum(Vec::loadu(lowest + d), v).store(lowest + d);
+    at::vec::maximum(Vec::loadu(highest + d), v).store(highest + d);
+  }
+  for (; d < n; ++d) lowest[d] = std::min(lowest[d], x[d]), highest[d] = std::max(highest[d], x[d]);
+}
+
+// c[d] = round((v[d] - zeros[d]) / divisors[d]) clamped to [floor, top] (no zeros: 0), rounding half to even as the
+// torch encode's `round` does.
+inline void encode_codes(const float* v, const float* zeros, const float* divisors, float floor, float top,
+                         int64_t n, float* c) {
+  int64_t d = 0;
+  for (; d + LANES <= n; d += LANES) {
+    const Vec shifted = zeros ? Vec::loadu(v + d) - Vec::loadu(zeros + d) : Vec::loadu(v + d);
+    const Vec code = (shifted / Vec::loadu(divisors + d)).round();
+    at::vec::minimum(at::vec::maximum(code, Vec(floor)), Vec(top)).store(c + d);
+  }
+  for (; d < n; ++d)
+    c[d] = std::min(std::max(std::nearbyint((zeros ? v[d] - zeros[d] : v[d]) / divisors[d]), floor), top);
+}
+
+// A token's codes c[0:bytes * 8 / bits] (whole numbers as floats) into its bytes: as int8 for 8 bits, else planar
+// (byte b holds code b + k * bytes at bit k * bits).
+inline void pack_codes(const float* c, int64_t bits, int64_t bytes, uint8_t* out) {
+  const int64_t planes = 8 / bits;
+  int64_t b = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; b + 16 <= bytes; b += 16) {
+    __m512i word = _mm512_setzero_si512();
+    for (int64_t k = 0; k < planes; ++k)
+      word = _mm512_or_si512(word, _mm512_slli_epi32(_mm512_cvtps_epi32(_mm512_loadu_ps(c + b + k * bytes)),
+                                                     static_cast<unsigned>(k * bits)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b), _mm512_cvtepi32_epi8(word));
+  }
+#endif
+  for (; b < bytes; ++b) {
+    if (bits == 8) {
+      out[b] = static_cast<uint8_t>(static_cast<int8_t>(c[b]));
+      continue;
+    }
+    uint8_t byte = 0;
+    for (int64_t k = 0; k < planes; ++k) byte |= static_cast<uint8_t>(static_cast<uint8_t>(c[b + k * bytes]) << (k * bits));
+    out[b] = byte;
+  }
+}
+
 // Blocks `sources[i]` of x [blocks, block_size, kv_heads, d] (float32, unit stride along d) quantized into block
 // targets[i] of a pool of one format (hf_paged_cache.quantization: Int8, or IntN without rotation), bit for bit as
 // its torch encode: codes [pool, block_size, kv_heads, bytes]; scale (and zero) [pool, block_size, kv_heads(, groups)]
@@ -716,9 +808,9 @@ void quantize_blocks_cpu(const at::Tensor& x, const at::Tensor& sources, at::Ten
   const int64_t meta = per_token ? groups : groups + (scale_bits == 8 ? 1 : 0);  // per (token or block) and head
 
   at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> values(block_size * dim), step(groups), low(groups);
-    std::vector<uint8_t> q(dim);
-    std::vector<float> decoded(block_size * dim), zero_points(dim), divisors(dim);
+    std::vector<float> values(block_size * dim), step(groups), low(groups), exact(groups);
+    std::vector<float> decoded(block_size * dim), lowest(dim), highest(dim), zero_points(dim), divisors(dim);
+    std::vector<float> steps(dim), codes_of_token(dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / heads, h = task % heads, block = tp[i];
       for (int64_t t = 0; t < block_size; ++t) {  // clamped to the float16 range (asymmetric formats)
@@ -726,49 +818,41 @@ void quantize_blocks_cpu(const at::Tensor& x, const at::Tensor& sources, at::Ten
         for (int64_t d = 0; d < dim; ++d)
           values[t * dim + d] = bits == 8 ? row[d] : std::min(std::max(row[d], -FP16_MAX), FP16_MAX);
       }
-      const auto write_codes = [&](int64_t t) {  // q[0:dim] into token t's bytes (planar for sub-byte codes)
+      // Token t's codes from its values: round((v - zero) / divisor) clamped to [floor, top] per channel, into its
+      // bytes (planar for sub-byte codes); for the sampled block, its decode `code * step + zero` for the error.
+      const auto encode = [&](int64_t t, const float* zeros, float floor, float top) {
         uint8_t* out = cp + ((block * block_size + t) * heads + h) * bytes;
-        if (i == 0) {  // the sampled block: its decode, for the error
-          for (int64_t d = 0; d < dim; ++d)
-            decoded[t * dim + d] = bits == 8 ? static_cast<float>(static_cast<int8_t>(q[d])) * step[0]
-                                             : static_cast<float>(q[d]) * step[d / group] + low[d / group];
+        float* c = codes_of_token.data();
+        encode_codes(values.data() + t * dim, zeros, divisors.data(), floor, top, dim, c);
+        if (i == 0) {
+          for (int64_t d = 0; d < dim; ++d) decoded[t * dim + d] = c[d] * steps[d] + (zeros ? zeros[d] : 0.f);
         }
-        if (bits == 8) {
-          std::copy(q.begin(), q.end(), out);
-          return;
-        }
-        for (int64_t b = 0; b < bytes; ++b) {
-          uint8_t byte = 0;
-          for (int64_t k = 0; k < 8 / bits; ++k) byte |= static_cast<uint8_t>(q[b + k * bytes] << (k * bits));
-          out[b] = byte;
-        }
+        pack_codes(c, bits, bytes, out);
       };
       if (bits == 8) {  // symmetric per token: scale = absmax / 127 rounded up
         for (int64_t t = 0; t < block_size; ++t) {
-          const float* v = values.data() + t * dim;
-          float most = 0.f;
-          for (int64_t d = 0; d < dim; ++d) most = std::max(most, std::fabs(v[d]));
-          const at::Half s = fp16_up(most / 127.f);
+          float lo, hi;
+          range_of(values.data() + t * dim, dim, lo, hi);
+          const at::Half s = fp16_up(std::max(std::fabs(lo), std::fabs(hi)) / 127.f);
           scale16[(block * block_size + t) * heads + h] = s;
-          const float divisor = nonzero(static_cast<float>(s));
-          step[0] = static_cast<float>(s);
-          for (int64_t d = 0; d < dim; ++d) {
-            const float c = std::min(std::max(std::nearbyint(v[d] / divisor), -127.f), 127.f);
-            q[d] = static_cast<uint8_t>(static_cast<int8_t>(c));
-          }
-          write_codes(t);
+          std::fill(divisors.begin(), divisors.end(), nonzero(static_cast<float>(s)));
+          std::fill(steps.begin(), steps.end(), static_cast<float>(s));
+          encode(t, nullptr, -127.f, 127.f);
         }
       } else {  // asymmetric: (scale, zero) per group of a token, or of the block's tokens; 8-bit scales count units
         const int64_t slices = per_token ? block_size : 1, tokens = per_token ? 1 : block_size;
         for (int64_t slice = 0; slice < slices; ++slice) {
           const int64_t base = (per_token ? (block * block_size + slice) * heads + h : block * heads + h) * meta;
+          // each channel's range over the slice's tokens, then each group's over its channels
+          std::copy_n(values.data() + slice * tokens * dim, dim, lowest.data());
+          std::copy_n(values.data() + slice * tokens * dim, dim, highest.data());
+          for (int64_t t = slice * tokens + 1; t < (slice + 1) * tokens; ++t)
+            widen(values.data() + t * dim, dim, lowest.data(), highest.data());
           float exact_most = 0.f;
-          std::vector<float> exact(groups);
           for (int64_t g = 0; g < groups; ++g) {
-            float lo = std::numeric_limits<float>::infinity(), hi = -lo;
-            for (int64_t t = slice * tokens; t < (slice + 1) * tokens; ++t)
-              for (int64_t d = g * group; d < (g + 1) * group; ++d)
-                lo = std::min(lo, values[t * dim + d]), hi = std::max(hi, values[t * dim + d]);
+            float lo, hi, unused;
+            range_of(lowest.data() + g * group, group, lo, unused);
+            range_of(highest.data() + g * group, group, unused, hi);
             const at::Half z = fp16_down(lo);
             low[g] = static_cast<float>(z);
             exact[g] = (hi - low[g]) / static_cast<float>(levels);
@@ -781,8 +865,8 @@ void quantize_blocks_cpu(const at::Tensor& x, const at::Tensor& sources, at::Ten
             scale8[base + groups] = 0;
             const float u = static_cast<float>(unit);
             for (int64_t g = 0; g < groups; ++g) {
-              const float steps = std::min(std::max(std::ceil(exact[g] / nonzero(u)), 0.f), 255.f);
-              scale8[base + g] = static_cast<uint8_t>(steps);
+              const float count = std::min(std::max(std::ceil(exact[g] / nonzero(u)), 0.f), 255.f);
+              scale8[base + g] = static_cast<uint8_t>(count);
               step[g] = static_cast<float>(scale8[base + g]) * u;
             }
           } else {
@@ -794,16 +878,10 @@ void quantize_blocks_cpu(const at::Tensor& x, const at::Tensor& sources, at::Ten
           }
           for (int64_t g = 0; g < groups; ++g) {  // per channel, so the loop over a token's channels vectorizes
             for (int64_t d = g * group; d < (g + 1) * group; ++d)
-              zero_points[d] = low[g], divisors[d] = nonzero(step[g]);
+              zero_points[d] = low[g], divisors[d] = nonzero(step[g]), steps[d] = step[g];
           }
-          const float top = static_cast<float>(levels);
-          for (int64_t t = slice * tokens; t < (slice + 1) * tokens; ++t) {
-            const float* v = values.data() + t * dim;
-            for (int64_t d = 0; d < dim; ++d)
-              q[d] = static_cast<uint8_t>(std::min(std::max(std::nearbyint((v[d] - zero_points[d]) / divisors[d]), 0.f),
-                                                   top));
-            write_codes(t);
-          }
+          for (int64_t t = slice * tokens; t < (slice + 1) * tokens; ++t)
+            encode(t, zero_points.data(), 0.f, static_cast<float>(levels));
         }
       }
       if (i == 0) {  // |decoded - x| per token over the head's mean |x| in the block
@@ -824,6 +902,7 @@ void quantize_blocks_cpu(const at::Tensor& x, const at::Tensor& sources, at::Ten
     }
   });
 }
+
 
 }  // namespace
 
