@@ -30,6 +30,7 @@ constexpr int64_t KEYS = 4 * LANES;    // keys per chunk: the width of a score t
 constexpr int64_t QUERIES = 32;        // query positions per task (times the heads of a KV head's group)
 constexpr int64_t ROWS = 4;            // query vectors whose values are added together (register blocking)
 constexpr int64_t DIRECT_QUERIES = 4;  // tiles of fewer query positions read the keys where they lie
+constexpr int64_t PREDECODED_FLOATS = int64_t{8} << 20;  // a call's sealed prompt tokens decoded once (32 MiB)
 constexpr float MINUS_INF = -std::numeric_limits<float>::infinity();
 
 constexpr int64_t KEY_ROWS = LANES >= 16 ? 4 : 2;  // keys scored together against a slab of query vectors
@@ -466,6 +467,44 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
   const int64_t tasks = static_cast<int64_t>(tiles.size()) * kv_heads;
   std::atomic<int64_t> next{0};
 
+  // A prompt row's sealed tokens (its quantized read) decoded once for all its query tiles, while every such row's fit
+  // in PREDECODED_FLOATS: each tile would decode them again. Row r's keys are [kv_heads, n, dim] from
+  // predecoded[first[r]], its values [kv_heads, n, value_dim] after them (n: its quantized read); first[r] < 0: its
+  // tiles decode their own chunks.
+  std::vector<int64_t> predecoded_first(rows, -1);
+  std::vector<float> predecoded;
+  if (has_quantized) {
+    int64_t total = 0;
+    std::vector<std::array<int64_t, 2>> runs;  // (row, first read position of a block's run)
+    for (int64_t row = 0; row < rows; ++row) {
+      const int64_t count = sp[row + 1] - sp[row], n = std::max<int64_t>(qrp[2 * row + 1] - qrp[2 * row], 0);
+      if (count < QUERIES + DIRECT_QUERIES || n == 0) continue;  // fewer than two tiles read it as a chunk
+      predecoded_first[row] = total;
+      total += n * kv_heads * (dim + value_dim);
+      for (int64_t t = 0; t < n; t += block_size - (qrp[2 * row] + t) % block_size) runs.push_back({row, t});
+    }
+    if (total > PREDECODED_FLOATS) {
+      std::fill(predecoded_first.begin(), predecoded_first.end(), -1);
+      runs.clear();
+      total = 0;
+    }
+    predecoded.resize(total);
+    const int64_t jobs = static_cast<int64_t>(runs.size()) * kv_heads;
+    at::parallel_for(0, jobs, 16, [&](int64_t job_begin, int64_t job_end) {
+      std::vector<float> meta(2 * std::max(dim, value_dim));
+      for (int64_t job = job_begin; job < job_end; ++job) {
+        const auto [row, t] = runs[job / kv_heads];
+        const int64_t kvh = job % kv_heads, n = qrp[2 * row + 1] - qrp[2 * row], token = qrp[2 * row] + t;
+        const int64_t block = qtp[row * qwidth + token / block_size], slot = token % block_size;
+        const int64_t run = std::min(block_size - slot, n - t);
+        float* keys = predecoded.data() + predecoded_first[row];
+        float* values = keys + n * kv_heads * dim;
+        qkey.decode(block, slot, run, kvh, dim, keys + (kvh * n + t) * dim, dim, meta.data());
+        qvalue.decode(block, slot, run, kvh, value_dim, values + (kvh * n + t) * value_dim, value_dim, meta.data());
+      }
+    });
+  }
+
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks), 1, [&](int64_t, int64_t) {
     const int64_t most = group * QUERIES, padded = (most + LANES - 1) / LANES * LANES;
     std::vector<float> qs(most * dim), acc(most * value_dim), top(padded), total(padded), correction(padded);
@@ -575,6 +614,13 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
               j += run;
               token += run;
             }
+          } else if (codes && predecoded_first[row] >= 0) {  // decoded once for the row's tiles
+            const int64_t n = qrp[2 * row + 1] - qrp[2 * row];
+            const float* row_keys = predecoded.data() + predecoded_first[row] + (kvh * n + t0) * dim;
+            const float* row_values = predecoded.data() + predecoded_first[row] + n * kv_heads * dim +
+                                      (kvh * n + t0) * value_dim;
+            for (int64_t j = 0; j < keys; ++j)
+              key_rows[j] = row_keys + j * dim, value_rows[j] = row_values + j * value_dim;
           } else if (codes) {
             // decoded here, into this thread's buffers, a block's run at a time (read position t: quantized token t)
             const int64_t* qtable = qtp + row * qwidth;

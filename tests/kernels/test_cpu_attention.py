@@ -184,6 +184,31 @@ def test_cpu_attention_decodes_int4_blocks_as_the_format_does():
     torch.testing.assert_close(out[0, 0], torch.softmax(keys @ query[0, 0] * 0.125, 0) @ values, rtol=1e-5, atol=1e-5)
 
 
+def test_a_long_prompt_row_reads_its_sealed_blocks_decoded_once_as_each_tile_would():
+    """A prompt chunk of many query tiles over sealed blocks (some sealed as they arrived, read both ways) next to a
+    short chunk and a decode token: the long row's blocks are decoded once for all its tiles, the others' per tile,
+    all as the reference reads them."""
+    fmt, block_size, kv_heads, head_dim = format_from_spec("int4"), 16, 2, 64
+    generator = torch.Generator().manual_seed(0)
+    pools = [side.allocate(13, block_size, kv_heads, head_dim) for side in (fmt.key, fmt.value)]
+    for side, pool in zip((fmt.key, fmt.value), pools):
+        side.quantize(torch.randn(12, block_size, kv_heads, head_dim, generator=generator), pool, torch.arange(1, 13))
+    tables = torch.tensor([[3, 1, 7, 2, 9, 4, 12], [5, 6, 0, 0, 0, 0, 0], [8, 10, 11, 0, 0, 0, 0]])
+    reads = torch.tensor([[5, 112], [0, 32], [0, 48]])  # the long row's read starts mid-block
+    quantized = cpu_attention.QuantizedRows(fmt.key, fmt.value, pools[0], pools[1], tables, reads)
+    starts = torch.tensor([0, 48, 80, 96])  # its last two blocks and the short row's two: sealed as they arrived
+    exact = tuple(torch.randn(kv_heads, 96, head_dim, generator=generator) for _ in range(2))
+    transition = cpu_attention.TransitionRows(exact, None, starts, 0)
+    counts = [100, 20, 1]
+    query = torch.randn(sum(counts), kv_heads * 3, head_dim, generator=generator)
+    storage = torch.zeros(1, block_size, kv_heads, head_dim)
+    plain = (query, storage, storage, torch.zeros(3, 1, dtype=torch.long), torch.tensor([0, *counts]).cumsum(0),
+             torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long))  # fmt: skip
+    out = cpu_attention.paged_attention_cpu(*plain, 0.125, quantized, transition)
+    expected = cpu_attention.paged_attention_cpu_ref(*plain, 0.125, quantized, transition)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_cpu_attention_refuses_formats_it_cannot_decode():
     fmt = format_from_spec("int2")  # rotated values
     assert not cpu_attention.reads_format(fmt.value, 16, 64) and cpu_attention.reads_format(fmt.key, 16, 64)
