@@ -93,7 +93,7 @@ class QuantizedRows:
             if not reads_format(fmt, block_size, dim):
                 raise ValueError(f"paged_attention_cpu cannot decode {fmt!r} (see reads_format)")
             kernel = kernel_format(fmt, block_size, dim)
-            scale, zero = pool["scale"], pool.get("zero", pool["scale"].new_empty(0))
+            scale, zero = pool["scale"], pool["zero"] if "zero" in pool else pool["scale"].new_empty(0)
             if kernel.per_token:  # [blocks, slots, heads(, groups)]
                 scale, zero = (t if t.dim() == 4 or not t.numel() else t.unsqueeze(-1) for t in (scale, zero))
             else:  # one per block: [blocks, 1, heads, groups]

@@ -25,7 +25,7 @@ def quantize_blocks_cpu(fmt: QuantFormat, x: torch.Tensor, sources: torch.Tensor
     if not reads_format(fmt, block_size, head_dim):
         raise ValueError(f"quantize_blocks_cpu cannot encode {fmt!r} (see cpu_attention.reads_format)")
     kernel = kernel_format(fmt, block_size, head_dim)
-    zero = fields.get("zero", fields["scale"].new_empty(0))
+    zero = fields["zero"] if "zero" in fields else fields["scale"].new_empty(0)
     errors = torch.zeros(block_size, x.shape[2])
     torch.ops.hf_paged_cache.quantize_blocks_cpu(x, sources, fields["codes"], fields["scale"], zero, targets,
                                                  kernel.bits, kernel.group, kernel.per_token, kernel.scale_bits,
