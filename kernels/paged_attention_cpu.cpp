@@ -19,6 +19,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <vector>
 
@@ -472,7 +473,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
   // predecoded[first[r]], its values [kv_heads, n, value_dim] after them (n: its quantized read); first[r] < 0: its
   // tiles decode their own chunks.
   std::vector<int64_t> predecoded_first(rows, -1);
-  std::vector<float> predecoded;
+  std::unique_ptr<float[]> predecoded;  // every float is written before it is read: no zeroing
   if (has_quantized) {
     int64_t total = 0;
     std::vector<std::array<int64_t, 2>> runs;  // (row, first read position of a block's run)
@@ -488,7 +489,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
       runs.clear();
       total = 0;
     }
-    predecoded.resize(total);
+    predecoded.reset(new float[total]);
     const int64_t jobs = static_cast<int64_t>(runs.size()) * kv_heads;
     at::parallel_for(0, jobs, 16, [&](int64_t job_begin, int64_t job_end) {
       std::vector<float> meta(2 * std::max(dim, value_dim));
@@ -497,7 +498,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
         const int64_t kvh = job % kv_heads, n = qrp[2 * row + 1] - qrp[2 * row], token = qrp[2 * row] + t;
         const int64_t block = qtp[row * qwidth + token / block_size], slot = token % block_size;
         const int64_t run = std::min(block_size - slot, n - t);
-        float* keys = predecoded.data() + predecoded_first[row];
+        float* keys = predecoded.get() + predecoded_first[row];
         float* values = keys + n * kv_heads * dim;
         qkey.decode(block, slot, run, kvh, dim, keys + (kvh * n + t) * dim, dim, meta.data());
         qvalue.decode(block, slot, run, kvh, value_dim, values + (kvh * n + t) * value_dim, value_dim, meta.data());
@@ -616,8 +617,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
             }
           } else if (codes && predecoded_first[row] >= 0) {  // decoded once for the row's tiles
             const int64_t n = qrp[2 * row + 1] - qrp[2 * row];
-            const float* row_keys = predecoded.data() + predecoded_first[row] + (kvh * n + t0) * dim;
-            const float* row_values = predecoded.data() + predecoded_first[row] + n * kv_heads * dim +
+            const float* row_keys = predecoded.get() + predecoded_first[row] + (kvh * n + t0) * dim;
+            const float* row_values = predecoded.get() + predecoded_first[row] + n * kv_heads * dim +
                                       (kvh * n + t0) * value_dim;
             for (int64_t j = 0; j < keys; ++j)
               key_rows[j] = row_keys + j * dim, value_rows[j] = row_values + j * value_dim;
