@@ -167,7 +167,8 @@ class PagedCache(ForkingCache, Cache):
     def planned_row(self, layer_idx: int, q_len: int, device: torch.device) -> StepPlan | None:
         """The plan of the step under way for layer `layer_idx` when a packed forward may write its `q_len` tokens (on
         `device`) together with other caches' (`take_step`, then `PagedLayer.write_rows`): an earlier layer of its
-        group planned the step, and nothing but the write is due (no eviction, one plain row); else None (`update`)."""
+        group planned the step, and nothing but the write is due (and the seal of the blocks its tokens complete: no
+        eviction, one plain row); else None (`update`)."""
         layer = self.layers[layer_idx]
         if not isinstance(layer, PagedLayer) or layer.tables.compacted or self._latents:
             return None
@@ -177,12 +178,14 @@ class PagedCache(ForkingCache, Cache):
         return plan if layer.writes_plain_row(plan, q_len, device) else None
 
     def take_step(self, layer_idx: int, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor) -> PagedKV:
-        """Layer `layer_idx` takes its tokens of the step planned as `plan` (`key_states` / `value_states`: a packed
-        forward's, which `PagedLayer.write_rows` stores for every cache at once): its storage's shapes at a first
-        step, its new length, and the handle its attention reads the blocks through."""
+        """Layer `layer_idx` takes its tokens of the step planned as `plan` (`key_states` / `value_states`: its own
+        `[1, kv_heads, q, d]`, which `PagedLayer.write_rows` then stores for every cache at once): its storage's shapes
+        at a first step, what it does before the write (`PagedLayer.take_arrivals`), its new length, and the handle
+        its attention reads the blocks through."""
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
+        layer.take_arrivals(plan, key_states, value_states)
         layer.seq_len = plan.new_len
         return PagedKV(layer, plan, None, self._undo_step)
 

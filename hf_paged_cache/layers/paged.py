@@ -243,24 +243,44 @@ class PagedLayer(CacheLayerMixin):
             blocks.view(-1, *blocks.shape[2:]).index_copy_(0, slots, rows)
 
     def writes_plain_row(self, plan: StepPlan, q_len: int, device: torch.device) -> bool:
-        """Whether this layer's `q_len` new tokens (on `device`) of the step under way can be written by `write_rows` together with
-        other caches' (a packed forward's later layers): an earlier layer planned the step, the plan's one row
-        stores every new token in full precision through the torch path, and it mirrors no other row."""
+        """Whether this layer's `q_len` new tokens (on `device`) of the step under way can be written by `write_rows`
+        together with other caches' (a packed forward's later layers): an earlier layer planned the step, the plan's
+        one row stores its new tokens in full precision through the torch path (`stores_every_token`), and it
+        mirrors no other row."""
         tables = self.tables
         return (tables.plan is plan and plan is not None and plan.q_len == q_len
                 and self.seq_len + q_len == tables.length and len(plan.read_start) == 1 and not plan.mirrors
-                and plan.write_tokens is None and not self.uses_kernels(device))  # fmt: skip
+                and self.stores_every_token(plan) and not self.uses_kernels(device))  # fmt: skip
+
+    def stores_every_token(self, plan: StepPlan) -> bool:
+        """Whether the one-row `plan` stores each of its new tokens as it comes (a layer that handles the others
+        before `write_rows` says so)."""
+        return plan.write_tokens is None
+
+    def take_arrivals(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """What this layer does with its own new K/V `[1, kv_heads, q, d]` of the one-row `plan` before `write_rows`
+        stores them (a quantized layer seals the blocks they complete); nothing here."""
 
     def write_rows(self, plans: list[StepPlan], key_states: torch.Tensor, value_states: torch.Tensor,
                    memo: dict) -> None:  # fmt: skip
         """Write the new tokens of the one-row `plans` (caches sharing this layer's storage, each `writes_plain_row`),
         side by side in `key_states` / `value_states` `[1, kv_heads, tokens, d]` in the plans' order, with one copy
-        per storage tensor. `memo` keeps the joined slots for the other layers of the group in the same forward."""
+        per storage tensor (of the tokens each plan stores, `StepPlan.write_tokens`). `memo` keeps the joined slots for
+        the other layers of the group in the same forward."""
         self._fit_pool()
         key = ("write_rows", tuple(map(id, plans)), self.device)
         if key not in memo:
-            memo[key] = torch.cat([plan.tensor("write_slots", self.device) for plan in plans])
-        self._store(memo[key], key_states, value_states)
+            slots = torch.cat([plan.tensor("write_slots", self.device) for plan in plans])
+            tokens, offset = [], 0
+            for plan in plans:
+                stored = plan.tensor("write_tokens", self.device) if plan.write_tokens is not None else None
+                tokens.append(torch.arange(offset, offset + plan.q_len, device=self.device) if stored is None
+                              else stored + offset)  # fmt: skip
+                offset += plan.q_len
+            every = all(plan.write_tokens is None for plan in plans)
+            memo[key] = slots, None if every else torch.cat(tokens)
+        slots, tokens = memo[key]
+        self._store(slots, key_states, value_states, tokens)
 
     # ------------------------------------------------------------------ reading
     def row_kv(self, plan: StepPlan, row: int, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

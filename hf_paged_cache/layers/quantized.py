@@ -131,20 +131,28 @@ class QuantizedLayer(PagedLayer):
     def update(self, key_states, value_states, plan: StepPlan, attention_kwargs=None, *hooks):
         """`PagedLayer.update` (`hooks`: its arguments after `attention_kwargs`), after quantizing the blocks
         this step's own tokens complete (`plan.arrivals`)."""
-        self._arrived = {}
-        if plan.arrivals:
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            self._fit_pool()
-            arrived = self._seal_arrivals(plan, key_states, value_states)
-            if attention_kwargs is not None:  # the paged read gives the step's earlier tokens their full precision
-                arrived.update({row: arrived[source] for row, source in plan.mirrors.items() if source in arrived})
-                self._arrived = {row: pair for row, pair in arrived.items() if plan.transition[row]}
+        if not self.is_initialized and plan.arrivals:
+            self.lazy_initialization(key_states, value_states)
+        self.take_arrivals(plan, key_states, value_states, attention_kwargs is not None)
         return super().update(key_states, value_states, plan, attention_kwargs, *hooks)
 
-    def writes_plain_row(self, plan: StepPlan, q_len: int, device: torch.device) -> bool:
-        """`PagedLayer.writes_plain_row`, for a step that seals none of its own tokens (`StepPlan.arrivals`)."""
-        return super().writes_plain_row(plan, q_len, device) and not plan.arrivals
+    def take_arrivals(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor,
+                      paged_read: bool = True) -> None:  # fmt: skip
+        """Quantize the blocks this step's own tokens complete (`plan.arrivals`), before the rest of its tokens are
+        written; for the paged read (`paged_read`), keep their full-precision copy where its queries read them both
+        ways (`arrival_kv`)."""
+        self._arrived = {}
+        if plan.arrivals:
+            self._fit_pool()
+            arrived = self._seal_arrivals(plan, key_states, value_states)
+            if paged_read:  # the paged read gives the step's earlier tokens their full precision
+                arrived.update({row: arrived[source] for row, source in plan.mirrors.items() if source in arrived})
+                self._arrived = {row: pair for row, pair in arrived.items() if plan.transition[row]}
+
+    def stores_every_token(self, plan: StepPlan) -> bool:
+        """`PagedLayer.stores_every_token`, or a step that seals the rest of its tokens as they arrive (`take_arrivals`
+        runs before `write_rows`)."""
+        return super().stores_every_token(plan) or bool(plan.arrivals)
 
     @torch.no_grad()
     def _seal_arrivals(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor) -> dict:

@@ -93,17 +93,21 @@ class PackedCache(Cache):
     def _write_together(self, key_states: torch.Tensor, value_states: torch.Tensor,
                         layer_idx: int) -> dict[int, tuple[int, int, PagedKV]]:  # fmt: skip
         """A later layer of the step (an earlier one planned every cache's step): the new K/V of the sequences whose
-        caches need nothing but the write, and share the layer's storage with the first such, written in one copy; their
-        handles by index. The others (planning, eviction, sealing, mirrors, the kernels) take their own `update`."""
+        caches need nothing but the write (after sealing the blocks a chunk completes, `take_step`), and share the
+        layer's storage with the first such, written in one copy; their handles by index. The others (planning,
+        eviction, mirrors, the kernels) take their own `update`."""
         plans = [cache.planned_row(layer_idx, stop - start, key_states.device) for cache, (start, stop) in zip(self.caches, self.spans)]
         layers = [cache.layers[layer_idx] for cache in self.caches]
         plain = [index for index, plan in enumerate(plans) if plan is not None]
         together = [index for index in plain if layers[index].storage is layers[plain[0]].storage] if plain else []
         if not together:
             return {}
-        written = {index: (*self.spans[index], self.caches[index].take_step(layer_idx, plans[index], key_states,
-                                                                            value_states))
-                   for index in together}  # fmt: skip
+        written = {}
+        for index in together:
+            start, stop = self.spans[index]
+            written[index] = (start, stop, self.caches[index].take_step(layer_idx, plans[index],
+                                                                        key_states[:, :, start:stop],
+                                                                        value_states[:, :, start:stop]))  # fmt: skip
         if len(together) == len(self.caches):  # every token: the states as they lie
             layers[together[0]].write_rows([plans[index] for index in together], key_states, value_states, self.memo)
         else:

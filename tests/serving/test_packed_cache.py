@@ -247,8 +247,10 @@ def test_quantized_rows_read_through_the_cpu_kernel_give_the_logits_of_each_alon
     """Decode tokens over sealed histories (one not sealed yet) and prompt chunks whose own blocks are sealed as they
     arrive, or read both ways before they are sealed (a chunk no longer than the residual window), go to one kernel
     call per layer for the formats it decodes (int8, int4, unrotated 2-bit values); rotated and fp8 formats keep the
-    torch path. Each sequence gives its logits alone."""
+    torch path. After the first layer, every sequence's new tokens are written in one copy per layer, the chunks'
+    completed blocks sealed first. Each sequence gives its logits alone."""
     calls, kernel = [], cpu_attention.paged_attention_cpu
+    written = counted_plans(monkeypatch, PagedLayer, "write_rows")
 
     def counted(query, *args):
         calls.append(query.shape[0])
@@ -287,6 +289,7 @@ def test_quantized_rows_read_through_the_cpu_kernel_give_the_logits_of_each_alon
             assert caches[5].layers[0].tables.plan.transition == [1] and not caches[5].layers[0].tables.plan.arrivals
     readable = quant in ("int4", "int8", "K4V2")
     assert calls == ([3 + 26 + 19 + 5] * len(template.layers) if readable else [])
+    assert written == [6] * (len(template.layers) - 1)
     # The kernel sums in another order, and a later layer's K/V a last bit apart can round to the next code, which
     # moves a logit by up to ~1e-4 (each layer's output alone agrees within 1e-6): a looser bound than exact reads'.
     for row, reference in zip(logits, references):
