@@ -271,16 +271,20 @@ class PagedLayer(CacheLayerMixin):
         key = ("write_rows", tuple(map(id, plans)), self.device)
         if key not in memo:
             slots = torch.cat([plan.tensor("write_slots", self.device) for plan in plans])
-            tokens, offset = [], 0
-            for plan in plans:
-                stored = plan.tensor("write_tokens", self.device) if plan.write_tokens is not None else None
-                tokens.append(torch.arange(offset, offset + plan.q_len, device=self.device) if stored is None
-                              else stored + offset)  # fmt: skip
-                offset += plan.q_len
-            every = all(plan.write_tokens is None for plan in plans)
-            memo[key] = slots, None if every else torch.cat(tokens)
+            memo[key] = slots, None if all(plan.write_tokens is None for plan in plans) else self._stored_tokens(plans)
         slots, tokens = memo[key]
         self._store(slots, key_states, value_states, tokens)
+
+    def _stored_tokens(self, plans: list[StepPlan]) -> torch.Tensor:
+        """Which of the one-row `plans`' new tokens, side by side in their order, are stored: each plan's
+        `write_tokens` (all of its tokens without), offset by the tokens of the plans before it."""
+        tokens, offset = [], 0
+        for plan in plans:
+            own = (torch.arange(plan.q_len, device=self.device) if plan.write_tokens is None
+                   else plan.tensor("write_tokens", self.device))  # fmt: skip
+            tokens.append(own + offset)
+            offset += plan.q_len
+        return torch.cat(tokens)
 
     # ------------------------------------------------------------------ reading
     def row_kv(self, plan: StepPlan, row: int, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
