@@ -746,23 +746,22 @@ inline at::Half fp16_down(float x) {
 
 inline float nonzero(float scale) { return scale == 0.f ? 1.f : scale; }
 
-// The least and the greatest of x[0:n] (a vector's lanes at a time, then across them: the same in any order).
-inline void range_of(const float* x, int64_t n, float& lo, float& hi) {
+// The least of low[0:n] and the greatest of high[0:n] (one array for both: its range), a vector's lanes at a time, then
+// across them (the same in any order).
+inline void range_of(const float* low, const float* high, int64_t n, float& lo, float& hi) {
   int64_t i = 0;
   lo = std::numeric_limits<float>::infinity(), hi = -lo;
   if (n >= LANES) {
-    Vec least = Vec::loadu(x), most = least;
-    for (i = LANES; i + LANES <= n; i += LANES) {
-      const Vec v = Vec::loadu(x + i);
-      least = at::vec::minimum(least, v), most = at::vec::maximum(most, v);
-    }
+    Vec least = Vec::loadu(low), most = Vec::loadu(high);
+    for (i = LANES; i + LANES <= n; i += LANES)
+      least = at::vec::minimum(least, Vec::loadu(low + i)), most = at::vec::maximum(most, Vec::loadu(high + i));
     float lanes[LANES];
     least.store(lanes);
     lo = *std::min_element(lanes, lanes + LANES);
     most.store(lanes);
     hi = *std::max_element(lanes, lanes + LANES);
   }
-  for (; i < n; ++i) lo = std::min(lo, x[i]), hi = std::max(hi, x[i]);
+  for (; i < n; ++i) lo = std::min(lo, low[i]), hi = std::max(hi, high[i]);
 }
 
 // lowest[d] / highest[d] widened to take x[d] in, for d < n.
@@ -879,7 +878,7 @@ void quantize_blocks_cpu(const at::Tensor& x, const at::Tensor& sources, at::Ten
       if (bits == 8) {  // symmetric per token: scale = absmax / 127 rounded up
         for (int64_t t = 0; t < block_size; ++t) {
           float lo, hi;
-          range_of(values.data() + t * dim, dim, lo, hi);
+          range_of(values.data() + t * dim, values.data() + t * dim, dim, lo, hi);
           const at::Half s = fp16_up(std::max(std::fabs(lo), std::fabs(hi)) / 127.f);
           scale16[(block * block_size + t) * heads + h] = s;
           std::fill(divisors.begin(), divisors.end(), nonzero(static_cast<float>(s)));
@@ -897,9 +896,8 @@ void quantize_blocks_cpu(const at::Tensor& x, const at::Tensor& sources, at::Ten
             widen(values.data() + t * dim, dim, lowest.data(), highest.data());
           float exact_most = 0.f;
           for (int64_t g = 0; g < groups; ++g) {
-            float lo, hi, unused;
-            range_of(lowest.data() + g * group, group, lo, unused);
-            range_of(highest.data() + g * group, group, unused, hi);
+            float lo, hi;
+            range_of(lowest.data() + g * group, highest.data() + g * group, group, lo, hi);
             const at::Half z = fp16_down(lo);
             low[g] = static_cast<float>(z);
             exact[g] = (hi - low[g]) / static_cast<float>(levels);
