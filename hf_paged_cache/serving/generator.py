@@ -6,7 +6,8 @@ share the template's pools; a step is scheduled only when the pools hold the blo
 request is admitted only when its first chunk fits with a block of headroom left for each running request.
 Everything `PagedCache` offers applies per request: quantized blocks (more requests fit), eviction (a fixed
 per-request budget), sliding-window and hybrid models. Prefix caching (`prefix_cache.py`) lets a request
-start from the blocks of an earlier one with the same leading tokens.
+start from the blocks of an earlier one with the same leading tokens; a request whose next block a running one is
+still computing is admitted once it has.
 
 The strategies are objects of their own: the `Scheduler` orders a step's running requests (`scheduler.py`);
 under memory pressure (a running request cannot get its next block, or the pools pass `swap_threshold`) the
@@ -214,6 +215,11 @@ class BatchGenerator:
                 request.cache = self.template.sibling()
                 if self.prefix_cache is not None:
                     request.fed = self.prefix_cache.attach(request.cache, request.tokens)
+            prompts = [(other.tokens, other.fed) for other in self.running if other.pending > 1]
+            if prompts and self.prefix_cache is not None and self.prefix_cache.computed_by_others(request.tokens,
+                                                                                                  request.fed, prompts):
+                self._drop_waiting_cache()  # it attaches again once the running request's blocks are cached
+                break
             q = min(request.pending, budget)
             demand = request.cache.step_demand(q)
             idle = not self.running

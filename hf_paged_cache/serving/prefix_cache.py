@@ -83,6 +83,16 @@ class PrefixCache:
                 return count * bs
         return 0
 
+    def computed_by_others(self, prompt: list[int], hit: int, others: list[tuple[list[int], int]]) -> bool:
+        """Whether the block after the `hit` tokens a fresh cache found of `prompt` is one that another running
+        sequence (its tokens, and how many of them its cache holds) has yet to compute: waiting until it has, the
+        prompt finds that block too, instead of computing it a second time (a prompt's first chunk and its siblings'
+        admitted in the same step would all compute their shared prefix)."""
+        end = hit + self.block_size
+        if end >= len(prompt):  # a hit leaves at least one token to compute: no further block to find
+            return False
+        return any(fed < end <= len(tokens) and tokens[:end] == prompt[:end] for tokens, fed in others)
+
     def _blocks(self, group: BlockTables, keys: list[bytes], count: int) -> tuple[int, list[int]] | None:
         """(base position, block ids) a row of `group` needs at length `count * block_size`, or None."""
         first = group.read_offset(count * self.block_size) // self.block_size  # 0 without a window

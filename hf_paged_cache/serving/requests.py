@@ -55,7 +55,7 @@ class Request:
     @property
     def pending(self) -> int:
         """Tokens to feed before the next sample: a prompt's remaining tokens, or the last generated one."""
-        return len(self.tokens) - self.fed
+        return len(self.output.prompt_ids) + len(self.output.generated_tokens) - self.fed
 
     def next_token(self, q: int, logits: torch.Tensor) -> int | Exception | None:
         """The next token once a step feeds `q` of its pending tokens (None before the last one), or the error its

@@ -39,3 +39,37 @@ def test_a_prefix_hit_gives_the_logits_of_a_cold_run():
         hit = model(input_ids=torch.tensor([second[16:]]), cache=cache).logits
         cold = model(input_ids=torch.tensor([second]), cache=PagedCache(model.config, block_size=4)).logits[:, 16:]
     torch.testing.assert_close(hit, cold, rtol=1e-5, atol=1e-5)
+
+
+def test_prompts_sharing_a_prefix_wait_for_the_first_to_compute_it_rather_than_compute_it_again():
+    """Admitted in the same step, every prompt would compute the shared blocks; deferred a step, they find them."""
+    model = tiny_model("llama_gqa")
+    prompts = random_prompts((5, 7, 2, 9), seed=3, prefix=21)
+    generator = BatchGenerator(model, max_new_tokens=NEW, block_size=4, max_batch_tokens=256, num_blocks=80)
+    for prompt in prompts:
+        generator.add_request(prompt)
+    outputs = generator.run()
+    assert [o.prefix_hit_tokens for o in outputs] == [0, 20, 20, 20]
+    assert generator.history[0].tokens_scheduled == len(prompts[0])  # the first prompt alone at the first step
+    cold = generate_batch(model, prompts, max_new_tokens=NEW, block_size=4, max_batch_tokens=256,
+                          prefix_caching=False)  # fmt: skip
+    assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in cold]
+    assert cold[0].prefix_hit_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("others", "expected"),
+    [
+        ([([1] * 12, 0)], True),  # the other computes the next block (tokens 8-11) from the start
+        ([([1] * 12, 4)], True),  # ... having computed one block so far
+        ([([1] * 16, 12)], False),  # it holds the next block already (a hit would have found it)
+        ([([1] * 8 + [2] * 4, 0)], False),  # its next block holds other tokens
+        ([([1] * 10, 0)], False),  # it never computes a whole next block
+        ([([2] * 12, 0), ([1] * 16, 6)], True),  # one of several
+    ],
+)
+def test_computed_by_others_finds_a_running_prompt_that_computes_the_block_after_the_hit(others, expected):
+    model = tiny_model("llama_gqa")
+    prefix = BatchGenerator(model, max_new_tokens=1, block_size=4).prefix_cache
+    assert prefix.computed_by_others([1] * 13, 8, others) is expected
+    assert not prefix.computed_by_others([1] * 12, 8, others)  # a hit leaves a token to compute: nothing to wait for
