@@ -90,6 +90,14 @@ def ours(model, prompts, new_tokens, **options):
     return [o.generated_tokens for o in outputs]
 
 
+def served(generator: BatchGenerator, prompts, new_tokens) -> list[list[int]]:
+    """The prompts through a generator built before the clock started: its construction (packing weights, loading
+    the extension) is start-up, as vLLM's engine construction is."""
+    for prompt in prompts:
+        generator.add_request(prompt, max_new_tokens=new_tokens)
+    return [output.generated_tokens for output in generator.run()]
+
+
 OURS = "hf_paged_cache.generate_batch"
 
 
@@ -140,6 +148,12 @@ def vllm_row(args, workload: str) -> tuple[list | None, dict | None]:
     if not args.vllm:
         return None, None
     result = json.loads(Path(args.vllm).read_text())
+    for name, ours in (("max_batch_tokens", args.max_batch_tokens), ("max_num_seqs", args.max_num_seqs)):
+        if result.get(name) != ours:  # the same step size and sequence cap on both sides, or the rows do not compare
+            flag = "--" + name.replace("_", "-")
+            raise SystemExit(f"{args.vllm}: vLLM ran with {name}={result.get(name)} (None: a result written before "
+                             f"vllm_cpu.py recorded it; run it again), ours would run with {ours}: pass {flag} "
+                             f"{result.get(name)} here, or run vllm_cpu.py with {flag} {ours}")
     run = result["workloads"][workload]
     row = {"system": f"vLLM CPU engine (separate process, prefix caching {'on' if result['prefix_caching'] else 'off'})",
            "seconds": run["seconds"], "generated": run["generated"], "tokens_per_s": run["tokens_per_s"],
@@ -157,14 +171,21 @@ def mixed(model, tokens, args) -> list[dict]:
     reference, base = timed("one-by-one DynamicCache", one_by_one, model, prompts, args.new_tokens)
     base["identical_to_vllm"] = same_as(reference, vllm_outputs)
     rows = [base]
-    systems = [("padded batches of 8, DynamicCache", padded_batches, {}),
-               (OURS, ours, {"block_size": 16, "max_batch_tokens": args.max_batch_tokens,
-                             "max_num_seqs": args.max_num_seqs, "compile": args.compile,
-                             "prepack_weights": args.prepack_weights})]  # fmt: skip
+    systems = [("padded batches of 8, DynamicCache", padded_batches), (OURS, None)]
     if not args.skip_hf:
-        systems.insert(1, ("transformers generate_batch", transformers_generate_batch, {}))
-    for label, function, options in systems:
-        outputs, row = timed(label, function, model, prompts, args.new_tokens, **options)
+        systems.insert(1, ("transformers generate_batch", transformers_generate_batch))
+    for label, function in systems:
+        if function is None:  # ours: built first (it selects the "paged" attention the runs before it replaced)
+            start = time.perf_counter()
+            generator = BatchGenerator(model, do_sample=False, eos_token_id=None, block_size=16,
+                                       max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
+                                       compile=args.compile, prepack_weights=args.prepack_weights)  # fmt: skip
+            startup = time.perf_counter() - start
+            print({"system": label, "startup_seconds": startup}, flush=True)
+            outputs, row = timed(label, served, generator, prompts, args.new_tokens)
+            row["startup_seconds"] = startup
+        else:
+            outputs, row = timed(label, function, model, prompts, args.new_tokens)
         row["identical_to_one_by_one"] = sum(a == b for a, b in zip(outputs, reference))
         row["identical_to_vllm"] = same_as(outputs, vllm_outputs)
         row["vs_one_by_one"] = row["tokens_per_s"] / base["tokens_per_s"]
@@ -340,8 +361,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compile", action="store_true",
                         help="our generator with BatchConfig(compile=True), compiled in a warm-up before the workloads")
     parser.add_argument("--prepack-weights", action="store_true",
-                        help="our generator with BatchConfig(prepack_weights=True) (packed when it is built: timed in "
-                             "mixed, whose generate_batch builds one per run; before the clock in the others)")
+                        help="our generator with BatchConfig(prepack_weights=True) (packed when it is built, before "
+                             "the clock: start-up, as vLLM's engine construction)")
     parser.add_argument("--out", default="eval/results/serving")
     parser.add_argument("--write-prompts", metavar="FILE", help="write the mixed and shared prompts as token ids and exit")
     parser.add_argument("--vllm", metavar="RESULT", help="eval/vllm_cpu.py's result on --write-prompts' prompts")

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     startup = time.perf_counter() - start
     print({"startup_seconds": startup}, flush=True)
     results = {"model": args.model, "startup_seconds": startup, "prefix_caching": args.prefix_caching,
+               "max_batch_tokens": args.max_batch_tokens, "max_num_seqs": args.max_num_seqs,
                "env": {key: os.environ[key] for key in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")},
                "workloads": {}}  # fmt: skip
     for name in workloads:
