@@ -209,6 +209,7 @@ class BatchGenerator:
                 batch.append((request, q))
                 budget -= q
                 self.victims.touch(request, len(self.history))
+        deferred = []  # requests that wait for a running request's blocks, in their order
         while self.waiting and not self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.cache is None:
@@ -219,7 +220,8 @@ class BatchGenerator:
             if prompts and self.prefix_cache is not None and self.prefix_cache.computed_by_others(request.tokens,
                                                                                                   request.fed, prompts):
                 self._drop_waiting_cache()  # it attaches again once the running request's blocks are cached
-                break
+                deferred.append(self.waiting.popleft())  # the requests behind it are admitted meanwhile
+                continue
             q = min(request.pending, budget)
             demand = request.cache.step_demand(q)
             idle = not self.running
@@ -238,6 +240,7 @@ class BatchGenerator:
             batch.append((request, q))
             budget -= q
             self.victims.touch(request, len(self.history))
+        self.waiting.extendleft(reversed(deferred))
         return batch, taken
 
     def _admit(self, request: Request) -> None:

@@ -45,12 +45,13 @@ def test_prompts_sharing_a_prefix_wait_for_the_first_to_compute_it_rather_than_c
     """Admitted in the same step, every prompt would compute the shared blocks; deferred a step, they find them."""
     model = tiny_model("llama_gqa")
     prompts = random_prompts((5, 7, 2, 9), seed=3, prefix=21)
+    prompts.insert(2, random_prompts((11,), seed=5)[0])  # shares nothing: admitted behind the waiting one
     generator = BatchGenerator(model, max_new_tokens=NEW, block_size=4, max_batch_tokens=256, num_blocks=80)
     for prompt in prompts:
         generator.add_request(prompt)
     outputs = generator.run()
-    assert [o.prefix_hit_tokens for o in outputs] == [0, 20, 20, 20]
-    assert generator.history[0].tokens_scheduled == len(prompts[0])  # the first prompt alone at the first step
+    assert [o.prefix_hit_tokens for o in outputs] == [0, 20, 0, 20, 20]
+    assert generator.history[0].tokens_scheduled == len(prompts[0]) + len(prompts[2])  # the others wait a step
     cold = generate_batch(model, prompts, max_new_tokens=NEW, block_size=4, max_batch_tokens=256,
                           prefix_caching=False)  # fmt: skip
     assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in cold]
