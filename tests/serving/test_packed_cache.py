@@ -16,6 +16,7 @@ from hf_paged_cache.layers import quantized as quantized_layers
 from hf_paged_cache.layers.quantized import QuantizedLayer
 from hf_paged_cache.serving.generator import BatchGenerator
 from hf_paged_cache.serving.packed_cache import layer_sliding, packed_logits
+from hf_paged_cache.serving.prefix_cache import PrefixCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -140,6 +141,9 @@ def test_decode_tokens_sharing_a_cached_prefix_read_it_once_and_give_the_logits_
     first, second = random_prompts((12, 8), seed=6, prefix=4)  # prefixes of 16 and 12 tokens, one block in common
     tails = random_prompts((7, 2, 13, 5, 9, 20), seed=9)
     prompts = [second + tail for tail in tails[:2]] + [first + tail for tail in tails[2:5]] + tails[5:]
+    # Both prompts computed in one step, as admission would not have them (the second waits for the first's block 0):
+    # then neither's blocks are freed (a sliding layer's, out of its window) and taken by the other before it is cached.
+    monkeypatch.setattr(PrefixCache, "computed_by_others", lambda *args: False)
     generator = BatchGenerator(model, max_new_tokens=1, block_size=4, num_blocks=120)
     generator.add_request(prompts[0])
     generator.add_request(prompts[2])
