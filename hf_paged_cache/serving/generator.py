@@ -216,9 +216,9 @@ class BatchGenerator:
                 request.cache = self.template.sibling()
                 if self.prefix_cache is not None:
                     request.fed = self.prefix_cache.attach(request.cache, request.tokens)
-            prompts = [(other.tokens, other.fed) for other in self.running if other.pending > 1]
-            if prompts and self.prefix_cache is not None and self.prefix_cache.computed_by_others(request.tokens,
-                                                                                                  request.fed, prompts):
+            if self.prefix_cache is not None and self.prefix_cache.computed_by_others(
+                    request.tokens, request.fed, [(other.tokens, other.fed) for other in self.running
+                                                  if other.pending > 1]):  # fmt: skip
                 self._drop_waiting_cache()  # it attaches again once the running request's blocks are cached
                 deferred.append(self.waiting.popleft())  # the requests behind it are admitted meanwhile
                 continue
