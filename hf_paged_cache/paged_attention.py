@@ -221,10 +221,16 @@ def _attend_shared_prefix(query: torch.Tensor, group: list[tuple[int, PagedKV]],
     """Decode tokens `group` (starts in the packed `query` `[1, heads, q, d]`) whose read ranges begin with the same
     `prefix` stored tokens: all of them over the prefix in one call (its keys read once, as views of its blocks),
     then each over the rest of its own range (gathered in buckets of similar lengths), merged by log-sum-exp
-    (cascade attention). Returns (token indices, outputs `[tokens, heads, d]`) pieces."""
+    (cascade attention); both in the C++ CPU kernel, over the blocks where they lie, where the layer allows it
+    (`PagedLayer.reads_shared_prefix_in_place`). Returns (token indices, outputs `[tokens, heads, d]`) pieces."""
     layer, heads, head_dim = group[0][1].layer, query.shape[1], query.shape[-1]
     kv_heads = layer.kv_shape[0]
     tokens = torch.tensor([start for start, _part in group], device=query.device)
+    if softcap is None and layer.reads_shared_prefix_in_place(query.dtype) and all(
+            part.reads_in_kernel for _start, part in group):  # fmt: skip
+        queries = query[0].index_select(1, tokens).transpose(0, 1)  # [rows, heads, d]
+        parts = [part for _start, part in group]
+        return [(tokens, layer.attend_shared_prefix_in_place(queries, parts, prefix, memo, scale))]
     queries = query[0].index_select(1, tokens).float()  # [heads, rows, d]
     keys, values = layer.row_kv(group[0][1].plan, 0, prefix)  # [kv_heads, prefix, d]
     out, lse = partial_attention(queries.reshape(1, kv_heads, -1, head_dim), keys[None].float(), values[None].float(),

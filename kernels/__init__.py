@@ -27,7 +27,10 @@ row r's float32 queries ``query[query_starts[r]:query_starts[r + 1]]``, the last
 ``first_tokens[r]:seq_lens[r]``, each attending causally over them: the torch path's read of the batch generator's
 decode tokens and prompt chunks; reference ``paged_attention_cpu_ref``. With ``quantized=QuantizedRows(...)`` each
 row first reads sealed blocks (int8, unrotated int4 / 2-bit), decoded in the kernel, and with
-``transition=TransitionRows(...)`` blocks some of its queries read decoded and the others exact. Module
+``transition=TransitionRows(...)`` blocks some of its queries read decoded and the others exact.
+``paged_partial_attention_cpu(..., causal=True)`` also returns each query's log-sum-exp, so parts merge exactly;
+``causal=False`` lets every query of a row see all of it (decode tokens over a prefix they share, read once);
+reference ``paged_partial_attention_cpu_ref``. Module
 ``cpu_quantize``: ``quantize_blocks_cpu(fmt, x, sources, fields, targets)`` seals blocks as the format's torch encode
 does, bit for bit. Module ``cpu_layer`` (the same extension): ``rms_norm_cpu`` and ``rotary_cpu``, a Llama decoder
 layer's norm and rotary embedding in one pass each (the batch generator's fused layers); references ``rms_norm_ref``,

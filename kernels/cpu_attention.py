@@ -127,6 +127,19 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     `first_tokens[r]` .. `seq_lens[r] - 1` (token t in block `block_tables[r, t // block_size]`) of `k_cache` /
     `v_cache` `[num_blocks, block_size, kv_heads, d]`. Returns `[tokens, heads, d]` (zeros for a row that reads
     nothing). Float32 CPU tensors; call `available()` first."""
+    return paged_partial_attention_cpu(query, k_cache, v_cache, block_tables, query_starts, seq_lens, first_tokens,
+                                       scale, quantized, transition)[0]  # fmt: skip
+
+
+def paged_partial_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, query_starts: torch.Tensor, seq_lens: torch.Tensor,
+                                first_tokens: torch.Tensor, scale: float, quantized: QuantizedRows | None = None,
+                                transition: TransitionRows | None = None,
+                                causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`paged_attention_cpu`, and each query's log-sum-exp of the (scaled) logits it saw `[tokens, heads]` (-inf where
+    it saw none), so attention over disjoint parts of the keys merges exactly (`merge_partials`). With `causal=False`
+    every query of a row sees every key the row reads: decode tokens of several sequences over a prefix they share,
+    read once for all of them."""
     fields, tables, reads, formats = [], None, None, []
     if quantized is not None:
         fields, tables, reads, formats = quantized.arguments(k_cache.shape[1], k_cache.shape[-1], v_cache.shape[-1])
@@ -135,16 +148,27 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         pairs, starts, window = [*transition.exact, *(transition.decoded or ())], transition.starts, transition.window
     return torch.ops.hf_paged_cache.paged_attention_cpu(query, k_cache, v_cache, block_tables, query_starts, seq_lens,
                                                         first_tokens, scale, fields, tables, reads, formats, pairs,
-                                                        starts, window)  # fmt: skip
+                                                        starts, window, causal)  # fmt: skip
 
 
 def paged_attention_cpu_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_starts: torch.Tensor, seq_lens: torch.Tensor,
                             first_tokens: torch.Tensor, scale: float, quantized: QuantizedRows | None = None,
                             transition: TransitionRows | None = None) -> torch.Tensor:  # fmt: skip
-    """Reference for `paged_attention_cpu`, row by row: the keys each query sees gathered (quantized blocks decoded by
-    their format) and attended with an explicit mask."""
+    """Reference for `paged_attention_cpu` (`paged_partial_attention_cpu_ref`'s outputs)."""
+    return paged_partial_attention_cpu_ref(query, k_cache, v_cache, block_tables, query_starts, seq_lens, first_tokens,
+                                           scale, quantized, transition)[0]  # fmt: skip
+
+
+def paged_partial_attention_cpu_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                    block_tables: torch.Tensor, query_starts: torch.Tensor, seq_lens: torch.Tensor,
+                                    first_tokens: torch.Tensor, scale: float, quantized: QuantizedRows | None = None,
+                                    transition: TransitionRows | None = None,
+                                    causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Reference for `paged_partial_attention_cpu`, row by row: the keys each query sees gathered (quantized blocks
+    decoded by their format) and attended with an explicit mask."""
     out = torch.zeros(*query.shape[:2], v_cache.shape[-1], dtype=query.dtype)
+    lse = torch.full(query.shape[:2], float("-inf"), dtype=query.dtype)
     bounds, block_size = query_starts.tolist(), k_cache.shape[1]
     for row, (first, stop) in enumerate(zip(first_tokens.tolist(), seq_lens.tolist())):
         begin, end = bounds[row], bounds[row + 1]
@@ -181,7 +205,8 @@ def paged_attention_cpu_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         if end == begin or not at:
             continue
         key_positions = torch.cat(positions)
-        query_positions = torch.arange(at - (end - begin), at)
+        # where each query stands among the keys: causally the last of them, else after every one
+        query_positions = torch.arange(at - (end - begin), at) if causal else torch.full((end - begin,), at - 1)
         visible = key_positions[None, :] <= query_positions[:, None]
         if transition is not None:  # a transition block is read decoded once it ends `window` before the query + 1
             decoded_at = key_positions[torch.tensor([kind == "decoded" for kind in kinds])]
@@ -195,6 +220,8 @@ def paged_attention_cpu_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         values = torch.cat([part[1] for part in parts]).float()
         groups = query.shape[1] // keys.shape[1]
         logits = torch.einsum("qhd,khd->hqk", query[begin:end].float(), keys.repeat_interleave(groups, 1)) * scale
-        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), -1)
+        logits = logits.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(logits, -1)
         out[begin:end] = torch.einsum("hqk,khd->qhd", probs, values.repeat_interleave(groups, 1)).to(out.dtype)
-    return out
+        lse[begin:end] = torch.logsumexp(logits, -1).transpose(0, 1).to(lse.dtype)
+    return out, lse

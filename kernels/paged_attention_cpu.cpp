@@ -323,7 +323,8 @@ QuantSide quant_side(const at::Tensor& codes, const at::Tensor& scale, const at:
 enum Segment { QUANTIZED = 0, DECODED = 1, EXACT = 2, FULL = 3 };
 
 // query [tokens, heads, d] (any strides, unit stride along d): row r's queries are tokens query_starts[r] ..
-// query_starts[r + 1] - 1, the last of the keys it reads, each seeing the keys up to its own position;
+// query_starts[r + 1] - 1, the last of the keys it reads, each seeing the keys up to its own position (`causal`; else
+// every key the row reads: queries of several sequences over a prefix they share);
 // k_cache / v_cache [num_blocks, block_size, kv_heads, d] (any strides, unit stride along d); block_tables [rows,
 // width] (stored token t of row r in block block_tables[r][t / block_size], slot t % block_size); row r reads stored
 // tokens first_tokens[r] .. seq_lens[r] - 1 of them, after
@@ -333,13 +334,15 @@ enum Segment { QUANTIZED = 0, DECODED = 1, EXACT = 2, FULL = 3 };
 //   - transition[0:4] (exact keys, exact values, decoded keys, decoded values; [kv_heads, tokens, d]) tokens
 //     transition_starts[r] .. transition_starts[r + 1] - 1 for row r, whole blocks of block_size; or transition[0:2]
 //     only, the decoded tokens being the last of the row's quantized read (blocks sealed as they arrived).
-at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+// Returns the outputs [tokens, heads, value_dim] and each query's log-sum-exp of the logits it saw [tokens, heads]
+// (-inf where it saw none), with which attention over disjoint parts of the keys merges exactly.
+std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                const at::Tensor& block_tables, const at::Tensor& query_starts,
                                const at::Tensor& seq_lens, const at::Tensor& first_tokens, double scale,
                                at::TensorList quantized, const c10::optional<at::Tensor>& quantized_tables,
                                const c10::optional<at::Tensor>& quantized_reads, at::IntArrayRef quantized_formats,
                                at::TensorList transition, const c10::optional<at::Tensor>& transition_starts,
-                               int64_t window) {
+                               int64_t window, bool causal) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_attention_cpu: shapes");
   TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat, "paged_attention_cpu: float32 only");
@@ -398,6 +401,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
   }
 
   at::Tensor out = at::zeros({q.size(0), heads, value_dim}, q.options());
+  at::Tensor lse = at::full({q.size(0), heads}, MINUS_INF, q.options());
   const float* qp = q.data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const float* kp = k_cache.data_ptr<float>();
@@ -410,6 +414,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
   const int64_t* qrp = has_quantized ? qreads.data_ptr<int64_t>() : nullptr;
   const int64_t* tsp = has_transition ? tstarts.data_ptr<int64_t>() : nullptr;
   float* op = out.data_ptr<float>();
+  float* lsep = lse.data_ptr<float>();
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
   const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
   const float* tsrc[4] = {nullptr, nullptr, nullptr, nullptr};  // exact K, exact V, decoded K, decoded V
@@ -452,7 +457,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
     if (decoded_codes) quantized_keys -= transition_keys;
     bounds[row] = {0, quantized_keys, quantized_keys + transition_keys};
     reads[row] = quantized_keys + transition_keys + std::max<int64_t>(lp[row] - fp[row], 0);
-    TORCH_CHECK(count <= 1 || reads[row] >= count, "paged_attention_cpu: row ", row, " has ", count,
+    TORCH_CHECK(!causal || count <= 1 || reads[row] >= count, "paged_attention_cpu: row ", row, " has ", count,
                 " queries but reads ", reads[row], " keys: each query must see its own key");
     if (reads[row] > 0) {  // a row that reads nothing stays zero
       for (int64_t first = 0; first < count; first += QUERIES) tiles.emplace_back(row, first);
@@ -462,7 +467,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
   // the threads finish together.
   const auto work = [&](const std::pair<int64_t, int64_t>& tile) {
     const int64_t count = sp[tile.first + 1] - sp[tile.first];
-    return reads[tile.first] - count + std::min(tile.second + QUERIES, count);
+    return causal ? reads[tile.first] - count + std::min(tile.second + QUERIES, count) : reads[tile.first];
   };
   std::stable_sort(tiles.begin(), tiles.end(), [&](const auto& a, const auto& b) { return work(a) > work(b); });
   const int64_t tasks = static_cast<int64_t>(tiles.size()) * kv_heads;
@@ -532,7 +537,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
           const float* src = qp + (sp[row] + tile + i) * qs0 + (kvh * group + g) * qs1;
           float* dst = qs.data() + (g * n + i) * dim;
           for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * fscale;
-          position[g * n + i] = read - count + tile + i;
+          position[g * n + i] = causal ? read - count + tile + i : read - 1;  // not causal: every key
         }
       }
       std::fill(acc.begin(), acc.begin() + m_count * value_dim, 0.f);
@@ -713,13 +718,15 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
           const int64_t m = g * n + i;
           const float inverse = total[m] > 0.f ? 1.f / total[m] : 0.f;
           const float* o = acc.data() + m * value_dim;
-          float* dst = op + ((sp[row] + tile + i) * heads + kvh * group + g) * value_dim;
+          const int64_t at = (sp[row] + tile + i) * heads + kvh * group + g;
+          float* dst = op + at * value_dim;
           for (int64_t d = 0; d < value_dim; ++d) dst[d] = o[d] * inverse;
+          if (total[m] > 0.f) lsep[at] = top[m] + std::log(total[m]);  // the scores are scaled: the logits'
         }
       }
     }
   });
-  return out;
+  return {out, lse};
 }
 
 // float16 rounding as hf_paged_cache/quantization/scales.py does it: a float16 is the nearest (ties to even), moved one
@@ -955,7 +962,7 @@ TORCH_LIBRARY(hf_paged_cache, m) {
   m.def("paged_attention_cpu(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_starts, "
         "Tensor seq_lens, Tensor first_tokens, float scale, Tensor[] quantized, Tensor? quantized_tables, "
         "Tensor? quantized_reads, int[] quantized_formats, Tensor[] transition, Tensor? transition_starts, "
-        "int window) -> Tensor");
+        "int window, bool causal=True) -> (Tensor, Tensor)");
   m.def("quantize_blocks_cpu(Tensor x, Tensor sources, Tensor(a!) codes, Tensor(b!) scale, Tensor(c!) zero, "
         "Tensor targets, int bits, int group, bool per_token, int scale_bits, Tensor(d!) errors) -> ()");
 }

@@ -20,7 +20,7 @@ from ..kernels import cpu_attention
 from ..kernels.layout import allocate_kv_blocks
 from ..attention.contract import PAGED_KV_KWARG
 from ..attention.paged_states import paged_only
-from ..attention.torch_path import attend, attention, causal_mask, zero_unattended
+from ..attention.torch_path import attend, attention, causal_mask, merge_partials, zero_unattended
 from .handle import AfterAttention, PagedKV
 from .interfaces import ReadRules, StorageOptions
 from .storage import LayerStorage, grown_blocks, reserved_blocks, storage_field
@@ -319,11 +319,13 @@ class PagedLayer(CacheLayerMixin):
         lists start alike (a cached prefix) read the same keys there, so a packed forward reads them once for all."""
         return self.stored_blocks(plan)
 
-    def stored_blocks(self, plan: StepPlan, skip: int = 0) -> list[int]:
-        """The ids of the full-precision blocks the one-row `plan`'s stored read range lies in, but its first `skip`
-        blocks, in order."""
+    def stored_blocks(self, plan: StepPlan, start: int | None = None, stop: int | None = None) -> list[int]:
+        """The ids of the full-precision blocks stored tokens `start` .. `stop` - 1 of the one-row `plan` lie in (its
+        read range by default), in order."""
+        start = plan.read_start[0] if start is None else start
+        stop = plan.read_stop[0] if stop is None else stop
         block_size, ids = self.tables.block_size, plan.tables.rows[0].blocks.ids
-        return ids[max(plan.read_start[0] // block_size, skip) : -(-plan.read_stop[0] // block_size)]
+        return ids[start // block_size : -(-stop // block_size)]
 
     def reads_plain_row(self, plan: StepPlan) -> bool:
         """Whether the torch path reads `plan`'s one row as its stored blocks in order (no kernels, no compaction), so
@@ -379,23 +381,48 @@ class PagedLayer(CacheLayerMixin):
         tables = self._kernel_tables([part.plan for part in parts], counts, memo)
         return cpu_attention.paged_attention_cpu(queries, self.key_blocks, self.value_blocks, *tables, scale)
 
-    def _kernel_tables(self, plans: list[StepPlan], counts: list[int], memo: dict,
-                       skips: list[int] | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    def reads_shared_prefix_in_place(self, dtype: torch.dtype) -> bool:
+        """Whether `attend_shared_prefix_in_place` can attend one-row plans' decode queries of `dtype` here: as
+        `reads_rows_in_place` (a quantized layer's prefix is read decoded, by the torch path)."""
+        return self.reads_rows_in_place(dtype)
+
+    def attend_shared_prefix_in_place(self, queries: torch.Tensor, parts: list[PagedKV], prefix: int, memo: dict,
+                                      scale: float) -> torch.Tensor:  # fmt: skip
+        """Decode queries `[len(parts), heads, d]`, one for the one-row plan of each of `parts` (each
+        `kernel_reads_row`), whose read ranges begin with the same `prefix` stored tokens (a cached prefix) and go on
+        past it: in one kernel call all of them over the prefix, its keys read once, then in another each over the
+        rest of its own range, merged by log-sum-exp (cascade attention)."""
+        plans = [part.plan for part in parts]
+        # The queries over the prefix in as many rows as threads (each row's query tiles are one task per KV head).
+        split = min(torch.get_num_threads(), len(plans))
+        counts = [len(plans) // split + (row < len(plans) % split) for row in range(split)]
+        shared_tables = self._kernel_tables(plans[:1] * split, counts, memo, length=prefix)
+        shared = cpu_attention.paged_partial_attention_cpu(queries, self.key_blocks, self.value_blocks, *shared_tables,
+                                                           scale, causal=False)  # fmt: skip
+        own_tables = self._kernel_tables(plans, [1] * len(plans), memo, offset=prefix)
+        own = cpu_attention.paged_partial_attention_cpu(queries, self.key_blocks, self.value_blocks, *own_tables, scale)
+        return merge_partials(*shared, *own)[0]
+
+    def _kernel_tables(self, plans: list[StepPlan], counts: list[int], memo: dict, skips: list[int] | None = None,
+                       offset: int = 0, length: int | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
         """The kernel's (block tables, query starts, stops, first tokens) of the plans' full-precision read ranges but
-        their first `skips[i]` blocks, built once per forward (`memo`) for the plans' group."""
+        their first `skips[i]` blocks (or `length` tokens from `offset` tokens into each range, if given), built once
+        per forward (`memo`) for the plans' group."""
 
         def build() -> tuple[torch.Tensor, ...]:
             bs, skipped = self.tables.block_size, skips or [0] * len(plans)
-            ids = [self.stored_blocks(plan, skip) for plan, skip in zip(plans, skipped)]
+            starts = [max(plan.read_start[0] + offset, skip * bs) for plan, skip in zip(plans, skipped)]
+            ends = [plan.read_stop[0] if length is None else min(plan.read_stop[0], start + length)
+                    for plan, start in zip(plans, starts)]  # fmt: skip
+            ids = [self.stored_blocks(plan, start, end) for plan, start, end in zip(plans, starts, ends)]
             table = torch.zeros(len(plans), max(max(map(len, ids)), 1), dtype=torch.long)  # padded with the null block
             for row, blocks in enumerate(ids):
                 table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-            starts = [max(plan.read_start[0], skip * bs) for plan, skip in zip(plans, skipped)]
             firsts = torch.tensor([start % bs for start in starts])
-            stops = firsts + torch.tensor([max(plan.read_stop[0] - start, 0) for plan, start in zip(plans, starts)])
+            stops = firsts + torch.tensor([max(end - start, 0) for start, end in zip(starts, ends)])
             return table, torch.tensor([0, *counts]).cumsum(0), stops, firsts
 
-        key = ("row_tables", tuple(map(id, plans)), tuple(counts), tuple(skips or ()))
+        key = ("row_tables", tuple(map(id, plans)), tuple(counts), tuple(skips or ()), offset, length)
         if key not in memo:
             memo[key] = build()
         return memo[key]

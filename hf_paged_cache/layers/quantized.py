@@ -413,6 +413,10 @@ class QuantizedLayer(PagedLayer):
         return (len(plan.read_start) == 1 and not plan.tables.compacted and not self.uses_kernels()
                 and plan.new_len > plan.kv_offset)  # fmt: skip
 
+    def reads_shared_prefix_in_place(self, dtype: torch.dtype) -> bool:
+        """Never: a shared prefix of sealed blocks is read decoded, by the torch path."""
+        return False
+
     def reads_rows_in_place(self, dtype: torch.dtype) -> bool:
         """`PagedLayer.reads_rows_in_place`, for formats the kernel decodes (`cpu_attention.reads_format`)."""
         bs, fmt = self.tables.block_size, self.kv_format

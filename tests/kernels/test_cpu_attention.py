@@ -10,6 +10,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from hf_paged_cache.attention.torch_path import merge_partials
 from hf_paged_cache.kernels import cpu_attention
 from hf_paged_cache.kernels.layout import allocate_kv_blocks
 from hf_paged_cache.quantization import format_from_spec
@@ -57,6 +58,44 @@ def test_cpu_attention_matches_its_reference(batch, scale):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=tolerance)
     empty = torch.repeat_interleave(stops <= firsts, starts.diff())  # the queries of a row that reads nothing: 0
     assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(packed_batches(), st.booleans())
+def test_partial_attention_gives_each_querys_log_sum_exp_causal_or_not(batch, causal):
+    """The log-sum-exp of the logits each query saw (-inf where none), with its reference; not causal, every query of a
+    row sees every key the row reads."""
+    query, keys, values, tables, starts, stops, firsts = batch
+    args = (query, keys, values, tables, starts, stops, firsts, 0.125)
+    out, lse = cpu_attention.paged_partial_attention_cpu(*args, causal=causal)
+    expected, expected_lse = cpu_attention.paged_partial_attention_cpu_ref(*args, causal=causal)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
+    if causal:
+        assert torch.equal(out, cpu_attention.paged_attention_cpu(*args))
+
+
+def test_queries_not_causal_see_the_whole_row_and_merge_with_the_rest():
+    """Three queries over a row's 6 tokens, not causal: each sees all 6; merged by log-sum-exp with each one's own
+    further keys, the result is attention over both."""
+    keys = allocate_kv_blocks(4, 4, 1, 8, torch.float32)
+    keys.copy_(torch.randn(keys.shape))
+    query = torch.randn(3, 2, 8)
+    shared, lse = cpu_attention.paged_partial_attention_cpu(query, keys, keys, torch.tensor([[2, 1]]),
+                                                            torch.tensor([0, 3]), torch.tensor([7]), torch.tensor([1]),
+                                                            0.5, causal=False)  # fmt: skip
+    stored = torch.cat([keys[2], keys[1]])[1:7, 0]
+    for i in range(3):
+        torch.testing.assert_close(shared[i], torch.softmax(query[i] @ stored.T * 0.5, -1) @ stored, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[i], torch.logsumexp(query[i] @ stored.T * 0.5, -1), rtol=1e-5, atol=1e-5)
+    # each query's own keys: block 3's first i + 1 tokens, one decode row each
+    own, own_lse = cpu_attention.paged_partial_attention_cpu(query, keys, keys, torch.tensor([[3], [3], [3]]),
+                                                             torch.arange(4), torch.tensor([1, 2, 3]),
+                                                             torch.zeros(3, dtype=torch.long), 0.5)  # fmt: skip
+    merged, _lse = merge_partials(shared, lse, own, own_lse)
+    for i in range(3):
+        seen = torch.cat([stored, keys[3, : i + 1, 0]])
+        torch.testing.assert_close(merged[i], torch.softmax(query[i] @ seen.T * 0.5, -1) @ seen, rtol=1e-5, atol=1e-5)
 
 
 def test_a_chunk_of_queries_sees_each_its_own_prefix():

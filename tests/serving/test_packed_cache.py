@@ -121,13 +121,26 @@ def test_long_decode_histories_are_read_in_place_and_give_the_logits_of_each_alo
         torch.testing.assert_close(row, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("name", ["llama_gqa", "gemma2", "gpt_oss"])
-@pytest.mark.usefixtures("torch_decode")
-def test_decode_tokens_sharing_a_cached_prefix_read_it_once_and_give_the_logits_of_each_alone(name, monkeypatch):
+def test_decode_tokens_sharing_a_cached_prefix_read_it_once_and_give_the_logits_of_each_alone(name, kernel,
+                                                                                               monkeypatch):  # fmt: skip
     """Decode tokens whose histories begin with the same cached blocks attend over that prefix in one call and over
     the rest of their own history apart, merged (soft-capping and a window included). Two prefixes that begin in the
     same block are read apart, and a sequence of neither prefix as before; each sequence gives its logits of a forward
-    alone. Learned sinks take the other reads."""
+    alone. Learned sinks take the other reads. With the C++ kernel built, both parts go through it (but under
+    soft-capping, which it does not do)."""
+    if kernel and not cpu_attention.available():
+        pytest.skip("the CPU attention kernel could not be built here")
+    if not kernel:
+        monkeypatch.setattr(cpu_attention, "available", lambda: False)
+    in_place, in_place_method = [], PagedLayer.attend_shared_prefix_in_place
+
+    def counted_in_place(layer, queries, parts, prefix, *args):
+        in_place.append((len(parts), prefix))
+        return in_place_method(layer, queries, parts, prefix, *args)
+
+    monkeypatch.setattr(PagedLayer, "attend_shared_prefix_in_place", counted_in_place)
     monkeypatch.setattr(paged_attention, "SHARED_PREFIX_MIN_TOKENS", 8)
     monkeypatch.setattr(paged_attention, "SHARED_PREFIX_MIN_REREAD", 12)
     calls, method = [], paged_attention._attend_shared_prefix
@@ -164,6 +177,7 @@ def test_decode_tokens_sharing_a_cached_prefix_read_it_once_and_give_the_logits_
         # layers read an 8-token window, which holds no shared prefix of the minimum length)
         full = sum(not layer.is_sliding for layer in generator.template.layers)
         assert sorted(calls) == sorted([(3, 16), (2, 12)] * full)
+    assert in_place == (calls if kernel and name == "llama_gqa" else [])
     for row, reference in zip(logits, expected):
         torch.testing.assert_close(row, reference, rtol=1e-5, atol=1e-5)
 
