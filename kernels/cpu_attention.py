@@ -27,8 +27,10 @@ from hf_paged_cache.quantization import KernelFormat, QuantFormat
 
 from .reference import gather_kv
 
-# The attention kernel and the fused layers' element-wise ops (`cpu_layer.py`): one extension, built together.
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention_cpu.cpp", "cpu_layer_ops.cpp")]
+# The attention kernel, the fused layers' element-wise ops (`cpu_layer.py`) and the products of few rows
+# (`cpu_linear.py`): one extension, built together.
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention_cpu.cpp", "cpu_layer_ops.cpp",
+                                                       "cpu_linear_ops.cpp")]  # fmt: skip
 
 # The instruction set torch's own CPU kernels use here, and the flags at::vec needs for it (its AVX2 header converts
 # float16 with F16C instructions, which every AVX2 processor has).

@@ -10,6 +10,10 @@ A gated-SiLU MLP (Llama's `down_proj(act_fn(gate_proj(x)) * up_proj(x))`) runs a
 the gate product's post-op and the product with it the up product's, so the two `[tokens, intermediate]`
 elementwise passes, and the fresh memory their outputs take, are gone.
 
+A product of few rows (a step of decode tokens: at most `cpu_linear.FEW_ROWS`) in float32 runs the C++ kernel of
+`kernels/cpu_linear.py` instead, on the plain weight: it streams the weight once for all the rows, where oneDNN's
+kernels (tuned for many rows) run slower, and needs no packed copy.
+
 oneDNN reorders a plain weight into its own blocked layout at every product, a pass over the whole weight that costs
 most when the product is small (a step of decode tokens). `PackedWeights` keeps every weight reordered once: a second
 copy of those weights in memory, so it is the user's choice (`BatchConfig(prepack_weights=True)`). A weight that is
@@ -28,6 +32,7 @@ from torch.nn.modules import module as nn_module
 from transformers.activations import SiLUActivation
 from transformers.models.llama.modeling_llama import LlamaMLP
 
+from ..kernels import cpu_attention, cpu_linear
 from .recurrent import swapped_forwards
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -129,10 +134,19 @@ def _weight(module: torch.nn.Linear, packed: PackedWeights | None) -> torch.Tens
     return module.weight if packed is None else packed.weight(module)
 
 
+def _few_rows(inputs: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a product of `inputs` with `weight` runs on the few-rows kernel (`kernels/cpu_linear.py`)."""
+    return (inputs.numel() <= cpu_linear.FEW_ROWS * inputs.shape[-1] and weight.dtype == torch.float32
+            and cpu_attention.available())  # fmt: skip
+
+
 def _product(module: torch.nn.Linear, packed: PackedWeights | None, inputs: torch.Tensor,
              residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`module(inputs)` on oneDNN (`inputs` on the CPU in the weight's dtype), plus `residual` added by the product's
-    post-op if given (the same bits as a separate add: the product rounds once, then the sum)."""
+    post-op if given (the same bits as a separate add: the product rounds once, then the sum); few rows in float32 on
+    the few-rows kernel."""
+    if _few_rows(inputs, module.weight):
+        return cpu_linear.linear_rows_cpu(inputs, module.weight, module.bias, residual)
     inputs, weight = inputs.contiguous(), _weight(module, packed)
     if residual is None:
         return torch.ops.mkldnn._linear_pointwise(inputs, weight, module.bias, "none", [], "")
@@ -143,6 +157,9 @@ def _gated_mlp(module: torch.nn.Module, packed: PackedWeights | None, inputs: to
                residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """A gated-SiLU MLP (`_is_gated_silu_mlp`) as two fused products and the down product (+ `residual`)."""
     gate, up, down = module.gate_proj, module.up_proj, module.down_proj
+    if _few_rows(inputs, gate.weight):
+        hidden = cpu_linear.gated_rows_cpu(inputs, gate.weight, up.weight, gate.bias, up.bias)
+        return _product(down, packed, hidden, residual)
     inputs = inputs.contiguous()
     act = torch.ops.mkldnn._linear_pointwise(inputs, _weight(gate, packed), gate.bias, "swish", [], "")  # oneDNN's SiLU
     hidden = torch.ops.mkldnn._linear_pointwise.binary(inputs, act, _weight(up, packed), up.bias, "mul")

@@ -268,8 +268,8 @@ def test_the_avx2_variant_builds_and_matches_the_references():
     kernels' reference comparisons."""
     here = Path(__file__).parent
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    tests = [str(here / name) for name in ("test_cpu_attention.py", "test_cpu_quantize.py", "test_cpu_linear.py")]
     child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W",
-                            "error::UserWarning", "-k", "not avx2", str(here / "test_cpu_attention.py"),
-                            str(here / "test_cpu_quantize.py")], env=env, capture_output=True, text=True)  # fmt: skip
+                            "error::UserWarning", "-k", "not avx2", *tests], env=env, capture_output=True, text=True)  # fmt: skip
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
     assert "skipped" not in child.stdout.splitlines()[-1], child.stdout[-1000:]
