@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-# Rows up to which `linear_rows_cpu` beats oneDNN's products here (docs/BENCHMARKS.md: issue 25).
+# Rows up to which a decode step's products run here: over SmolLM2's layer shapes the kernel is faster than oneDNN's
+# product up to 64 rows but near 8, where oneDNN's is ~10% faster, and the two are even beyond (eval/few_rows.py).
 FEW_ROWS = 64
 
 

@@ -22,6 +22,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "eval"))
 import common  # noqa: E402
 
+from hf_paged_cache.kernels import cpu_attention  # noqa: E402
+
 HAVE_QUANTO = importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.quanto") is not None
 
 
@@ -312,6 +314,15 @@ def test_packed_step_tiny(tmp_path):
          "--threads", "1", "--out", str(out))  # fmt: skip
     result = json.loads(out.with_suffix(".json").read_text())
     assert len(result["windows"]) == 2 and result["step_seconds"] > 0
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason="the C++ CPU kernels could not be built here")
+def test_few_rows_compares_both_products_per_row_count(tmp_path):
+    out = tmp_path / "few"
+    _run("few_rows.py", "--rows", "1", "7", "--layers", "1", "--repeats", "1", "--threads", "1", "--out", str(out))
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert [row["rows"] for row in result["rows"]] == [1, 7]
+    assert all(row["few_rows_ms"] > 0 and row["onednn_ms"] > 0 for row in result["rows"])
 
 
 def test_swap_overlap_tiny(tmp_path):
