@@ -1,7 +1,6 @@
 """Matrix products of few rows on a linear layer's plain weight (`cpu_linear_ops.cpp`), for the batch generator's
 packed forwards on a CPU: a decode step's products read each weight whole for a few tokens, where oneDNN's kernels
-(tuned for many rows) run well below the rate these reach, and need a packed copy of the weight or a reorder at every
-product. Built with the CPU attention kernel (`cpu_attention.available()` says whether it is); float32 only.
+(tuned for many rows) run slower than these and need a packed copy of the weight or a reorder at every product. Built with the CPU attention kernel (`cpu_attention.available()` says whether it is); float32 only.
 `linear_rows_ref` / `gated_rows_ref` are their torch references.
 """
 
@@ -10,7 +9,7 @@ from __future__ import annotations
 import torch
 
 # Rows up to which a decode step's products run here: over SmolLM2's layer shapes the kernel is faster than oneDNN's
-# product up to 64 rows but near 8, where oneDNN's is ~10% faster, and the two are even beyond (eval/few_rows.py).
+# product up to 64 rows but near 8 (where oneDNN's is 5-10% faster), and the two are even beyond (eval/few_rows.py).
 FEW_ROWS = 64
 
 
