@@ -35,11 +35,12 @@ def test_linear_rows_cpu_is_torchs_linear_plus_the_residual(product):
 
 
 @settings(max_examples=40, deadline=None)
-@given(products(), st.booleans())
-def test_gated_rows_cpu_is_the_llama_mlps_hidden_state(product, biased):
+@given(products(), st.booleans(), st.integers(0, 2**16))
+def test_gated_rows_cpu_is_the_llama_mlps_hidden_state(product, biased, seed):
     x, gate, bias, _residual = product
-    up = torch.randn_like(gate)
-    up_bias = torch.randn_like(bias) if bias is not None and biased else None
+    generator = torch.Generator().manual_seed(seed)
+    up = torch.randn(gate.shape, generator=generator) / gate.shape[1] ** 0.5  # scaled as the gate's
+    up_bias = torch.randn(gate.shape[0], generator=generator) if bias is not None and biased else None
     out = gated_rows_cpu(x, gate, up, bias, up_bias)
     torch.testing.assert_close(out, gated_rows_ref(x, gate, up, bias, up_bias), rtol=1e-5, atol=1e-5)
 
