@@ -12,6 +12,7 @@ from tiny_models import MODELS_BY_NAME
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
+from hf_paged_cache.kernels import cpu_attention, cpu_linear
 from hf_paged_cache.serving.batch_config import BatchConfig
 from hf_paged_cache.serving.generator import BatchGenerator
 from hf_paged_cache.serving.onednn import OneDnnLinears, onednn_available, same_code
@@ -93,6 +94,29 @@ def test_onednn_forward_is_the_linear_layer_up_to_rounding(dtype, bias):
     assert "forward" not in layer.__dict__  # the model's own forward is back
     tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(got, expected, **tolerance)
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason="the C++ CPU kernels could not be built here")
+@pytest.mark.parametrize("rows", [1, cpu_linear.FEW_ROWS, cpu_linear.FEW_ROWS + 1])
+def test_products_of_few_float32_rows_run_the_few_rows_kernel_and_more_run_onednn(rows, monkeypatch):
+    """A linear layer and a gated-SiLU MLP over at most `FEW_ROWS` rows (a decode step) take the few-rows kernel on
+    their plain weights, with or without packed copies; more rows take oneDNN. Both give the modules' outputs."""
+    calls = []
+    for name in ("linear_rows_cpu", "gated_rows_cpu"):
+        kernel = getattr(cpu_linear, name)
+        monkeypatch.setattr(cpu_linear, name, lambda *args, _kernel=kernel, _name=name: calls.append(_name) or _kernel(*args))
+    mlp, inputs = _mlp(bias=True), torch.randn(1, rows, 48)
+    layer, expected = mlp.down_proj, mlp(inputs)
+    layer_inputs = torch.randn(1, rows, 80)
+    for prepack in (False, True):
+        linears = OneDnnLinears(mlp, prepack=prepack)
+        with linears.active():
+            got, got_layer = mlp(inputs), layer(layer_inputs)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_layer, torch.nn.functional.linear(layer_inputs, layer.weight, layer.bias),
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+    few = ["gated_rows_cpu", "linear_rows_cpu", "linear_rows_cpu"] * 2  # the MLP's gated and down products, the layer
+    assert calls == (few if rows <= cpu_linear.FEW_ROWS else [])
 
 
 def test_subclasses_and_hooked_linears_keep_their_own_forward():
