@@ -101,10 +101,10 @@ void transposed_softmax(float* st, int64_t n, int64_t stride, int64_t t0, const 
     const Vec old_top = Vec::loadu(top + v);
     const Vec new_top = at::vec::maximum(old_top, most);
     const Vec base = Vec::blendv(new_top, zero, new_top == minus_inf);  // no key seen yet: exp(-inf - 0) = 0
-    const Vec scale = (old_top - base).exp();
+    const Vec scale = (old_top - base).exp_u20();
     Vec sums(0.f);
     for (int64_t j = 0; j < n; ++j) {
-      const Vec e = (Vec::loadu(st + j * stride + v) - base).exp();
+      const Vec e = (Vec::loadu(st + j * stride + v) - base).exp_u20();
       e.store(st + j * stride + v);
       sums = sums + e;
     }
@@ -688,7 +688,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& query, 
             correction[m] = std::exp(top[m] - new_top);  // 0 for the first chunk (top -inf)
             Vec sums(0.f);
             for (int64_t j = 0; j < KEYS; j += LANES) {
-              const Vec e = (Vec::loadu(s + j) - Vec(new_top)).exp();
+              const Vec e = (Vec::loadu(s + j) - Vec(new_top)).exp_u20();
               e.store(s + j);
               sums = sums + e;
             }
