@@ -177,15 +177,16 @@ class PagedCache(ForkingCache, Cache):
         plan = layer.tables.plan
         return plan if layer.writes_plain_row(plan, q_len, device) else None
 
-    def take_step(self, layer_idx: int, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor) -> PagedKV:
-        """Layer `layer_idx` takes its tokens of the step planned as `plan` (`key_states` / `value_states`: its own
-        `[1, kv_heads, q, d]`, which `PagedLayer.write_rows` then stores for every cache at once): its storage's shapes
-        at a first step, what it does before the write (`PagedLayer.take_arrivals`), its new length, and the handle
-        its attention reads the blocks through."""
+    def take_step(self, layer_idx: int, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor,
+                  tokens: slice) -> PagedKV:  # fmt: skip
+        """Layer `layer_idx` takes its tokens of the step planned as `plan` (`tokens` of the packed forward's
+        `key_states` / `value_states` `[1, kv_heads, tokens, d]`, which `PagedLayer.write_rows` then stores for every
+        cache at once): its storage's shapes at a first step, what it does before the write
+        (`PagedLayer.take_arrivals`), its new length, and the handle its attention reads the blocks through."""
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
-            layer.lazy_initialization(key_states, value_states)
-        layer.take_arrivals(plan, key_states, value_states)
+            layer.lazy_initialization(key_states, value_states)  # shapes and dtype: the same for every cache's tokens
+        layer.take_arrivals(plan, key_states, value_states, tokens=tokens)
         layer.seq_len = plan.new_len
         return PagedKV(layer, plan, None, self._undo_step)
 

@@ -34,10 +34,10 @@ MISREAD = (
 class PagedOnlyStates(torch.Tensor):
     """A tensor of new K/V states that only the `"paged"` attention may receive (it reads the blocks).
 
-    `paged_kv` is a read-only handle on the producing layer's blocks (no eviction work attached), for a layer that
-    reuses these states instead of calling `update()` itself."""
+    `source` is the producing layer's handle, whose `reader()` (a read-only handle on its blocks, no eviction work
+    attached) a layer that reuses these states instead of calling `update()` itself reads through."""
 
-    paged_kv = None
+    source = None
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -46,12 +46,15 @@ class PagedOnlyStates(torch.Tensor):
         raise RuntimeError(MISREAD)
 
 
-def paged_only(states: torch.Tensor, paged_kv=None) -> PagedOnlyStates:
+def paged_only(states: torch.Tensor, source=None) -> PagedOnlyStates:
+    """`states` guarded, carrying `source`: the handle (`PagedKV` or `PackedPagedKV`) of the layer that produced them;
+    its reader is made only when a later layer reuses them (most models have none)."""
     guarded = states.as_subclass(PagedOnlyStates)
-    guarded.paged_kv = paged_kv
+    guarded.source = source
     return guarded
 
 
 def reused_paged_kv(states: torch.Tensor):
     """The handle on the blocks behind `states` when they are what a paged layer's `update()` returned, else None."""
-    return states.paged_kv if isinstance(states, PagedOnlyStates) else None
+    source = states.source if isinstance(states, PagedOnlyStates) else None
+    return None if source is None else source.reader()

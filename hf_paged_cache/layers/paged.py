@@ -206,8 +206,8 @@ class PagedLayer(CacheLayerMixin):
         states, usable by nothing else), or the K/V of the whole read range, gathered."""
         if attention_kwargs is not None:
             paged_kv = attention_kwargs[PAGED_KV_KWARG] = PagedKV(self, plan, after_attention, undo)
-            reader = paged_kv.reader()  # for a later layer that reuses these states (a KV-shared layer)
-            return paged_only(key_states, reader), paged_only(value_states, reader)  # any other attention fails
+            # Any other attention fails on these; a later layer that reuses them (KV-shared) reads through paged_kv.
+            return paged_only(key_states, paged_kv), paged_only(value_states, paged_kv)
         keys, values = self.gather(plan)
         if keys.dtype != key_states.dtype:  # a storage dtype other than the model's (e.g. fp16 for an fp32 model)
             keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
@@ -257,9 +257,11 @@ class PagedLayer(CacheLayerMixin):
         before `write_rows` says so)."""
         return plan.write_tokens is None
 
-    def take_arrivals(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """What this layer does with its own new K/V `[1, kv_heads, q, d]` of the one-row `plan` before `write_rows`
-        stores them (a quantized layer seals the blocks they complete); nothing here."""
+    def take_arrivals(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor,
+                      tokens: slice = slice(None)) -> None:  # fmt: skip
+        """What this layer does with its new K/V of the one-row `plan` (`tokens` of `[1, kv_heads, q, d]` states: a
+        packed forward slices only where something is due) before `write_rows` stores them (a quantized layer seals
+        the blocks they complete); nothing here."""
 
     def write_rows(self, plans: list[StepPlan], key_states: torch.Tensor, value_states: torch.Tensor,
                    memo: dict) -> None:  # fmt: skip

@@ -137,14 +137,14 @@ class QuantizedLayer(PagedLayer):
         return super().update(key_states, value_states, plan, attention_kwargs, *hooks)
 
     def take_arrivals(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor,
-                      paged_read: bool = True) -> None:  # fmt: skip
-        """Quantize the blocks this step's own tokens complete (`plan.arrivals`), before the rest of its tokens are
-        written; for the paged read (`paged_read`), keep their full-precision copy where its queries read them both
-        ways (`arrival_kv`)."""
+                      paged_read: bool = True, tokens: slice = slice(None)) -> None:  # fmt: skip
+        """Quantize the blocks this step's own tokens (`tokens` of the states) complete (`plan.arrivals`), before the
+        rest of its tokens are written; for the paged read (`paged_read`), keep their full-precision copy where its
+        queries read them both ways (`arrival_kv`)."""
         self._arrived = {}
         if plan.arrivals:
             self._fit_pool()
-            arrived = self._seal_arrivals(plan, key_states, value_states)
+            arrived = self._seal_arrivals(plan, key_states[:, :, tokens], value_states[:, :, tokens])
             if paged_read:  # the paged read gives the step's earlier tokens their full precision
                 arrived.update({row: arrived[source] for row, source in plan.mirrors.items() if source in arrived})
                 self._arrived = {row: pair for row, pair in arrived.items() if plan.transition[row]}

@@ -87,8 +87,7 @@ class PackedCache(Cache):
         packed = attention_kwargs[PAGED_KV_KWARG] = PackedPagedKV(parts, self.memo)
         if packed.gathered:  # a model that caches latents expands every sequence's gathered history into K/V
             return tuple(torch.cat(states, dim=2) for states in zip(*histories))
-        reader = packed.reader()  # for a later layer that reuses these states (a KV-shared layer)
-        return paged_only(key_states, reader), paged_only(value_states, reader)
+        return paged_only(key_states, packed), paged_only(value_states, packed)  # a KV-shared layer reads through it
 
     def _write_together(self, key_states: torch.Tensor, value_states: torch.Tensor,
                         layer_idx: int) -> dict[int, tuple[int, int, PagedKV]]:  # fmt: skip
@@ -105,9 +104,8 @@ class PackedCache(Cache):
         written = {}
         for index in together:
             start, stop = self.spans[index]
-            written[index] = (start, stop, self.caches[index].take_step(layer_idx, plans[index],
-                                                                        key_states[:, :, start:stop],
-                                                                        value_states[:, :, start:stop]))  # fmt: skip
+            written[index] = (start, stop, self.caches[index].take_step(layer_idx, plans[index], key_states,
+                                                                        value_states, slice(start, stop)))  # fmt: skip
         if len(together) == len(self.caches):  # every token: the states as they lie
             layers[together[0]].write_rows([plans[index] for index in together], key_states, value_states, self.memo)
         else:
