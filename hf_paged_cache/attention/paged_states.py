@@ -55,6 +55,7 @@ def paged_only(states: torch.Tensor, source=None) -> PagedOnlyStates:
 
 
 def reused_paged_kv(states: torch.Tensor):
-    """The handle on the blocks behind `states` when they are what a paged layer's `update()` returned, else None."""
+    """A read-only handle on the blocks behind `states` (a new reader of the producing layer's handle) when they are
+    what a paged layer's `update()` returned, else None."""
     source = states.source if isinstance(states, PagedOnlyStates) else None
     return None if source is None else source.reader()
