@@ -82,7 +82,9 @@ void transposed_scores(const float* const* keys, int64_t n, const float* qt, int
 // The online softmax of a chunk's transposed scores st [n, stride] (key t0 + j at row j): query m sees keys
 // [lo[m], hi[m]) (`masked`: some query does not see the whole chunk); the scores become weights, and each query's
 // running maximum `top`, sum `total` and the `correction` of its earlier sums are updated. A query that has seen no key
-// yet keeps weights 0 (its maximum stays -inf).
+// yet keeps weights 0 (its maximum stays -inf). The exponentials (here and in a decode tile's softmax) are at::vec's
+// exp_u20, as torch's CPU flash attention takes them: a few ulp less exact than exp, and fewer instructions on the
+// floating-point units the tile's products need.
 void transposed_softmax(float* st, int64_t n, int64_t stride, int64_t t0, const float* lo, const float* hi, bool masked,
                         float* top, float* total, float* correction) {
   const Vec minus_inf(MINUS_INF), zero(0.f);
