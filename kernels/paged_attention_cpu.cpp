@@ -177,10 +177,16 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 // A tile of few query vectors (a decode token) gains nothing from transposed queries (`transposed_scores`): its scores
-// are dot products with the keys where they lie (`keys`: the chunk's `n` key rows).
-void direct_scores(const float* q, int64_t count, int64_t dim, const float* const* keys, int64_t n, float* scores) {
-  for (int64_t j = 0; j < n; ++j)
+// are dot products with the keys where they lie (`keys`: the chunk's `n` key rows). Such a tile mostly waits on memory,
+// and the hardware prefetcher starts again at every block (a page): the chunk's value rows (`value_dim` floats each)
+// are fetched into the cache while its keys are scored, so that the weights find them there.
+void direct_scores(const float* q, int64_t count, int64_t dim, const float* const* keys, int64_t n, float* scores,
+                   const float* const* values, int64_t value_dim) {
+  constexpr int64_t LINE = 64 / sizeof(float);  // floats per cache line
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t d = 0; d < value_dim; d += LINE) __builtin_prefetch(values[j] + d, 0, 3);
     for (int64_t m = 0; m < count; ++m) scores[m * KEYS + j] = dot(q + m * dim, keys[j], dim);
+  }
 }
 
 // One side (keys or values) of a quantized pool as `hf_paged_cache.quantization` stores it: codes [blocks, block_size,
@@ -671,7 +677,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& query, 
             chunk_values(acc.data(), m_count, value_dim, st.data(), 1, stride, correction.data(), value_rows, keys);
             continue;
           }
-          if (!folded_keys && !folded) direct_scores(qs.data(), m_count, dim, key_rows, keys, scores.data());
+          if (!folded_keys && !folded)
+            direct_scores(qs.data(), m_count, dim, key_rows, keys, scores.data(), value_rows, value_dim);
           for (int64_t m = 0; m < m_count; ++m) {  // the online softmax: scores become weights, sums are corrected
             float* s = scores.data() + m * KEYS;
             const int64_t from = std::max<int64_t>(lo[m] - t0, 0), to = std::min(keys, hi[m] - t0);
