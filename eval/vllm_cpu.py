@@ -10,6 +10,10 @@ from `hf_paged_cache`: the prompts come as token ids from `python eval/serving.p
 Greedy, EOS ignored, float32. Start-up is engine construction (weights, compile, KV cache); generation is
 one `generate` call per workload over all its prompts. One engine serves every workload, so prefix caching
 (--prefix-caching, on by default) is the same for all; the mixed prompts share no prefix.
+
+`--serve` keeps the engine for eval/vllm_paired.py: after start-up it runs the workload named on each line of stdin
+(its prefix cache emptied first, so every run computes what the first did) and prints each result as one line,
+`SERVE_MARK` then JSON; an empty line or the end of stdin stops it.
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
+
+SERVE_MARK = "vllm_cpu.py: "  # what starts a --serve line (vLLM logs to the same stdout)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -32,6 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--out", default="eval/results/vllm_cpu.json")
+    parser.add_argument("--serve", action="store_true", help="run the workloads named on stdin (eval/vllm_paired.py)")
     args = parser.parse_args(argv)
     # vLLM reads these when the engine starts, so they are set before it is imported.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", args.threads)
@@ -50,7 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
                "max_batch_tokens": args.max_batch_tokens, "max_num_seqs": args.max_num_seqs,
                "env": {key: os.environ[key] for key in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")},
                "workloads": {}}  # fmt: skip
-    for name in workloads:
+
+    def run(name: str) -> dict:
         workload = saved["workloads"][name]
         params = SamplingParams(temperature=0, max_tokens=workload["new_tokens"], ignore_eos=True, detokenize=False)
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in workload["prompts"]]
@@ -59,9 +68,21 @@ def main(argv: list[str] | None = None) -> dict:
         seconds = time.perf_counter() - start
         tokens = [list(output.outputs[0].token_ids) for output in outputs]
         generated = sum(map(len, tokens))
-        row = {"seconds": seconds, "generated": generated, "tokens_per_s": generated / seconds}
-        print({"workload": name, **row}, flush=True)
-        results["workloads"][name] = {**row, "outputs": tokens}
+        return {"seconds": seconds, "generated": generated, "tokens_per_s": generated / seconds, "outputs": tokens}
+
+    if args.serve:
+        print(SERVE_MARK + json.dumps({"ready": True, **results}), flush=True)
+        for line in sys.stdin:
+            if not line.strip():
+                break
+            if args.prefix_caching:
+                llm.reset_prefix_cache()
+            print(SERVE_MARK + json.dumps({"workload": line.strip(), **run(line.strip())}), flush=True)
+        return results
+    for name in workloads:
+        row = run(name)
+        print({"workload": name, **{key: value for key, value in row.items() if key != "outputs"}}, flush=True)
+        results["workloads"][name] = row
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results) + "\n")

@@ -269,6 +269,59 @@ def test_serving_pressure_workload_tiny(tmp_path):
         constrained[0]["swap_out_bytes"] / constrained[0]["swap_out_blocks"])  # fmt: skip
 
 
+def test_vllm_paired_alternates_warm_runs_tiny(tmp_path):
+    """The driver with a stand-in for vLLM's engine (vLLM has a venv of its own): it starts `vllm_cpu.py --serve`
+    with the step settings, sends each workload, and pairs each of its runs with one of ours, first side alternating."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"workloads": {
+        "mixed": {"prompts": [[5, 6, 7, 8, 9] * 4, [10, 11, 12] * 3], "new_tokens": 3},
+        "shared": {"prompts": [[20] * 16 + [1, 2], [20] * 16 + [3]], "new_tokens": 2}}}))  # fmt: skip
+    server, log = tmp_path / "engine.py", tmp_path / "engine.log"
+    server.write_text(f"""import json, sys
+sys.path.insert(0, {str(REPO / "eval")!r})
+from vllm_cpu import SERVE_MARK
+args = sys.argv[1:]
+open({str(log)!r}, "a").write(json.dumps(args) + "\\n")
+saved = json.load(open(args[args.index("--prompts") + 1]))
+print("INFO an engine log line", flush=True)
+print(SERVE_MARK + json.dumps({{"ready": True, "startup_seconds": 1.5}}), flush=True)
+for line in sys.stdin:
+    if not line.strip():
+        break
+    workload = saved["workloads"][line.strip()]
+    outputs = [[0] * workload["new_tokens"] for _ in workload["prompts"]]
+    print(SERVE_MARK + json.dumps({{"workload": line.strip(), "seconds": 0.5, "outputs": outputs}}), flush=True)
+open({str(log)!r}, "a").write("closed\\n")
+""")
+    python = tmp_path / "vllm-python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} {server} \"$@\"\n")
+    python.chmod(0o755)
+    out = tmp_path / "paired.json"
+    _run("vllm_paired.py", "--vllm-python", str(python), "--model", "tiny-llama", "--prompts", str(prompts),
+         "--pairs", "3", "--max-batch-tokens", "16", "--max-num-seqs", "4", "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    started, closed = log.read_text().splitlines()
+    flags = json.loads(started)
+    assert "--serve" in flags and flags[flags.index("--max-batch-tokens") + 1] == "16"
+    assert flags[flags.index("--max-num-seqs") + 1] == "4" and closed == "closed"
+    assert [(row["pair"], row["workload"], row["first"]) for row in result["pairs"]] == [
+        (0, "mixed", "vllm"), (0, "shared", "vllm"), (1, "mixed", "ours"), (1, "shared", "ours"),
+        (2, "mixed", "vllm"), (2, "shared", "vllm")]  # fmt: skip
+    for row in result["pairs"]:
+        assert row["vllm_seconds"] == 0.5 and row["x_vllm"] == 0.5 / row["ours_seconds"] > 0
+        assert row["requests"] == 2 and 0 <= row["identical_to_vllm"] <= 2
+    assert result["vllm_startup_seconds"] == 1.5 and set(result["summary"]) == {"mixed", "shared"}
+
+
+def test_vllm_paired_refuses_a_workload_the_prompts_lack(tmp_path):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"workloads": {"mixed": {"prompts": [[1, 2]], "new_tokens": 1}}}))
+    result = subprocess.run([sys.executable, str(REPO / "eval" / "vllm_paired.py"), "--vllm-python", "unused",
+                             "--prompts", str(prompts), "--workloads", "shared"], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 2 and "--workloads ['shared'] are not in" in result.stderr
+
+
 def test_hybrid_serving_tiny(tmp_path):
     out = tmp_path / "hybrid"
     _run("hybrid_serving.py", "--model", "lfm2", "--requests", "5", "--min-len", "20", "--max-len", "50",
