@@ -54,8 +54,10 @@ class VllmEngine:
         return self._reply()
 
     def close(self) -> None:
-        self.process.stdin.write("\n")
-        self.process.stdin.flush()
+        """Stop the engine (an empty line), unless it has stopped already."""
+        if self.process.poll() is None:
+            self.process.stdin.write("\n")
+            self.process.stdin.flush()
         self.process.wait(timeout=120)
 
 
