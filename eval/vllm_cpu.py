@@ -26,12 +26,14 @@ import time
 from pathlib import Path
 
 SERVE_MARK = "vllm_cpu.py: "  # what starts a --serve line (vLLM logs to the same stdout)
+# The model directory eval/README.md has vLLM load: the weights of `--model smollm2` on our side.
+DEFAULT_MODEL = str(Path.home() / ".cache" / "hf_paged_cache" / "SmolLM2-135M-Instruct")
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", required=True, help="JSON from eval/serving.py --write-prompts")
-    parser.add_argument("--model", default=str(Path.home() / ".cache" / "hf_paged_cache" / "SmolLM2-135M-Instruct"))
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--workloads", nargs="+", default=None, help="default: every workload in --prompts")
     parser.add_argument("--threads", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND: the cores vLLM pins")
     parser.add_argument("--kv-space-gib", default="4", help="VLLM_CPU_KVCACHE_SPACE")

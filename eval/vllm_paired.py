@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from serving import same_as, served  # noqa: E402
-from vllm_cpu import SERVE_MARK  # noqa: E402  (it imports vLLM only inside main)
+from vllm_cpu import DEFAULT_MODEL, SERVE_MARK  # noqa: E402  (it imports vLLM only inside main)
 
 from hf_paged_cache import BatchGenerator  # noqa: E402
 
@@ -64,8 +64,8 @@ class VllmEngine:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-python", required=True, help="the Python of vLLM's venv (see eval/README.md)")
-    parser.add_argument("--vllm-model", default=str(Path.home() / ".cache" / "hf_paged_cache" / "SmolLM2-135M-Instruct"),
-                        help="the model directory vLLM loads (eval/README.md: the same weights as --model)")  # fmt: skip
+    parser.add_argument("--vllm-model", default=DEFAULT_MODEL,
+                        help="the model directory vLLM loads (eval/README.md: the same weights as --model)")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--prompts", required=True, help="JSON from eval/serving.py --write-prompts")
     parser.add_argument("--workloads", nargs="+", default=["mixed", "shared"])
