@@ -36,6 +36,11 @@ constexpr float MINUS_INF = -std::numeric_limits<float>::infinity();
 
 constexpr int64_t KEY_ROWS = LANES >= 16 ? 4 : 2;  // keys scored together against a slab of query vectors
 constexpr int64_t SLAB = 4;                           // query vectors (LANES queries each) of a score slab
+// With 32 vector registers (AVX-512): a slab of 6 query vectors against KEY_ROWS keys (24 accumulators), and 6 rows'
+// values at a time (24 accumulators), so each key or value vector loaded serves more products; AVX2's 16 registers
+// would spill them.
+constexpr int64_t WIDE_SLAB = LANES >= 16 ? 6 : SLAB;
+constexpr int64_t WIDE_ROWS = LANES >= 16 ? 6 : ROWS;
 
 // A prompt tile's scores are kept transposed, st [keys, stride] (a key's scores against every query of the tile, the
 // queries padded to whole vectors), so the online softmax runs across queries a vector at a time, with no sum or
@@ -65,6 +70,9 @@ template <int64_t R>
 inline void score_key_rows(const float* const* keys, const float* qt, int64_t stride, int64_t vectors, int64_t dim,
                            float* st) {
   int64_t v = 0;
+  if constexpr (WIDE_SLAB > SLAB && R == KEY_ROWS)  // a tile of 32 positions of a group of 3 heads: 6 vectors
+    for (; v + WIDE_SLAB <= vectors; v += WIDE_SLAB)
+      score_keys<R, WIDE_SLAB>(keys, qt + v * LANES, stride, dim, st + v * LANES);
   for (; v + SLAB <= vectors; v += SLAB) score_keys<R, SLAB>(keys, qt + v * LANES, stride, dim, st + v * LANES);
   for (; v + 2 <= vectors; v += 2) score_keys<R, 2>(keys, qt + v * LANES, stride, dim, st + v * LANES);
   for (; v < vectors; ++v) score_keys<R, 1>(keys, qt + v * LANES, stride, dim, st + v * LANES);
@@ -144,6 +152,9 @@ void chunk_values(float* o, int64_t count, int64_t value_dim, const float* p, in
   int64_t d0 = 0;
   for (; d0 + 4 * LANES <= value_dim; d0 += 4 * LANES) {
     int64_t m = 0;
+    for (; m + WIDE_ROWS <= count; m += WIDE_ROWS)
+      add_values<WIDE_ROWS, 4>(o + m * value_dim + d0, value_dim, p + m * row, row, key, correction + m, values, d0,
+                               keys);
     for (; m + ROWS <= count; m += ROWS)
       add_values<ROWS, 4>(o + m * value_dim + d0, value_dim, p + m * row, row, key, correction + m, values, d0, keys);
     for (; m < count; ++m)
