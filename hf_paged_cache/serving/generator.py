@@ -145,6 +145,13 @@ class BatchGenerator:
                     return True
         return False
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the prefixes cached so far (vLLM's `LLM.reset_prefix_cache`): later requests compute their prompts
+        again, while what runs keeps its blocks and its results. A warm generator then serves a workload as a fresh one
+        would, with the memory it already holds. Nothing to do without prefix caching."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 

@@ -137,6 +137,11 @@ class PrefixCache:
             else:
                 del self.entries[key]
 
+    def clear(self) -> None:
+        """Forget every cached prefix: later prompts compute theirs again. Blocks stay with whoever holds them, and
+        a running sequence registers only the blocks it completes from now on."""
+        self.entries.clear()
+
     # ------------------------------------------------------------------ state
     def remap(self, old_to_new: Renumbering, groups: dict[str, BlockTables]) -> None:
         """Renumber the entries after the pools of `groups` (the template's) were packed, ahead of the pools'

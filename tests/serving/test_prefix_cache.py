@@ -27,6 +27,27 @@ def test_prefix_hits_compute_only_the_tail_and_change_nothing(name):
     assert all(o.prefix_hit_tokens == 0 for o in cold)
 
 
+def test_reset_prefix_cache_makes_later_prompts_compute_their_prefix_again_and_changes_no_result():
+    model = tiny_model("llama_gqa")
+    prompts = random_prompts((5, 7, 2), seed=3, prefix=21)
+    generator = BatchGenerator(model, max_new_tokens=NEW, block_size=4, max_num_seqs=1, num_blocks=60)
+    generator.add_request(prompts[0])
+    first = generator.run()
+    generator.add_request(prompts[1])
+    generator.step()  # prompts[1] runs, its prefix found in the cache
+    generator.reset_prefix_cache()
+    generator.add_request(prompts[2])
+    rest = generator.run()
+    assert [o.prefix_hit_tokens for o in first + rest] == [0, 20, 0]
+    cold = generate_batch(model, prompts, max_new_tokens=NEW, block_size=4, max_num_seqs=1, prefix_caching=False)
+    assert [o.generated_tokens for o in first + rest] == [o.generated_tokens for o in cold]
+    generator.add_request(prompts[2])
+    assert generator.run()[0].prefix_hit_tokens == 20  # cached again by the request after the reset
+    plain = BatchGenerator(model, max_new_tokens=NEW, block_size=4, num_blocks=60, prefix_caching=False)
+    plain.reset_prefix_cache()  # nothing cached: nothing to do
+    assert plain.prefix_cache is None
+
+
 def test_a_prefix_hit_gives_the_logits_of_a_cold_run():
     model = tiny_model("llama_gqa")
     (first, second) = random_prompts((3, 6), seed=4, prefix=16)
