@@ -1,9 +1,12 @@
 """vLLM's CPU engine and the batch generator run in turn on the same prompts, both warm (issue 25).
 
 Separate processes run back to back minutes apart see this machine at different speeds (a run of ours can take
-15.3 s or 17.4 s within the hour). Here one vLLM engine (`eval/vllm_cpu.py --serve`, in vLLM's own venv) and this
-process stay up, and each pair of runs is seconds apart; which side goes first alternates. vLLM empties its prefix
-cache before every run, and ours serves every run with a fresh generator, so each run computes what the first did.
+15.3 s or 17.4 s within the hour). Here one vLLM engine (`eval/vllm_cpu.py --serve`, in vLLM's own venv) and one
+generator of ours stay up, and each pair of runs is seconds apart; which side goes first alternates. Both empty their
+prefix cache before every run (`LLM.reset_prefix_cache`, `BatchGenerator.reset_prefix_cache`), so each run computes
+what the first did, with the memory its engine already holds; `--warm-up` runs of each workload on both sides come
+first, untimed. vLLM's engine is this script's child, so both sides run under the same environment (the
+`GLIBC_TUNABLES` the results record, for one).
 
     python eval/vllm_paired.py --vllm-python /work/vllm-venv/bin/python --prompts eval/results/serving_prompts.json \\
         --pairs 8 --prepack-weights --out eval/results/vllm_paired.json
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -70,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompts", required=True, help="JSON from eval/serving.py --write-prompts")
     parser.add_argument("--workloads", nargs="+", default=["mixed", "shared"])
     parser.add_argument("--pairs", type=int, default=8)
+    parser.add_argument("--warm-up", type=int, default=1, help="untimed runs of each workload on both sides first")
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--prepack-weights", action="store_true", help="ours with its weights prepacked for oneDNN")
@@ -77,6 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
+    if args.warm_up < 0:
+        parser.error("--warm-up must be at least 0")
     torch.set_num_threads(2)
     saved = json.loads(Path(args.prompts).read_text())
     missing = [name for name in args.workloads if name not in saved["workloads"]]
@@ -85,18 +92,26 @@ def main(argv: list[str] | None = None) -> dict:
     model, _ = common.load_model(args.model)
     model.generation_config.eos_token_id = None
 
+    generator = BatchGenerator(model, do_sample=False, eos_token_id=None, block_size=16,
+                               max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
+                               prepack_weights=args.prepack_weights)  # fmt: skip
+
     def ours(name: str) -> dict:
         workload = saved["workloads"][name]
-        generator = BatchGenerator(model, do_sample=False, eos_token_id=None, block_size=16,
-                                   max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
-                                   prepack_weights=args.prepack_weights)  # fmt: skip
+        generator.reset_prefix_cache()
         start = time.perf_counter()
         outputs = served(generator, workload["prompts"], workload["new_tokens"])
         return {"seconds": time.perf_counter() - start, "outputs": outputs}
 
+    env = {"GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES")}
+    print({"env": env}, flush=True)
     vllm = VllmEngine(args.vllm_python, args)
     rows = []
     try:
+        for _ in range(args.warm_up):
+            for name in args.workloads:
+                vllm.run(name)
+                ours(name)
         for pair in range(args.pairs):
             for name in args.workloads:
                 first, second = ("vllm", "ours") if pair % 2 == 0 else ("ours", "vllm")
@@ -119,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "x_vllm_median": statistics.median(row["x_vllm"] for row in own),
                          "identical_to_vllm": min(row["identical_to_vllm"] for row in own)}  # fmt: skip
         print({"workload": name, **summary[name]}, flush=True)
-    result = {"settings": vars(args), "vllm_startup_seconds": vllm.started.get("startup_seconds"), "pairs": rows,
+    result = {"settings": vars(args), "env": env, "vllm_startup_seconds": vllm.started.get("startup_seconds"), "pairs": rows,
               "summary": summary}  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

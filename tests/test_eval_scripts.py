@@ -271,7 +271,8 @@ def test_serving_pressure_workload_tiny(tmp_path):
 
 def test_vllm_paired_alternates_warm_runs_tiny(tmp_path):
     """The driver with a stand-in for vLLM's engine (vLLM has a venv of its own): it starts `vllm_cpu.py --serve`
-    with the step settings, sends each workload, and pairs each of its runs with one of ours, first side alternating."""
+    with the step settings, sends each workload once untimed (--warm-up), then pairs each of its runs with one of ours,
+    first side alternating."""
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps({"workloads": {
         "mixed": {"prompts": [[5, 6, 7, 8, 9] * 4, [10, 11, 12] * 3], "new_tokens": 3},
@@ -288,6 +289,7 @@ print(SERVE_MARK + json.dumps({{"ready": True, "startup_seconds": 1.5}}), flush=
 for line in sys.stdin:
     if not line.strip():
         break
+    open({str(log)!r}, "a").write("run " + line)
     workload = saved["workloads"][line.strip()]
     outputs = [[0] * workload["new_tokens"] for _ in workload["prompts"]]
     print(SERVE_MARK + json.dumps({{"workload": line.strip(), "seconds": 0.5, "outputs": outputs}}), flush=True)
@@ -298,9 +300,12 @@ open({str(log)!r}, "a").write("closed\\n")
     python.chmod(0o755)
     out = tmp_path / "paired.json"
     _run("vllm_paired.py", "--vllm-python", str(python), "--model", "tiny-llama", "--prompts", str(prompts),
-         "--pairs", "3", "--max-batch-tokens", "16", "--max-num-seqs", "4", "--out", str(out))  # fmt: skip
+         "--pairs", "3", "--max-batch-tokens", "16", "--max-num-seqs", "4", "--out", str(out),
+         env={**os.environ, "GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1073741824"})  # fmt: skip
     result = json.loads(out.read_text())
-    started, closed = log.read_text().splitlines()
+    started, *runs, closed = log.read_text().splitlines()
+    assert runs == ["run mixed", "run shared"] * 4  # the warm-up's, then the pairs'
+    assert result["env"] == {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1073741824"}
     flags = json.loads(started)
     assert "--serve" in flags and flags[flags.index("--max-batch-tokens") + 1] == "16"
     assert flags[flags.index("--max-num-seqs") + 1] == "4" and closed == "closed"
