@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "x_vllm_median": statistics.median(row["x_vllm"] for row in own),
                          "identical_to_vllm": min(row["identical_to_vllm"] for row in own)}  # fmt: skip
         print({"workload": name, **summary[name]}, flush=True)
-    result = {"settings": vars(args), "env": env, "vllm_startup_seconds": vllm.started.get("startup_seconds"), "pairs": rows,
-              "summary": summary}  # fmt: skip
+    result = {"settings": vars(args), "env": env, "vllm_startup_seconds": vllm.started.get("startup_seconds"),
+              "pairs": rows, "summary": summary}  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
