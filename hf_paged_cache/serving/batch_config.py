@@ -80,6 +80,10 @@ class BatchConfig:
             a second copy of those weights in memory (`BatchMetrics.packed_weight_bytes`). A weight
             replaced or changed in place by a torch op is packed again; a change through `.data` is not seen (build
             a new generator after one).
+        keep_host_memory: keep the memory the forwards free inside the process instead of handing it back to the
+            kernel and faulting it in again at the next step (`memory/host_heap.py`: glibc's malloc thresholds, set
+            when the generator is built). Process-wide and for the rest of the process; glibc only (refused
+            elsewhere). The process's heap then stays at its peak.
     """
 
     max_batch_tokens: int = 512
@@ -99,13 +103,14 @@ class BatchConfig:
     compile: bool = False
     onednn: bool = True
     prepack_weights: bool = False
+    keep_host_memory: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive int, got {value!r}")
-        for name in ("prefix_caching", "progress", "compile", "onednn", "prepack_weights"):
+        for name in ("prefix_caching", "progress", "compile", "onednn", "prepack_weights", "keep_host_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}")
         if self.prepack_weights and not self.onednn:
