@@ -9,7 +9,10 @@ first, untimed. vLLM's engine is this script's child, so both sides run under th
 `GLIBC_TUNABLES` the results record, for one).
 
     python eval/vllm_paired.py --vllm-python /work/vllm-venv/bin/python --prompts eval/results/serving_prompts.json \\
-        --pairs 8 --prepack-weights --out eval/results/vllm_paired.json
+        --pairs 8 --prepack-weights --keep-host-memory --out eval/results/vllm_paired.json
+
+`--keep-host-memory` sets glibc's malloc in our process alone (`BatchConfig(keep_host_memory=True)`); vLLM's runs as
+its defaults (or the environment) have it.
 
 Prints every pair (seconds, vLLM's over ours, outputs equal to vLLM's) and per workload the summed ratio: ours in
 × vLLM's speed, the same tokens generated on both sides.
@@ -78,6 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--prepack-weights", action="store_true", help="ours with its weights prepacked for oneDNN")
+    parser.add_argument("--keep-host-memory", action="store_true",
+                        help="ours with BatchConfig(keep_host_memory=True): its process keeps the memory it frees")
     parser.add_argument("--out", default="eval/results/vllm_paired.json")
     args = parser.parse_args(argv)
     if args.pairs < 1:
@@ -94,7 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     generator = BatchGenerator(model, do_sample=False, eos_token_id=None, block_size=16,
                                max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
-                               prepack_weights=args.prepack_weights)  # fmt: skip
+                               prepack_weights=args.prepack_weights,
+                               keep_host_memory=args.keep_host_memory)  # fmt: skip
 
     def ours(name: str) -> dict:
         workload = saved["workloads"][name]
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
         outputs = served(generator, workload["prompts"], workload["new_tokens"])
         return {"seconds": time.perf_counter() - start, "outputs": outputs}
 
-    env = {"GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES")}
+    env = {"GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES"), "keep_host_memory": args.keep_host_memory}
     print({"env": env}, flush=True)
     vllm = VllmEngine(args.vllm_python, args)
     rows = []

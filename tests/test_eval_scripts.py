@@ -300,12 +300,12 @@ open({str(log)!r}, "a").write("closed\\n")
     python.chmod(0o755)
     out = tmp_path / "paired.json"
     _run("vllm_paired.py", "--vllm-python", str(python), "--model", "tiny-llama", "--prompts", str(prompts),
-         "--pairs", "3", "--max-batch-tokens", "16", "--max-num-seqs", "4", "--out", str(out),
+         "--pairs", "3", "--max-batch-tokens", "16", "--max-num-seqs", "4", "--keep-host-memory", "--out", str(out),
          env={**os.environ, "GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1073741824"})  # fmt: skip
     result = json.loads(out.read_text())
     started, *runs, closed = log.read_text().splitlines()
     assert runs == ["run mixed", "run shared"] * 4  # the warm-up's, then the pairs'
-    assert result["env"] == {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1073741824"}
+    assert result["env"] == {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1073741824", "keep_host_memory": True}
     flags = json.loads(started)
     assert "--serve" in flags and flags[flags.index("--max-batch-tokens") + 1] == "16"
     assert flags[flags.index("--max-num-seqs") + 1] == "4" and closed == "closed"
