@@ -231,20 +231,22 @@ class BlockTables:
     def _make_plan(self, q_len: int, new_tokens: list[int], mirrors: dict[int, int]) -> StepPlan:
         """The plan of the step just applied (tables already hold its tokens): each row's new tokens are its
         last `new_tokens[row]` stored ones; mirror rows write nothing."""
-        write_slots, write_tokens = [], []
+        write_slots, write_ranges = [], []  # the rows' slots, and the ranges of the batch-major tokens they store
         for index, new in enumerate(new_tokens):
-            new = min(new, self.stored_tokens(index))  # tokens sealed as they arrived are not stored here
+            stored = self.stored_tokens(index)
+            new = min(new, stored)  # tokens sealed as they arrived are not stored here
             if new and index not in mirrors:
-                first_token = index * q_len + (q_len - new)
-                write_slots.append(self.slots(index, self.stored_tokens(index) - new, new))
-                write_tokens.append(torch.arange(first_token, first_token + new))
-        slots = torch.cat(write_slots) if write_slots else torch.empty(0, dtype=torch.long)
-        tokens = torch.cat(write_tokens) if write_tokens else torch.empty(0, dtype=torch.long)
+                write_slots.append(self.slots(index, stored - new, new))
+                write_ranges.append((index * q_len + q_len - new, (index + 1) * q_len))
+        slots = (write_slots[0] if len(write_slots) == 1 else
+                 torch.cat(write_slots) if write_slots else torch.empty(0, dtype=torch.long))  # fmt: skip
+        every = sum(stop - start for start, stop in write_ranges) == q_len * len(self.rows)
+        tokens = None if every else torch.cat([torch.arange(start, stop) for start, stop in write_ranges] or
+                                              [torch.empty(0, dtype=torch.long)])  # fmt: skip
         kv_offset = self.read_offset(self.length - q_len)
         read_start = [max(kv_offset - row.base, 0) for row in self.rows]
         read_stop = [self.stored_tokens(index) for index in range(len(self.rows))]
-        return StepPlan(q_len=q_len, new_len=self.length, kv_offset=kv_offset, write_slots=slots,
-                        write_tokens=None if tokens.numel() == q_len * len(self.rows) else tokens,
+        return StepPlan(q_len=q_len, new_len=self.length, kv_offset=kv_offset, write_slots=slots, write_tokens=tokens,
                         read_start=read_start, read_stop=read_stop, new_tokens=list(new_tokens),
                         padding_exact=self.padding_exact, tables=self, base=self.base,
                         quantized_tables=[list(table) for table in self.qtables], mirrors=dict(mirrors))  # fmt: skip
@@ -321,10 +323,21 @@ class BlockTables:
             self.rows[index].blocks.append_fresh(run)
 
     def slots(self, row: int, first: int, count: int) -> torch.Tensor:
-        """Slots of the row's full-precision stored tokens [first, first + count)."""
-        stored = torch.arange(first, first + count)
-        blocks = torch.tensor(self.rows[row].blocks.ids, dtype=torch.long)[stored // self.block_size]
-        return blocks * self.block_size + stored % self.block_size
+        """Slots of the row's full-precision stored tokens [first, first + count): one range per run of consecutive
+        block ids they lie in (a step's few new tokens: one range, built at the cost of a single op)."""
+        ids, bs = self.rows[row].blocks.ids, self.block_size
+        ranges, position, stop = [], first, first + count
+        while position < stop:
+            block = end = position // bs
+            while (end + 1) * bs < stop and ids[end + 1] == ids[end] + 1:  # the run goes on
+                end += 1
+            last = min(stop, (end + 1) * bs)
+            begin = ids[block] * bs + position % bs
+            ranges.append(torch.arange(begin, begin + last - position))
+            position = last
+        if len(ranges) == 1:
+            return ranges[0]
+        return torch.cat(ranges) if ranges else torch.empty(0, dtype=torch.long)
 
     def first_run_block(self, row: int) -> int | None:
         """The first block id when all of the row's full-precision blocks form one run, else None."""

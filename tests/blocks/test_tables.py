@@ -44,6 +44,21 @@ def test_runs_read_exactly_the_slots_of_the_token_by_token_gather(window):
     assert any(len(runs) > 1 for runs in plan.runs()), "the test should break some run"
 
 
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(1, 40), min_size=1, max_size=12, unique=True), data=st.data())
+def test_slots_are_each_tokens_block_and_offset(ids, data):
+    """`slots` builds one range per run of consecutive block ids: the same slots as token by token."""
+    bs = 4
+    pool = BlockPool(64)
+    tables = BlockTables("full", pool, block_size=bs)
+    tables.adopt(0, ids, len(ids) * bs)
+    first = data.draw(st.integers(0, len(ids) * bs))
+    count = data.draw(st.integers(0, len(ids) * bs - first))
+    expected = [ids[token // bs] * bs + token % bs for token in range(first, first + count)]
+    slots = tables.slots(0, first, count)
+    assert slots.dtype == torch.long and slots.tolist() == expected
+
+
 def test_rows_of_a_ragged_batch_keep_one_run_each_while_they_decode():
     bs, lengths = 4, [3, 8, 13, 20]
     blocks = sum(-(-length // bs) for length in lengths)
