@@ -51,10 +51,11 @@ def _is_llama_layer(layer: torch.nn.Module, linears: OneDnnLinears) -> bool:
             and all(parameter.dtype == torch.float32 for parameter in layer.parameters()))  # fmt: skip
 
 
-def _runs_plain(layer: torch.nn.Module) -> bool:
-    """Whether nothing hooks into `layer` or the modules its fused forward does not call (checked at every forward:
-    hooks can come at any time), and none of them has a forward of its own (an accelerate hook)."""
-    return all(not hooked(module) and "forward" not in module.__dict__ for module in layer.modules())
+def _runs_plain(modules: list[torch.nn.Module]) -> bool:
+    """Whether nothing hooks into a layer's `modules` (itself and those in it, which its fused forward does not call;
+    checked at every forward: hooks can come at any time), and none of them has a forward of its own (an accelerate
+    hook)."""
+    return all(not hooked(module) and "forward" not in module.__dict__ for module in modules)
 
 
 def _keeps_last_layer_per_token(model: torch.nn.Module) -> bool:
@@ -71,6 +72,7 @@ class FusedDecoderLayers:
 
     def __init__(self, layers: list[torch.nn.Module], linears: OneDnnLinears, last: torch.nn.Module | None):
         self.layers = layers
+        self.members = [list(layer.modules()) for layer in layers]  # the structure the fused forward was chosen for
         self.linears = linears
         self.last = last  # the last decoder layer, when only its kept tokens' outputs are read
 
@@ -91,7 +93,8 @@ class FusedDecoderLayers:
 
     def active(self, keep: torch.Tensor) -> AbstractContextManager[None]:
         """Within the block, the layers run fused; the last one computes its output only for the tokens `keep`."""
-        layers = [] if has_global_hooks() else [layer for layer in self.layers if _runs_plain(layer)]
+        layers = [] if has_global_hooks() else [layer for layer, members in zip(self.layers, self.members)
+                                                if _runs_plain(members)]  # fmt: skip
         forwards = [functools.partial(_fused_forward, layer, self.linears, keep if layer is self.last else None)
                     for layer in layers]  # fmt: skip
         return swapped_forwards(layers, forwards)
