@@ -370,7 +370,7 @@ class BatchGenerator:
         try:
             logits = packed_logits(self.model, chunks, self.sliding, self.per_request, self.compiled, self.onednn,
                                    self.fused)  # fmt: skip
-            samples = [request.next_token(q, logits[index]) for index, (request, q) in enumerate(batch)]
+            samples = self._next_tokens(batch, logits)
         except BaseException:
             self._roll_back(batch, states)
             raise
@@ -392,6 +392,16 @@ class BatchGenerator:
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason)
+
+    @staticmethod
+    def _next_tokens(batch: Batch, logits: torch.Tensor) -> list[int | Exception | None]:
+        """`Request.next_token` of each request of `batch` from its row of `logits`; the argmaxes of the greedy ones
+        that produce a token (`RequestSettings.greedy`) in one op."""
+        greedy = [index for index, (request, q) in enumerate(batch) if request.pending <= q and request.settings.greedy]
+        rows = logits if len(greedy) == len(batch) else logits[greedy]
+        picked = dict(zip(greedy, rows.float().argmax(-1).tolist())) if greedy else {}
+        return [picked[index] if index in picked else request.next_token(q, logits[index])
+                for index, (request, q) in enumerate(batch)]  # fmt: skip
 
     def _roll_back(self, batch: Batch, states: list) -> None:
         """Undo a step that failed: the batch's caches may hold part of it (the layers before the failure wrote),

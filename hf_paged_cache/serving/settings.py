@@ -58,6 +58,12 @@ class RequestSettings:
     generator: torch.Generator | None
     stop_strings: StopStringCriteria | None = None
 
+    @property
+    def greedy(self) -> bool:
+        """Whether the next token is the argmax of the logits as they come (no sampling, no processors), which a step
+        takes for many requests in one op."""
+        return not self.do_sample and not self.processors
+
     def next_token(self, logits: torch.Tensor, tokens: list[int]) -> int:
         """The next token after `tokens` (the prompt and the tokens generated so far) from its logits."""
         scores = logits.float()

@@ -218,13 +218,15 @@ def test_unknown_options_and_configs_fail_before_the_model_changes():
 
 
 def test_a_request_whose_sampling_fails_finishes_with_error_and_the_others_go_on(monkeypatch):
+    """The requests sample (one candidate left: greedy's tokens), so each picks its own token."""
     prompts = random_prompts((5, 9, 12), seed=15)
-    clean = clean_run(prompts, max_new_tokens=NEW)
+    options = {"max_new_tokens": NEW, "do_sample": True, "top_k": 1}
+    clean = clean_run(prompts, **options)
     original = RequestSettings.next_token
     bad_prompt = prompts[1]
     monkeypatch.setattr(RequestSettings, "next_token", failing(original, 3, ValueError("bad logits"),
                         when=lambda self, logits, tokens: tokens[: len(bad_prompt)] == bad_prompt))  # fmt: skip
-    generator = BatchGenerator(tiny_model("llama_gqa"), max_new_tokens=NEW, block_size=4, max_batch_tokens=16)
+    generator = BatchGenerator(tiny_model("llama_gqa"), block_size=4, max_batch_tokens=16, **options)
     for prompt in prompts:
         generator.add_request(prompt)
     outputs = generator.run()

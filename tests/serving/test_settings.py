@@ -93,6 +93,22 @@ def test_honoured_options_give_the_tokens_of_model_generate(options):
         assert [len(o.prompt_ids) + len(o.generated_tokens) for o in outputs] == [13, 13]
 
 
+def test_greedy_requests_picked_together_give_each_ones_tokens_alone():
+    """A step takes the greedy requests' argmaxes in one op; a sampled and a penalised request beside them pick their
+    own: each request's tokens are those it gets served alone."""
+    prompts = random_prompts((7, 9, 5, 6), seed=15)
+    options = [{}, {"do_sample": True, "seed": 3}, {"repetition_penalty": 1.5}, {}]
+    generator = BatchGenerator(tiny_model("llama_gqa"), max_new_tokens=NEW, do_sample=False, block_size=4,
+                               max_batch_tokens=16)  # fmt: skip
+    for prompt, own in zip(prompts, options):
+        generator.add_request(prompt, **own)
+    together = sorted(generator.run(), key=lambda output: output.request_id)
+    for prompt, own, output in zip(prompts, options, together):
+        alone = BatchGenerator(tiny_model("llama_gqa"), max_new_tokens=NEW, do_sample=False, block_size=4)
+        alone.add_request(prompt, **own)
+        assert output.generated_tokens == alone.run()[0].generated_tokens
+
+
 def test_a_max_length_the_prompt_fills_is_refused():
     generator = BatchGenerator(tiny_model("llama_gqa"), max_length=9, block_size=4)
     generator.add_request(random_prompts((8,))[0])  # room for one new token
