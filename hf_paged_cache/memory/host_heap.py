@@ -31,15 +31,10 @@ def _mallopt():
     return mallopt
 
 
-def can_keep_freed_host_memory() -> bool:
-    """Whether this process's malloc is glibc's, whose thresholds `keep_freed_host_memory` sets."""
-    return _mallopt() is not None
-
-
 @functools.cache
 def keep_freed_host_memory() -> bool:
-    """Set glibc's malloc to keep freed memory in the process (once per process). False where the C library is not
-    glibc or refuses the values."""
+    """Set glibc's malloc to keep freed memory in the process (once per process). False, with nothing changed, where
+    the C library is not glibc; False also where glibc refuses a value (the first one it takes stays set)."""
     mallopt = _mallopt()
     # mallopt returns 1 on success; setting either threshold also stops glibc from adjusting both on its own.
     return (mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))

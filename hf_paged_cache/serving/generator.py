@@ -37,7 +37,7 @@ from ..cache import PagedCache
 from ..config import PagedCacheConfig
 from ..errors import UnsupportedAttentionError
 from ..memory.defragment import Fragmentation, defragment, fragmentation, largest_hole_share
-from ..memory.host_heap import can_keep_freed_host_memory, keep_freed_host_memory
+from ..memory.host_heap import keep_freed_host_memory
 from ..paged_attention import ATTENTION_NAME, check_model_features
 from .batch_config import BatchConfig, pools_up_front, split_options
 from .metrics import BatchMetrics, ServingCounters
@@ -66,9 +66,9 @@ class BatchGenerator:
         """`tokenizer` is needed only for `stop_strings`. Every option is checked before anything changes: a failed
         constructor leaves the model as it was (the `"paged"` attention is selected last)."""
         self.config, self.generation_config, cache_options = split_options(model, generation_config, options)
-        if self.config.keep_host_memory and not can_keep_freed_host_memory():
-            raise ValueError("`keep_host_memory=True` sets glibc's malloc, and this process's C library is not glibc: "
-                             "leave it False")  # fmt: skip
+        if self.config.keep_host_memory and not keep_freed_host_memory():  # process-wide: nothing of ours to undo
+            raise ValueError("`keep_host_memory=True` sets glibc's malloc thresholds, which this process's C library "
+                             "does not take (it is not glibc, or refuses them): leave it False")  # fmt: skip
         self.scheduler = self.config.make_scheduler()
         self.victims = self.config.make_victims()
         self.preemption = self.config.make_preemption()
@@ -100,8 +100,6 @@ class BatchGenerator:
                 f"{model.config._attn_implementation!r}), so the packed forward cannot run the \"paged\" attention it "
                 "needs: use `model.generate` with a `PagedCache` for this model (the gather path, exact)"
             )
-        if self.config.keep_host_memory:
-            keep_freed_host_memory()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()  # preempted to host memory, oldest first

@@ -58,12 +58,21 @@ def test_keep_host_memory_must_be_a_bool():
         BatchConfig(keep_host_memory=1)
 
 
-def test_the_option_is_refused_without_glibc_and_nothing_changes(monkeypatch):
+@pytest.fixture
+def uncached():
+    """`keep_freed_host_memory` answers once per process: forget its answer around a test that fakes the C library."""
+    host_heap.keep_freed_host_memory.cache_clear()
+    yield
+    host_heap.keep_freed_host_memory.cache_clear()
+
+
+def test_the_option_is_refused_without_glibc_and_nothing_changes(monkeypatch, uncached):
     monkeypatch.setattr(host_heap.platform, "libc_ver", lambda: ("", ""))
-    assert not host_heap.can_keep_freed_host_memory()
+    assert host_heap.keep_freed_host_memory() is False
+    host_heap.keep_freed_host_memory.cache_clear()
     model = tiny_model("llama_gqa")
     before = model.config._attn_implementation
-    with pytest.raises(ValueError, match="`keep_host_memory=True` sets glibc's malloc.*leave it False"):
+    with pytest.raises(ValueError, match="`keep_host_memory=True` sets glibc's malloc thresholds.*leave it False"):
         BatchGenerator(model, keep_host_memory=True, do_sample=False, max_new_tokens=2)
     assert model.config._attn_implementation == before
 
