@@ -395,7 +395,8 @@ class BatchGenerator:
     def _next_tokens(batch: Batch, logits: torch.Tensor) -> list[int | Exception | None]:
         """`Request.next_token` of each request of `batch` from its row of `logits`; the argmaxes of the greedy ones
         that produce a token (`RequestSettings.greedy`) in one op."""
-        greedy = [index for index, (request, q) in enumerate(batch) if request.pending <= q and request.settings.greedy]
+        greedy = [index for index, (request, q) in enumerate(batch)
+                  if request.samples_after(q) and request.settings.greedy]  # fmt: skip
         rows = logits if len(greedy) == len(batch) else logits[greedy]
         picked = dict(zip(greedy, rows.float().argmax(-1).tolist())) if greedy else {}
         return [picked[index] if index in picked else request.next_token(q, logits[index])

@@ -57,10 +57,14 @@ class Request:
         """Tokens to feed before the next sample: a prompt's remaining tokens, or the last generated one."""
         return len(self.output.prompt_ids) + len(self.output.generated_tokens) - self.fed
 
+    def samples_after(self, q: int) -> bool:
+        """Whether a step that feeds `q` of its pending tokens feeds the last one, so a token is sampled."""
+        return self.pending <= q
+
     def next_token(self, q: int, logits: torch.Tensor) -> int | Exception | None:
         """The next token once a step feeds `q` of its pending tokens (None before the last one), or the error its
         sampling raised (it fails alone)."""
-        if self.pending > q:
+        if not self.samples_after(q):
             return None
         try:
             return self.settings.next_token(logits, self.tokens)
