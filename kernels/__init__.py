@@ -34,7 +34,9 @@ reference ``paged_partial_attention_cpu_ref``. Module
 ``cpu_quantize``: ``quantize_blocks_cpu(fmt, x, sources, fields, targets)`` seals blocks as the format's torch encode
 does, bit for bit. Module ``cpu_layer`` (the same extension): ``rms_norm_cpu`` and ``rotary_cpu``, a Llama decoder
 layer's norm and rotary embedding in one pass each (the batch generator's fused layers); references ``rms_norm_ref``,
-``rotary_ref``.
+``rotary_ref``. Module ``cpu_write``: ``write_kv_cpu(k_cache, v_cache, key, value, slot_mapping)``, ``write_kv`` for CPU
+tensors in one call with the destinations prefetched (the torch path's write where the extension is loaded already);
+reference ``write_kv_ref``.
 
 Quantized history: ``quantized=QuantizedKV(key_format, value_format, key_fields, value_fields,
 block_tables, lens)`` makes each row's first ``lens[row]`` stored tokens come from whole quantized blocks

@@ -27,10 +27,10 @@ from hf_paged_cache.quantization import KernelFormat, QuantFormat
 
 from .reference import gather_kv
 
-# The attention kernel, the fused layers' element-wise ops (`cpu_layer.py`) and the products of few rows
-# (`cpu_linear.py`): one extension, built together.
+# The attention kernel, the fused layers' element-wise ops (`cpu_layer.py`), the products of few rows (`cpu_linear.py`)
+# and the write of a step's K/V (`cpu_write.py`): one extension, built together.
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention_cpu.cpp", "cpu_layer_ops.cpp",
-                                                       "cpu_linear_ops.cpp")]  # fmt: skip
+                                                       "cpu_linear_ops.cpp", "cpu_write_ops.cpp")]  # fmt: skip
 
 # The instruction set torch's own CPU kernels use here, and the flags at::vec needs for it (its AVX2 header converts
 # float16 with F16C instructions, which every AVX2 processor has).
@@ -41,10 +41,25 @@ _CAPABILITY_FLAGS = {
 }  # fmt: skip
 
 
-@functools.cache
 def available() -> bool:
     """Whether the C++ kernel is built and loaded (built once per machine and instruction set into torch's extension
     cache)."""
+    return _build()
+
+
+def loaded() -> bool:
+    """Whether `available()` has built and loaded the kernels in this process already. A caller whose torch path gives
+    the same bits (the K/V write, `cpu_write`) takes the kernel only then: no cache builds the extension for that alone."""
+    return _BUILD_TRIED and available()
+
+
+_BUILD_TRIED = False  # whether `_build` ran in this process (`loaded` asks at every write)
+
+
+@functools.cache
+def _build() -> bool:
+    global _BUILD_TRIED
+    _BUILD_TRIED = True
     try:
         from torch.utils.cpp_extension import load
 
@@ -57,7 +72,7 @@ def available() -> bool:
              verbose=False)  # fmt: skip
     except Exception as error:  # no compiler, no ninja, or a failed build: the torch path stays
         warnings.warn(f"hf_paged_cache: the CPU attention kernel was not built ({error}); using the torch path",
-                      stacklevel=2)  # fmt: skip
+                      stacklevel=3)  # fmt: skip
         return False
     return True
 

@@ -16,7 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..blocks.plan import StepPlan
 from ..blocks.tables import BlockTables
-from ..kernels import cpu_attention
+from ..kernels import cpu_attention, cpu_write
 from ..kernels.layout import allocate_kv_blocks
 from ..attention.contract import PAGED_KV_KWARG
 from ..attention.paged_states import paged_only
@@ -61,9 +61,9 @@ class PagedLayer(CacheLayerMixin):
         """Whether the Triton kernels write and read this layer's blocks (`device`: where the states of a layer not
         initialized yet are). They take one head dim for keys and values, so values of another width (a model
         caching latents stores its positional key as the values) are written and read by the torch paths."""
-        one_head_dim = not self.is_initialized or self.value_dim == self.kv_shape[1]
-        device = self.device if self.is_initialized else self.options.device or device
-        return self.layer_type.kernels_read and one_head_dim and self.options.uses_kernels(device)
+        if self.is_initialized:
+            return self._kernels
+        return self.layer_type.kernels_read and self.options.uses_kernels(self.options.device or device)
 
     # ------------------------------------------------------------------ storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -71,6 +71,11 @@ class PagedLayer(CacheLayerMixin):
         self.dtype = self.options.dtype or key_states.dtype
         self.kv_shape = (key_states.shape[1], key_states.shape[-1])
         self.value_dim = value_states.shape[-1]
+        # Who writes and reads the blocks, fixed with the storage's device (asked per layer and sequence at every step
+        # of a packed forward, where asking a `torch.device` its type each time is slow enough to show).
+        self._kernels = (self.layer_type.kernels_read and self.value_dim == self.kv_shape[1]
+                         and self.options.uses_kernels(self.device))  # fmt: skip
+        self._cpu_kernel = self.options.uses_cpu_kernel(self.device)
         if self.key_blocks is None:  # else a fork of this cache allocated the shared storage already
             self.key_blocks = self._allocate(self.kv_shape[1])
             self.value_blocks = self._allocate(self.value_dim)
@@ -233,14 +238,24 @@ class PagedLayer(CacheLayerMixin):
 
     def _store(self, slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
                tokens: torch.Tensor | None = None) -> None:  # fmt: skip
-        """Copy the new K/V `[batch, kv_heads, q, d]` (only `tokens` of the batch-major tokens, if given) to `slots`."""
-        for states, blocks in ((key_states, self.key_blocks), (value_states, self.value_blocks)):
-            rows = states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[-1])
-            if tokens is not None:
-                rows = rows.index_select(0, tokens.to(rows.device))
-            if rows.dtype != self.dtype or rows.device != self.device:
-                rows = rows.to(device=self.device, dtype=self.dtype)
+        """Copy the new K/V `[batch, kv_heads, q, d]` (only `tokens` of the batch-major tokens, if given) to `slots`: in
+        one call of the C++ write where the CPU kernels are loaded (the same bits, `kernels.cpu_write`), else with one
+        `index_copy_` per tensor."""
+        keys, values = (self._rows(states, tokens) for states in (key_states, value_states))
+        if self._cpu_kernel and cpu_attention.loaded():
+            cpu_write.write_kv_cpu(self.key_blocks, self.value_blocks, keys, values, slots)
+            return
+        for rows, blocks in ((keys, self.key_blocks), (values, self.value_blocks)):
             blocks.view(-1, *blocks.shape[2:]).index_copy_(0, slots, rows)
+
+    def _rows(self, states: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+        """New states `[batch, kv_heads, q, d]` as the rows to store `[tokens, kv_heads, d]`, in the storage's dtype."""
+        rows = states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[-1])
+        if tokens is not None:
+            rows = rows.index_select(0, tokens.to(rows.device))
+        if rows.dtype != self.dtype or rows.device != self.device:
+            rows = rows.to(device=self.device, dtype=self.dtype)
+        return rows
 
     def writes_plain_row(self, plan: StepPlan, q_len: int, device: torch.device) -> bool:
         """Whether this layer's `q_len` new tokens (on `device`) of the step under way can be written by `write_rows`
@@ -370,7 +385,7 @@ class PagedLayer(CacheLayerMixin):
         """Whether `attend_rows_in_place` can attend one-row plans' queries of `dtype` over this layer: the backend
         allows the CPU attention kernel and it is built (`kernels.cpu_attention`), and the full-precision storage and
         the queries are float32."""
-        return (self.options.uses_cpu_kernel(self.device) and self.dtype == torch.float32 and dtype == torch.float32
+        return (self._cpu_kernel and self.dtype == torch.float32 and dtype == torch.float32
                 and cpu_attention.available())  # fmt: skip
 
     def attend_rows_in_place(self, queries: torch.Tensor, parts: list[PagedKV], counts: list[int], memo: dict,

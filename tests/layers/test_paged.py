@@ -8,6 +8,7 @@ from tiny_models import MODELS_BY_NAME, PAD_ID, padded_batch
 from transformers import DynamicCache
 
 from hf_paged_cache import PagedCache
+from hf_paged_cache.kernels import cpu_attention
 from hf_paged_cache.layers import paged as layers
 
 PADS = (0, 3, 7)
@@ -64,3 +65,17 @@ def test_a_gathered_batch_is_contiguous_like_dynamic_cache():
         got.view(batch * heads, -1, dim)  # what GPT-NeoX-Japanese does: raised on the transposed gather
         for row, pad in enumerate(PADS):
             torch.testing.assert_close(got[row, :, pad:], want[row, :, pad:], rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason="the C++ CPU kernels could not be built here")
+def test_the_cpu_kernel_write_stores_what_index_copy_stores():
+    """Where the CPU kernels are loaded a layer writes its K/V with `write_kv_cpu` (backend "auto"); backend "torch"
+    keeps `index_copy_`: a padded batch's prompt, then decode steps, leave the same bits in both storages."""
+    model, _config = MODELS_BY_NAME["llama_gqa"].build()
+    input_ids, attention_mask = padded_batch(PADS, 12)
+    caches = {backend: PagedCache(model.config, block_size=BLOCK_SIZE, backend=backend) for backend in ("auto", "torch")}
+    for cache in caches.values():
+        _generate(model, "paged", cache)
+    auto, plain = (cache.layers[0] for cache in caches.values())
+    assert cpu_attention.loaded() and auto.options.uses_cpu_kernel(auto.device)
+    assert torch.equal(auto.key_blocks, plain.key_blocks) and torch.equal(auto.value_blocks, plain.value_blocks)
