@@ -98,8 +98,12 @@ class BlockTables:
     @property
     def compacted(self) -> bool:
         """Whether some row lost tokens from the middle (eviction): stored tokens are then no longer the
-        contiguous logical range [base, length), and only readers that go by stored index are exact."""
-        return any(row.kept_positions is not None for row in self.rows)
+        contiguous logical range [base, length), and only readers that go by stored index are exact. (A loop, not
+        `any()` over a generator: a packed forward asks every sequence's tables at every layer.)"""
+        for row in self.rows:
+            if row.kept_positions is not None:
+                return True
+        return False
 
     def stored_positions(self, row: int) -> torch.Tensor:
         """Logical position of each stored token of the row, in stored order: int64 `[stored_count]`, or
