@@ -51,7 +51,7 @@ from .recurrent import PerRequestLayers
 from .requests import GenerationOutput, Request
 from .scheduler import BlockRoom
 from .state_pool import StatePool
-from .settings import RequestSettings, request_settings, token_ids
+from .settings import RequestSettings, request_settings, row_argmax, token_ids
 
 __all__ = ["BatchConfig", "BatchGenerator", "BatchMetrics", "GenerationOutput", "generate_batch"]
 
@@ -398,7 +398,7 @@ class BatchGenerator:
         greedy = [index for index, (request, q) in enumerate(batch)
                   if request.samples_after(q) and request.settings.greedy]  # fmt: skip
         rows = logits if len(greedy) == len(batch) else logits[greedy]
-        picked = dict(zip(greedy, rows.float().argmax(-1).tolist())) if greedy else {}
+        picked = dict(zip(greedy, row_argmax(rows.float()).tolist())) if greedy else {}
         return [picked[index] if index in picked else request.next_token(q, logits[index])
                 for index, (request, q) in enumerate(batch)]  # fmt: skip
 

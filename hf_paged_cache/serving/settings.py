@@ -47,6 +47,27 @@ _HINTS = {
 }
 
 
+# Positions per chunk of a row whose argmax `row_argmax` finds chunk by chunk.
+ARGMAX_CHUNK = 1024
+
+
+def row_argmax(rows: torch.Tensor) -> torch.Tensor:
+    """`rows.argmax(-1)` of `[n, vocab]`: each row's first index of its maximum (NaN above all). Found as the first
+    chunk whose maximum is the row's, then the first maximum within it: torch's CPU argmax reads a long row element by
+    element, while its `amax` is vectorised."""
+    vocab = rows.shape[-1]
+    if vocab < 4 * ARGMAX_CHUNK:
+        return rows.argmax(-1)
+    whole = vocab - vocab % ARGMAX_CHUNK
+    maxes = rows[:, :whole].unflatten(1, (-1, ARGMAX_CHUNK)).amax(-1)
+    if whole < vocab:
+        maxes = torch.cat([maxes, rows[:, whole:].amax(-1, keepdim=True)], dim=1)
+    first = maxes.argmax(-1) * ARGMAX_CHUNK
+    # A last chunk shorter than the others repeats the row's last logit past its end: never before its first copy.
+    columns = (first[:, None] + torch.arange(ARGMAX_CHUNK, device=rows.device)).clamp_(max=vocab - 1)
+    return first + rows.gather(1, columns).argmax(-1)
+
+
 @dataclass
 class RequestSettings:
     """What one request's sampling needs: its logits processors, greedy or seeded sampling, and when it stops."""

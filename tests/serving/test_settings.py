@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from batch_workloads import NEW, clean_run, random_prompts, tiny_model
 from test_smollm2 import needs_wheel
 from tiny_models import VOCAB
 from transformers import DynamicCache
 
 from hf_paged_cache.serving.generator import BatchGenerator
+from hf_paged_cache.serving.settings import ARGMAX_CHUNK, row_argmax
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -148,3 +151,18 @@ def test_stop_strings_with_a_tokenizer_stop_where_generate_stops():
                                   max_new_tokens=NEW, stop_strings=stop, tokenizer=tokenizer)  # fmt: skip
         assert output.generated_tokens == expected[0, len(prompt) :].tolist()
     assert outputs[1].finish_reason == "stop_string" and len(outputs[1].generated_tokens) <= 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.sampled_from([7, 4 * ARGMAX_CHUNK, 4 * ARGMAX_CHUNK + 1, 5 * ARGMAX_CHUNK - 1, 6000]),
+       st.integers(1, 4), st.sampled_from([None, "nan", "-inf", "+inf"]), st.integers(0, 2**16))  # fmt: skip
+def test_row_argmax_is_torch_argmax(rows, vocab, levels, special, seed):
+    """The first index of each row's maximum, as `argmax` gives it: ties (a few distinct values, so many), NaN (above
+    all), infinities, and vocabularies that end in a short chunk, a whole one, or are too short to chunk."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (rows, vocab), generator=generator).float()
+    if special is not None:
+        value = {"nan": float("nan"), "-inf": float("-inf"), "+inf": float("inf")}[special]
+        picks = torch.randint(0, vocab, (rows, 3), generator=generator)
+        logits.scatter_(1, picks, value)
+    assert torch.equal(row_argmax(logits), logits.argmax(-1))
