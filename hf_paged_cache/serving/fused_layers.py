@@ -16,7 +16,8 @@ logits the step keeps; the other tokens' rows carry its input, which nothing rea
 from __future__ import annotations
 
 import functools
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -91,13 +92,18 @@ class FusedDecoderLayers:
         ends = len(modules) == num_layers and modules[-1] in fused and _keeps_last_layer_per_token(model)
         return cls(fused, linears, modules[-1] if ends else None)
 
-    def active(self, keep: torch.Tensor) -> AbstractContextManager[None]:
-        """Within the block, the layers run fused; the last one computes its output only for the tokens `keep`."""
-        layers = [] if has_global_hooks() else [layer for layer, members in zip(self.layers, self.members)
-                                                if _runs_plain(members)]  # fmt: skip
+    @contextmanager
+    def active(self, keep: torch.Tensor) -> Iterator[set[torch.nn.Module]]:
+        """Within the block, the layers run fused; the last one computes its output only for the tokens `keep`. Yields
+        the modules of the layers that run fused (their own forwards are not called: `OneDnnLinears.active` need not
+        swap theirs)."""
+        running = [] if has_global_hooks() else [(layer, members) for layer, members in zip(self.layers, self.members)
+                                                 if _runs_plain(members)]  # fmt: skip
+        layers = [layer for layer, _members in running]
         forwards = [functools.partial(_fused_forward, layer, self.linears, keep if layer is self.last else None)
                     for layer in layers]  # fmt: skip
-        return swapped_forwards(layers, forwards)
+        with swapped_forwards(layers, forwards):
+            yield {module for _layer, members in running for module in members}
 
 
 def _fused_forward(layer: torch.nn.Module, linears: OneDnnLinears, keep: torch.Tensor | None,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Collection
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -213,6 +214,11 @@ class OneDnnLinears:
         """`module(inputs)` (+ `residual`) for a gated-SiLU MLP that `runs` here, on inputs as for `linear`."""
         return _gated_mlp(module, self.packed, inputs, residual)
 
-    def active(self) -> AbstractContextManager[None]:
-        """Within the block, the layers run their oneDNN forwards."""
-        return swapped_forwards(self.modules, self.forwards) if self.modules else nullcontext()
+    def active(self, skip: Collection[torch.nn.Module] = ()) -> AbstractContextManager[None]:
+        """Within the block, the layers run their oneDNN forwards (but those in `skip`: modules whose forwards nothing
+        calls in the block, inside layers that run fused)."""
+        swaps = [(module, forward) for module, forward in zip(self.modules, self.forwards) if module not in skip]
+        if not swaps:
+            return nullcontext()
+        modules, forwards = zip(*swaps)
+        return swapped_forwards(list(modules), list(forwards))

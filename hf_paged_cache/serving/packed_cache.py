@@ -153,12 +153,13 @@ def packed_logits(model, chunks: list[tuple[PagedCache, list[int], int]], slidin
     keep = torch.tensor(keep, device=model.device)
     caches = [chunk[0] for chunk in chunks]
     with contextlib.ExitStack() as patches:
+        inside_fused = set()  # modules of the layers that run fused: nothing calls their forwards
         if fused is not None:  # first: it checks that no other forward is swapped into its layers
-            patches.enter_context(fused.active(keep))
+            inside_fused = patches.enter_context(fused.active(keep))
         if per_request is not None:
             patches.enter_context(per_request.split(caches, spans))
         if onednn is not None:
-            patches.enter_context(onednn.active())
+            patches.enter_context(onednn.active(skip=inside_fused))
         if compiled is not None:
             patches.enter_context(compiled.active())
         return model(input_ids=ids, position_ids=position_ids, cache=PackedCache(caches, spans, sliding, position_ids),

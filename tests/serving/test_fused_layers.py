@@ -157,3 +157,22 @@ def test_a_layer_in_training_mode_runs_its_own_forward():
     finally:
         layer.eval()
     assert torch.equal(got, expected)
+
+
+def test_only_modules_outside_the_fused_layers_swap_their_forwards():
+    """A packed forward swaps the oneDNN forward into the linears it calls through their modules (the LM head, a
+    hooked layer's), not into those of the layers that run fused, whose forwards nothing calls; all are put back."""
+    model = tiny_model("llama_gqa")
+    linears = OneDnnLinears(model)
+    fused = FusedDecoderLayers.of(model, model.config.num_hidden_layers, linears)
+    first, last = model.model.layers[0], model.model.layers[-1]
+    handle = first.input_layernorm.register_forward_hook(lambda *args: None)
+    try:
+        with fused.active(torch.tensor([0])) as inside, linears.active(skip=inside):
+            assert first not in inside and last.self_attn.q_proj in inside
+            swapped = [module for module in linears.modules if "forward" in module.__dict__]
+            assert model.lm_head in swapped and first.self_attn.q_proj in swapped and first.mlp in swapped
+            assert last.self_attn.q_proj not in swapped and last.mlp not in swapped
+    finally:
+        handle.remove()
+    assert not any("forward" in module.__dict__ for module in model.modules())
