@@ -49,7 +49,8 @@ def available() -> bool:
 
 def loaded() -> bool:
     """Whether `available()` has built and loaded the kernels in this process already. A caller whose torch path gives
-    the same bits (the K/V write, `cpu_write`) takes the kernel only then: no cache builds the extension for that alone."""
+    the same bits (the K/V write, `cpu_write`) takes the kernel only then: no cache builds the extension for that
+    alone."""
     return _BUILD_TRIED and available()
 
 

@@ -1,4 +1,5 @@
-"""write_kv_cpu (the torch path's C++ K/V write) against write_kv_ref: exact copies, padding skipped, bad slots refused."""
+"""write_kv_cpu (the torch path's C++ K/V write) against write_kv_ref: exact copies, padding skipped, bad slots
+refused."""
 
 import pytest
 import torch

@@ -8,7 +8,7 @@ from tiny_models import MODELS_BY_NAME, PAD_ID, padded_batch
 from transformers import DynamicCache
 
 from hf_paged_cache import PagedCache
-from hf_paged_cache.kernels import cpu_attention
+from hf_paged_cache.kernels import cpu_attention, cpu_write
 from hf_paged_cache.layers import paged as layers
 
 PADS = (0, 3, 7)
@@ -68,14 +68,18 @@ def test_a_gathered_batch_is_contiguous_like_dynamic_cache():
 
 
 @pytest.mark.skipif(not cpu_attention.available(), reason="the C++ CPU kernels could not be built here")
-def test_the_cpu_kernel_write_stores_what_index_copy_stores():
+def test_the_cpu_kernel_write_stores_what_index_copy_stores(monkeypatch):
     """Where the CPU kernels are loaded a layer writes its K/V with `write_kv_cpu` (backend "auto"); backend "torch"
     keeps `index_copy_`: a padded batch's prompt, then decode steps, leave the same bits in both storages."""
+    calls, write = [], cpu_write.write_kv_cpu
+    monkeypatch.setattr(cpu_write, "write_kv_cpu", lambda *args: calls.append(1) or write(*args))
     model, _config = MODELS_BY_NAME["llama_gqa"].build()
-    input_ids, attention_mask = padded_batch(PADS, 12)
-    caches = {backend: PagedCache(model.config, block_size=BLOCK_SIZE, backend=backend) for backend in ("auto", "torch")}
-    for cache in caches.values():
+    caches = {backend: PagedCache(model.config, block_size=BLOCK_SIZE, backend=backend)
+              for backend in ("auto", "torch")}  # fmt: skip
+    written = {}
+    for backend, cache in caches.items():
         _generate(model, "paged", cache)
+        written[backend] = len(calls)
     auto, plain = (cache.layers[0] for cache in caches.values())
-    assert cpu_attention.loaded() and auto.options.uses_cpu_kernel(auto.device)
+    assert written["auto"] == NEW_TOKENS * model.config.num_hidden_layers and written["torch"] == written["auto"]
     assert torch.equal(auto.key_blocks, plain.key_blocks) and torch.equal(auto.value_blocks, plain.value_blocks)
