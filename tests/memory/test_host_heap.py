@@ -48,9 +48,10 @@ def test_freed_memory_stays_in_the_heap_once_set():
     kept, mapped, heap = _probe("keep")
     assert kept == "True"
     assert mapped == 0  # served from the heap, not a fresh mapping
-    assert heap >= 20 * 2**20  # and kept there after the free
+    # and kept there after the free (the heap grows by less where free room at its top served part of the tensor)
+    assert heap >= 19 * 2**20
     _, mapped_default, heap_default = _probe("default")
-    assert mapped_default >= 20 * 2**20 and heap_default < 20 * 2**20  # glibc's own thresholds: mapped, then returned
+    assert mapped_default >= 20 * 2**20 and heap_default < 19 * 2**20  # glibc's own thresholds: mapped, then returned
 
 
 def test_keep_host_memory_must_be_a_bool():
