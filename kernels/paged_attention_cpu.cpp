@@ -157,6 +157,8 @@ void chunk_values(float* o, int64_t count, int64_t value_dim, const float* p, in
                                keys);
     for (; m + ROWS <= count; m += ROWS)
       add_values<ROWS, 4>(o + m * value_dim + d0, value_dim, p + m * row, row, key, correction + m, values, d0, keys);
+    for (; m + 3 <= count; m += 3)  // a decode token of a group of three heads: each value row loaded once for all
+      add_values<3, 4>(o + m * value_dim + d0, value_dim, p + m * row, row, key, correction + m, values, d0, keys);
     for (; m < count; ++m)
       add_values<1, 4>(o + m * value_dim + d0, value_dim, p + m * row, row, key, correction + m, values, d0, keys);
   }
@@ -607,6 +609,13 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& query, 
             for (int64_t j = 0, token = qrp[2 * row] + t0; j < keys;) {
               const int64_t block = qtable[token / block_size], slot = token % block_size;
               const int64_t run = std::min(keys - j, block_size - slot);
+              if (token + run < qrp[2 * row + 1]) {  // the next block's codes fetched while this one is read
+                const int64_t next = qtable[(token + run) / block_size];
+                for (int64_t t = 0; t < block_size; ++t) {
+                  __builtin_prefetch(qkey.codes + next * qkey.c0 + t * qkey.c1 + kvh * qkey.c2, 0, 3);
+                  __builtin_prefetch(qvalue.codes + next * qvalue.c0 + t * qvalue.c1 + kvh * qvalue.c2, 0, 3);
+                }
+              }
               if (folded_keys) {
                 qkey.metadata(block, slot, kvh, dim, meta.data(), meta.data() + dim);
                 for (int64_t m = 0; m < m_count; ++m) {
@@ -719,11 +728,14 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& query, 
           if (folded) {  // weights times the tokens' scales on the codes, then the zero points' share
             for (int64_t m = 0; m < m_count; ++m) {
               float* p = scores.data() + m * KEYS;
-              folded_offsets[m] = 0.f;
-              for (int64_t j = 0; j < keys; ++j) {
-                folded_offsets[m] += p[j] * value_offsets[j];
-                p[j] *= value_scales[j];
+              Vec offsets(0.f);
+              for (int64_t j = 0; j < keys; j += LANES) {
+                const int64_t count = std::min(LANES, keys - j);
+                const Vec weights = Vec::loadu(p + j, count);
+                offsets = offsets + weights * Vec::loadu(value_offsets.data() + j, count);
+                (weights * Vec::loadu(value_scales.data() + j, count)).store(p + j, count);
               }
+              folded_offsets[m] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, offsets);
             }
           }
           chunk_values(acc.data(), m_count, value_dim, scores.data(), KEYS, 1, correction.data(), value_rows, keys);
