@@ -66,7 +66,8 @@ def block_d(head_dim: int) -> int:
 
 def check_paged_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """The storage layout: two ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensors with a contiguous
-    head dim (any other strides; the cache allocates them head-major, see ``layout.py``)."""
+    head dim and the same strides (any strides; the cache allocates them head-major, see ``layout.py``): the kernels
+    address both by ``k_cache``'s."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(
             "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim] with one dtype, "
@@ -74,6 +75,11 @@ def check_paged_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         )
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must have a contiguous head_dim (stride 1)")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(
+            f"k_cache and v_cache must have the same strides (the kernels address both by k_cache's), got "
+            f"{k_cache.stride()} and {v_cache.stride()}: lay them out alike (e.g. `.contiguous()` on both)"
+        )
 
 
 def sink_logits(sinks: torch.Tensor | None, num_q_heads: int, device: torch.device) -> torch.Tensor | None:

@@ -162,6 +162,17 @@ def test_rotated_format_needs_a_power_of_two_head_dim(head_dim, message):
         quantize_blocks(cache, cache, [0], pool, pool, [0], rotated, plain)
 
 
+def test_keys_and_values_laid_out_differently_are_refused():
+    """The kernel addresses values by the keys' strides: a value view of other strides is refused, not misread."""
+    keys = allocate_kv_blocks(1, 16, 2, 64, torch.float32, fill=1.0)
+    values = torch.ones(1, 16, 2, 64)  # token-major, where the keys are head-major
+    pool = Int8().allocate(1, 16, 2, 64)
+    before = {name: t.clone() for name, t in pool.items()}
+    with pytest.raises(ValueError, match="same strides"):
+        quantize_blocks(keys, values, [0], pool, pool, [0], Int8(), Int8())
+    assert all(torch.equal(pool[name], before[name]) for name in pool)
+
+
 def test_no_blocks_is_a_no_op():
     cache = allocate_kv_blocks(1, 16, 1, 64, torch.float16, fill=1.0).to(DEVICE)
     pool = {name: t.to(DEVICE) for name, t in Int8().allocate(1, 16, 1, 64).items()}
