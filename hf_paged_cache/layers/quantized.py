@@ -61,6 +61,10 @@ class QuantizedLayer(PagedLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
+        # Whether the C++ kernel decodes (and seals) this layer's formats: fixed with its shapes, asked at every read.
+        bs, fmt = self.tables.block_size, self.kv_format
+        self._kernel_decodes = (cpu_attention.reads_format(fmt.key, bs, self.kv_shape[1])
+                                and cpu_attention.reads_format(fmt.value, bs, self.value_dim))  # fmt: skip
         if not self.qkey:
             self.qkey, self.qvalue = self._allocate_quantized(self.tables.qpool.num_blocks + 1)
 
@@ -419,9 +423,7 @@ class QuantizedLayer(PagedLayer):
 
     def reads_rows_in_place(self, dtype: torch.dtype) -> bool:
         """`PagedLayer.reads_rows_in_place`, for formats the kernel decodes (`cpu_attention.reads_format`)."""
-        bs, fmt = self.tables.block_size, self.kv_format
-        return (super().reads_rows_in_place(dtype) and cpu_attention.reads_format(fmt.key, bs, self.kv_shape[1])
-                and cpu_attention.reads_format(fmt.value, bs, self.value_dim))  # fmt: skip
+        return super().reads_rows_in_place(dtype) and self._kernel_decodes
 
     def attend_rows_in_place(self, queries: torch.Tensor, parts: list[PagedKV], counts: list[int], memo: dict,
                              scale: float) -> torch.Tensor:  # fmt: skip
