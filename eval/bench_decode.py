@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ragged-min", type=int, default=64)
     parser.add_argument("--ragged-max", type=int, default=512)
     parser.add_argument("--ragged-new", type=int, default=64)
-    parser.add_argument("--ragged-repeats", type=int, default=3)
+    parser.add_argument("--ragged-repeats", type=int, default=3, help="runs of the ragged batch (0: none)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: contexts 64 160, 8 steps, 2 repeats, ragged 4 prompts of 16..64 (+8)")
     parser.add_argument("--out", default="eval/results/bench_decode.json")
@@ -194,6 +194,9 @@ def main(argv: list[str] | None = None) -> dict:
         args.contexts, args.steps, args.repeats = [64, 160], 8, 2
         args.ragged_batch, args.ragged_min, args.ragged_max, args.ragged_new, args.ragged_repeats = 4, 16, 64, 8, 1
 
+    for name in ("ragged_batch", "ragged_repeats"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0 (0: no ragged batch), got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
     specs = [common.parse_cache_spec(text) for text in args.caches]
     text, source = common.text_from_args(args)
@@ -212,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows = bench_context(model, specs, ids, context, args, bytes_per_token)
         single.extend(rows)
         print(f"  context {context}: " + ", ".join(f"{r['config']} {r['tokens_per_s']:.1f} tok/s" for r in rows), flush=True)
-    ragged = bench_ragged(model, specs, ids, args, bytes_per_token) if args.ragged_batch > 0 else []
+    ragged = bench_ragged(model, specs, ids, args, bytes_per_token) if args.ragged_batch and args.ragged_repeats else []
     for rows in [single, ragged]:
         for row in rows:
             base = next(r for r in rows if r["config"] == specs[0].label and r.get("context") == row.get("context"))

@@ -155,6 +155,15 @@ def test_bench_decode_quick_tiny(tmp_path):
     assert (tmp_path / "d.svg").read_text().lstrip().startswith("<?xml")  # the format follows the extension
 
 
+def test_bench_decode_without_ragged_runs(tmp_path):
+    """`--ragged-repeats 0` measures no ragged batch (it used to fail looking up the runs it skipped)."""
+    out = tmp_path / "bench.json"
+    _run("bench_decode.py", "--model", "tiny-llama", "--contexts", "32", "--steps", "2", "--repeats", "1",
+         "--ragged-repeats", "0", "--out", str(out))  # fmt: skip
+    payload = json.loads(out.read_text())
+    assert payload["ragged"] == [] and [row["config"] for row in payload["single"]]
+
+
 # ---------------------------------------------------------------------------------------------- eviction
 def test_eviction_quick_tiny(tmp_path):
     result = _run("eviction.py", "--quick", "--tasks", "a", "decode", "peak", "--policies", "streaming", "h2o",
