@@ -44,7 +44,8 @@ block_tables, lens)`` makes each row's first ``lens[row]`` stored tokens come fr
 holds the row's remaining tokens. See ``quantized.py``.
 
 Layout: ``k_cache``/``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` (fp32/fp16/bf16;
-any strides with a contiguous head dim; ``allocate_kv_blocks`` makes the head-major storage the cache uses); ``block_tables`` int32 ``[batch, max_blocks_per_row]``; ``seq_lens`` int32
+any strides with a contiguous head dim, the same for both; ``allocate_kv_blocks`` makes the head-major storage the
+cache uses); ``block_tables`` int32 ``[batch, max_blocks_per_row]``; ``seq_lens`` int32
 ``[batch]`` counts each row's stored tokens including this step's; token ``s`` of row ``b`` lives at
 ``block_tables[b, s // block_size]``, offset ``s % block_size``.
 

@@ -379,7 +379,8 @@ def quantize_blocks(
     """Quantize full-precision blocks ``src_blocks[i]`` of ``k_cache`` / ``v_cache`` into blocks
     ``dst_blocks[i]`` of the pools ``key_fields`` / ``value_fields`` (``fmt.allocate`` layout), in place.
 
-    k/v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (any strides, contiguous head dim).
+    k/v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (any strides, the same for both; contiguous
+    head dim).
     Same result as ``key_format.quantize(k_cache[src_blocks], key_fields, dst_blocks)`` (and likewise for
     values): metadata bit-identical, codes identical (see the module docstring for the GPU caveat).
     """
