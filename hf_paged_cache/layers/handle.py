@@ -127,6 +127,18 @@ class PackedPagedKV:
         for _start, _stop, part in self.parts:
             part.undo()
 
+    def last_tokens(self, device: torch.device) -> PackedPagedKV | None:
+        """The handle of a forward whose queries are each sequence's last token alone (query i is sequence i's), which
+        sees the whole read range: for a layer whose output is read only at those tokens (a causal LM's last decoder
+        layer). None where it would read otherwise: a sequence's tokens see less than plain causality gives them (a
+        window, a chunk), work is due after the attention (it reads every query), or the history is gathered."""
+        parts = []
+        for index, (start, stop, part) in enumerate(self.parts):
+            if part.after_attention is not None or part.gathered or part.own_mask(stop - start, device) is not None:
+                return None
+            parts.append((index, index + 1, part))
+        return PackedPagedKV(parts, self.memo)
+
     def reader(self) -> PackedPagedKV:
         """`PagedKV.reader` for every sequence."""
         return PackedPagedKV([(start, stop, part.reader()) for start, stop, part in self.parts], self.memo)

@@ -10,7 +10,9 @@ added in its down product (`onednn.py`). Only the norm's mean sums in another or
 
 When what follows the last layer is the model's own per-token code (Llama's model and causal-LM forwards: a norm and
 the LM head on the kept tokens), the last layer computes its output past the attention only for the tokens whose
-logits the step keeps; the other tokens' rows carry its input, which nothing reads.
+logits the step keeps; the other tokens' rows carry its input, which nothing reads. The kept tokens are the
+sequences' last, each of which sees its whole read range under plain causality: there the layer's queries and its
+attention are the kept tokens' alone too (`PackedPagedKV.last_tokens`); only its keys and values are every token's.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 
+from ..attention.contract import PAGED_KV_KWARG
 from ..kernels import cpu_attention, cpu_layer
+from ..layers.handle import PackedPagedKV
+from ..paged_attention import paged_attention_forward
 from .onednn import OneDnnLinears, has_global_hooks, hooked, same_code
 from .recurrent import decoder_layers, swapped_forwards
 
@@ -120,28 +125,47 @@ def _fused_forward(layer: torch.nn.Module, linears: OneDnnLinears, keep: torch.T
                                    cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
                                    **kwargs)  # fmt: skip
     kwargs = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}  # what the layer hands its attention
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, attention.head_dim)
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, eager_attention_forward)
+    hidden_shape = (*hidden_states.shape[:-1], -1, attention.head_dim)
     normed = _norm(layer.input_layernorm, hidden_states)
-    query = linears.linear(attention.q_proj, normed).view(hidden_shape)
     key = linears.linear(attention.k_proj, normed).view(hidden_shape)
     value = linears.linear(attention.v_proj, normed).view(hidden_shape).transpose(1, 2)
     cos, sin = position_embeddings
-    query, key = (states.transpose(1, 2) for states in cpu_layer.rotary_cpu(query, key, cos, sin))
+    if keep is None:
+        query = linears.linear(attention.q_proj, normed).view(hidden_shape)
+        query, key = (states.transpose(1, 2) for states in cpu_layer.rotary_cpu(query, key, cos, sin))
+    else:  # the last layer: its queries wait for the cache's handle
+        key = _rotated(key, cos, sin)
     if cache is not None:
         key, value = cache.update(key, value, attention.layer_idx, kwargs=kwargs)
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, eager_attention_forward)
+    residual, attended = hidden_states, None  # attended: the kept tokens' rows of the attention's output
+    if keep is not None:  # the last layer: only the kept tokens' outputs are read
+        packed = kwargs.get(PAGED_KV_KWARG)
+        last = (packed.last_tokens(hidden_states.device)
+                if isinstance(packed, PackedPagedKV) and interface is paged_attention_forward else None)  # fmt: skip
+        if last is None:  # every token's query attends
+            attended = keep
+        else:  # the kept tokens are the sequences' last: their queries alone attend
+            kwargs[PAGED_KV_KWARG] = last
+            cos, sin, normed = cos[:, keep], sin[:, keep], normed[:, keep]
+        query = linears.linear(attention.q_proj, normed).view(*normed.shape[:-1], -1, attention.head_dim)
+        query, residual = _rotated(query, cos, sin), residual[:, keep]
     out, _weights = interface(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,
                               **kwargs)  # fmt: skip
-    out = out.reshape(*input_shape, -1)
-    residual = hidden_states
-    if keep is not None:  # the last layer: only the kept tokens' outputs are read
-        out, residual = out[:, keep], residual[:, keep]
+    out = out.reshape(*out.shape[:2], -1)
+    if attended is not None:
+        out = out[:, attended]
     hidden = linears.linear(attention.o_proj, out, residual)
     hidden = linears.mlp(layer.mlp, _norm(layer.post_attention_layernorm, hidden), hidden)
     if keep is None:
         return hidden
     return hidden_states.index_copy(1, keep, hidden)
+
+
+def _rotated(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`states` `[batch, tokens, heads, d]` rotated alone (the rotary op's other input without heads), as
+    `[batch, heads, tokens, d]`."""
+    return cpu_layer.rotary_cpu(states, states[:, :, :0], cos, sin)[0].transpose(1, 2)
 
 
 def _norm(norm: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -56,3 +56,29 @@ def test_the_own_mask_is_causal_over_the_read_range():
         else:
             assert torch.equal(handle.own_mask(10, cpu), causal_mask(10, 10, cpu, window))
         assert torch.equal(layer.causal_mask(layer.tables.plan, 10, cpu), causal_mask(10, 10, cpu))
+
+
+@torch.no_grad()
+def test_a_packed_handle_narrows_to_the_last_tokens_only_where_they_see_the_whole_read_range():
+    """A last token alone sees its whole read range under plain causality, not under a window; a handle with work due
+    after the attention (it reads every query) or a gathered history is not narrowed either."""
+    cpu = torch.device("cpu")
+    handles = {}
+    for name, layer_index in (("llama_gqa", 0), ("qwen2_sliding", 0)):
+        model = shared_model(name)
+        model.set_attn_implementation("sdpa")
+        cache = PagedCache(model.config, block_size=4)
+        model(input_ids=torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(0)), cache=cache)
+        layer = cache.layers[layer_index]
+        handles[name] = PagedKV(layer, layer.tables.plan)
+    plain = handles["llama_gqa"]
+    packed = PackedPagedKV([(0, 10, plain), (10, 11, plain)], memo={"shared": 1})
+    last = packed.last_tokens(cpu)
+    assert [(start, stop) for start, stop, _part in last.parts] == [(0, 1), (1, 2)]
+    assert all(part is plain for _start, _stop, part in last.parts) and last.memo is packed.memo
+    assert PackedPagedKV([(0, 10, handles["qwen2_sliding"])]).last_tokens(cpu) is None
+    assert PackedPagedKV([(0, 1, handles["qwen2_sliding"])]).last_tokens(cpu) is not None  # one token sees its range
+    after = PagedKV(plain.layer, plain.plan, lambda *args: None)
+    gathered = PagedKV(plain.layer, plain.plan, gathered=True)
+    assert PackedPagedKV([(0, 10, plain), (10, 11, after)]).last_tokens(cpu) is None
+    assert PackedPagedKV([(0, 10, gathered)]).last_tokens(cpu) is None

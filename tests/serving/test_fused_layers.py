@@ -1,5 +1,5 @@
 """`FusedDecoderLayers`: Llama-code decoder layers run fused in packed forwards (C++ norm and rotary, residuals added
-in the oneDNN products, the last layer past its attention only for the kept tokens) give the logits of the layers'
+in the oneDNN products, the last layer's queries, attention and what follows only for the kept tokens) give the logits of the layers'
 own forwards, and every layer the fused forward would change keeps its own."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from batch_workloads import NEW, alone, random_prompts, tiny_model
 from tiny_models import MODELS_BY_NAME
 from transformers import DynamicCache, Ernie4_5Config, Ernie4_5ForCausalLM
 
-from hf_paged_cache import PagedCache
+from hf_paged_cache import PagedCache, paged_attention
 from hf_paged_cache.kernels import cpu_attention
+from hf_paged_cache.layers.handle import PackedPagedKV
 from hf_paged_cache.serving import fused_layers
 from hf_paged_cache.serving.fused_layers import FusedDecoderLayers
 from hf_paged_cache.serving.generator import BatchGenerator
@@ -77,9 +78,18 @@ def test_llama_bytecode_calling_another_helper_is_not_fused():
         assert output.generated_tokens == alone(model, prompt, DynamicCache(), "sdpa")
 
 
-def test_a_fused_packed_forward_gives_the_logits_of_the_unfused_one(fused_calls):
+@pytest.mark.parametrize("narrowed", [True, False])
+def test_a_fused_packed_forward_gives_the_logits_of_the_unfused_one(fused_calls, monkeypatch, narrowed):
     """Prompt chunks after stored tokens and from scratch, and decode tokens, in one packed forward: the kept tokens'
-    logits of the layers' own forwards (the norm's mean sums in another order), and the same K/V stored."""
+    logits of the layers' own forwards (the norm's mean sums in another order), and the same K/V stored. The last
+    layer's attention takes the kept tokens' queries alone; where the handle cannot narrow to them (`narrowed=False`),
+    every token's, and it keeps the kept tokens' outputs."""
+    queries = []
+    attend_packed = paged_attention._attend_packed
+    monkeypatch.setattr(paged_attention, "_attend_packed",
+                        lambda query, *args: queries.append(query.shape[2]) or attend_packed(query, *args))  # fmt: skip
+    if not narrowed:
+        monkeypatch.setattr(PackedPagedKV, "last_tokens", lambda self, device: None)
     model = tiny_model("llama_gqa")
     model.set_attn_implementation("paged")
     fused = _fused(model)
@@ -95,6 +105,8 @@ def test_a_fused_packed_forward_gives_the_logits_of_the_unfused_one(fused_calls)
             logits.append(packed_logits(model, chunks, layer_sliding(template), fused=use))
         stored.append([cache.layers[0].gather(cache.layers[0].tables.plan)[0] for cache in caches])
     assert fused_calls == list(model.model.layers)  # the fused forward ran, once per layer
+    layers, tokens = model.config.num_hidden_layers, len(prompts[0]) - 4 + 1 + len(prompts[2])
+    assert queries == [tokens] * (2 * layers - 1) + [3 if narrowed else tokens]  # unfused, then fused
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
     for ours, theirs in zip(*stored):
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
