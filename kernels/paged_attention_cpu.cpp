@@ -421,7 +421,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& query, 
     }
   }
 
-  at::Tensor out = at::zeros({q.size(0), heads, value_dim}, q.options());
+  at::Tensor out = at::empty({q.size(0), heads, value_dim}, q.options());  // every tile writes its queries' rows
   at::Tensor lse = at::full({q.size(0), heads}, MINUS_INF, q.options());
   const float* qp = q.data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
@@ -480,8 +480,10 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& query, 
     reads[row] = quantized_keys + transition_keys + std::max<int64_t>(lp[row] - fp[row], 0);
     TORCH_CHECK(!causal || count <= 1 || reads[row] >= count, "paged_attention_cpu: row ", row, " has ", count,
                 " queries but reads ", reads[row], " keys: each query must see its own key");
-    if (reads[row] > 0) {  // a row that reads nothing stays zero
+    if (reads[row] > 0) {
       for (int64_t first = 0; first < count; first += QUERIES) tiles.emplace_back(row, first);
+    } else {  // a row that reads nothing: zeros
+      out.narrow(0, sp[row], count).zero_();
     }
   }
   // Causal tiles differ in work (the keys their last query sees): the longest first, handed out one at a time, so
@@ -567,10 +569,9 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& query, 
       // A prompt tile's queries transposed, padded to whole vectors (`transposed_scores`).
       const int64_t stride = (m_count + LANES - 1) / LANES * LANES;
       if (!direct) {
-        for (int64_t d = 0; d < dim; ++d) {
-          for (int64_t m = 0; m < m_count; ++m) qt[d * stride + m] = qs[m * dim + d];
+        at::vec::transpose_mxn<float>(qs.data(), dim, qt.data(), stride, m_count, dim);
+        for (int64_t d = 0; d < dim && m_count < stride; ++d)
           std::fill(qt.begin() + d * stride + m_count, qt.begin() + (d + 1) * stride, 0.f);
-        }
       }
       for (int segment = QUANTIZED; segment <= FULL; ++segment) {
         const int64_t begin = bounds[row][segment == QUANTIZED ? 0 : segment == FULL ? 2 : 1];
