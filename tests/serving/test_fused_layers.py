@@ -1,6 +1,6 @@
 """`FusedDecoderLayers`: Llama-code decoder layers run fused in packed forwards (C++ norm and rotary, residuals added
-in the oneDNN products, the last layer's queries, attention and what follows only for the kept tokens) give the logits of the layers'
-own forwards, and every layer the fused forward would change keeps its own."""
+in the oneDNN products, the last layer's queries, attention and what follows only for the kept tokens) give the
+logits of the layers' own forwards, and every layer the fused forward would change keeps its own."""
 
 from __future__ import annotations
 
