@@ -376,7 +376,8 @@ class QuantizedLayer(PagedLayer):
         if not self._reads_quantized(plan) and not any(plan.transition):
             return super().attend(query, plan, mask, scale, softcap, sinks)
         width = plan.new_len - plan.kv_offset
-        if mask is None and (q_len > 1 or plan.kv_offset):  # one query, no mask, nothing cut: it sees every key
+        if mask is None and (q_len > 1 or plan.kv_offset or any(plan.transition)):
+            # (one query with nothing cut and no transition sees every key, and needs no mask)
             mask = self.causal_mask(plan, q_len, query.device)
         key_format, value_format = self.kv_format.key, self.kv_format.value
         out = []
@@ -398,7 +399,8 @@ class QuantizedLayer(PagedLayer):
                     softmax.update(keys, values, visible)
             if transition is not None:
                 for q0, row_mask, softmax in tiles:
-                    for keys, values, visible in self._transition_pieces(plan, transition, suffix, row_mask, q0):
+                    for keys, values, visible in self._transition_pieces(plan, transition, suffix, row_mask,
+                                                                         q_len - q0):  # fmt: skip
                         softmax.update(keys, values, visible)
             result = torch.cat([softmax.result() for _q0, _mask, softmax in tiles], dim=1)
             out.append(value_format.code_space(result))
@@ -550,8 +552,9 @@ class QuantizedLayer(PagedLayer):
         return first, (keys, values), quantized
 
     def _transition_pieces(self, plan: StepPlan, transition: tuple, suffix: tuple | None, row_mask: torch.Tensor,
-                           q0: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
-        """A row's transition blocks (`transition_kv`) as each query of the tile starting at step token `q0` would
+                           back: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
+        """A row's transition blocks (`transition_kv`) as each query of the tile `back` tokens before the step's end
+        (the queries are the step's last tokens: all of its tokens, or its last alone in a narrowed forward) would
         read them one token at a time: quantized when they end `window` positions or more before the query's own
         position + 1, else in full precision; then the row's `suffix` (keys, values, first position), if any.
         Returns `(keys, values, visible)` pieces of at most `CHUNK_TOKENS` columns each way (a bounded transient,
@@ -559,7 +562,7 @@ class QuantizedLayer(PagedLayer):
         to the last piece: one call each."""
         first, full, quantized = transition
         n = full[0].shape[1]
-        start_position = plan.new_len - plan.q_len + q0
+        start_position = plan.new_len - back
         positions = torch.arange(start_position, start_position + row_mask.shape[0], device=row_mask.device)
         ends = first + (torch.arange(n, device=row_mask.device) // self.tables.block_size + 1) * self.tables.block_size
         reads_quantized = ends[None, :] <= positions[:, None] + 1 - self.tables.window
