@@ -16,7 +16,8 @@ whether each is swapped to host blocks (`swap.py`, swapped back a step before it
 in overlaps that step's forward: `copy_stream.py`) or dropped and queued again with its generated tokens as
 part of its prompt (recompute; the prefix cache may recover part of it).
 Each request's generation settings are checked when it is added (`settings.py`); a step records nothing
-until its forward and sampling succeed, and is rolled back (its requests recomputed) if either raises.
+until its forward and sampling succeed, and is rolled back (its requests recomputed) if either raises; a request
+whose forward keeps failing fails alone (`_isolate`).
 
     outputs = generate_batch(model, [ids_a, ids_b], max_new_tokens=64, num_blocks=2048)
     outputs[0].generated_tokens
@@ -25,6 +26,7 @@ until its forward and sampling succeed, and is rolled back (its requests recompu
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -56,6 +58,7 @@ from .settings import RequestSettings, request_settings, row_argmax, token_ids
 __all__ = ["BatchConfig", "BatchGenerator", "BatchMetrics", "GenerationOutput", "generate_batch"]
 
 Batch = list[tuple[Request, int]]  # the requests of a step and the tokens each computes
+_log = logging.getLogger(__name__)
 
 
 class BatchGenerator:
@@ -193,7 +196,11 @@ class BatchGenerator:
             copies.fence()
         if batch:
             started = time.perf_counter()
-            self._forward(batch)
+            # Requests isolated after a shared forward failed run in forwards of their own, so one that keeps
+            # failing fails alone.
+            together = [item for item in batch if not item[0].isolated]
+            for forward in [together] * bool(together) + [[item] for item in batch if item[0].isolated]:
+                self._forward(forward)
             self.counters.forward_seconds += time.perf_counter() - started
             self.counters.forward_tokens += sum(q for _, q in batch)
         holes = largest_hole_share(self.template)
@@ -359,8 +366,10 @@ class BatchGenerator:
     # ------------------------------------------------------------------ forward
     def _forward(self, batch: Batch) -> None:
         """Run the packed forward and sample; nothing is recorded until both succeed for the whole batch. If either
-        raises (the model, or an interrupt), the step is rolled back (`_roll_back`) and the exception propagates.
-        A request whose own sampling fails finishes with `error`; the others are unaffected."""
+        raises, the step is rolled back (`_roll_back`). An interrupt, or the model's refusal of the attention,
+        propagates; any other error is the requests' own: a request alone in its forward finishes with `error`, and
+        those of a shared forward are isolated (each runs alone from then on), so the others go on. A request whose
+        own sampling fails finishes with `error`; the others are unaffected."""
         for hook in self.before_forward:
             hook(batch)
         chunks = [(request.cache, request.tokens[request.fed : request.fed + q], request.fed) for request, q in batch]
@@ -369,9 +378,12 @@ class BatchGenerator:
             logits = packed_logits(self.model, chunks, self.sliding, self.per_request, self.compiled, self.onednn,
                                    self.fused)  # fmt: skip
             samples = self._next_tokens(batch, logits)
-        except BaseException:
+        except BaseException as error:
             self._roll_back(batch, states)
-            raise
+            if not isinstance(error, Exception) or isinstance(error, UnsupportedAttentionError):
+                raise
+            self._isolate(batch, error)
+            return
         for (request, q), token in zip(batch, samples):
             self.counters.recomputed_tokens += max(min(request.fed + q, request.peak) - request.fed, 0)
             request.fed += q
@@ -411,6 +423,20 @@ class BatchGenerator:
             request.settings.restore(state)
             self.running.remove(request)
             self._drop_blocks(request)
+
+    def _isolate(self, batch: Batch, error: Exception) -> None:
+        """After the rolled-back forward of `batch` raised `error`: its request fails if it ran alone; else each of
+        its requests runs alone from then on."""
+        if len(batch) > 1:
+            for request, _q in batch:
+                request.isolated = True
+            _log.warning("a packed forward of requests %s failed (%s: %s); each runs alone from now on",
+                         [request.request_id for request, _q in batch], type(error).__name__, error)  # fmt: skip
+            return
+        request = batch[0][0]
+        self.waiting.remove(request)  # queued again by the roll-back
+        request.output.error = f"its forward failed: {type(error).__name__}: {error}"
+        self._finish(request, "error")
 
     def _finish(self, request: Request, reason: str) -> None:
         request.output.finish_reason = reason

@@ -41,6 +41,7 @@ class Request:
     hotness: float = 0.0  # the weighted victim policy's access score, as of `last_step`
     peak: int = 0  # most tokens its cache ever held (tokens fed again below it are recomputed)
     admitted: bool = False  # admitted once (later admissions follow a preemption or a rolled-back step)
+    isolated: bool = False  # runs in a forward of its own: a forward it shared with others failed
 
     @property
     def request_id(self) -> int:
