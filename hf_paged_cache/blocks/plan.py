@@ -47,7 +47,10 @@ class StepPlan:
     kv_offset: int  # first logical position attention reads
     write_slots: torch.Tensor  # int64 [stored new tokens]: destination slot of each, row-major
     write_tokens: torch.Tensor | None  # int64: which of the B*q new tokens are stored (None: all of them)
-    read_start: list[int]  # per row: first stored index to read
+    # Per row: the first logical position read, `kv_offset` or later where the row's first query reads less than the
+    # step's window (chunked attention: the chunk it falls in began after the window's start).
+    read_from: list[int]
+    read_start: list[int]  # per row: first stored index to read (of `read_from`, or 0 where it is not stored)
     read_stop: list[int]  # per row: stored tokens after the step (exclusive end of the read)
     new_tokens: list[int]  # per row: stored new tokens of this step
     padding_exact: bool  # every stored token is a real one (no padding was stored)

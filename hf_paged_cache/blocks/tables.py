@@ -248,10 +248,12 @@ class BlockTables:
         tokens = None if every else torch.cat([torch.arange(start, stop) for start, stop in write_ranges] or
                                               [torch.empty(0, dtype=torch.long)])  # fmt: skip
         kv_offset = self.read_offset(self.length - q_len)
-        read_start = [max(kv_offset - row.base, 0) for row in self.rows]
+        # A row whose first query reads less than the step's window (the chunk it falls in began later) starts there.
+        read_from = [max(kv_offset, self._first_read(self.length - q_len, row)) for row in self.rows]
+        read_start = [max(first - row.base, 0) for first, row in zip(read_from, self.rows)]
         read_stop = [self.stored_tokens(index) for index in range(len(self.rows))]
         return StepPlan(q_len=q_len, new_len=self.length, kv_offset=kv_offset, write_slots=slots, write_tokens=tokens,
-                        read_start=read_start, read_stop=read_stop, new_tokens=list(new_tokens),
+                        read_from=read_from, read_start=read_start, read_stop=read_stop, new_tokens=list(new_tokens),
                         padding_exact=self.padding_exact, tables=self, base=self.base,
                         quantized_tables=[list(table) for table in self.qtables], mirrors=dict(mirrors))  # fmt: skip
 

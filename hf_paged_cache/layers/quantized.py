@@ -253,10 +253,10 @@ class QuantizedLayer(PagedLayer):
         return plan.cached(("quantized_chunks", row, drop), build)
 
     def _first_readable(self, plan: StepPlan, row: int) -> tuple[int, int]:
-        """(the index in the row's quantized table of its first block the step reads (one ending after
-        `kv_offset`), the logical position of the table's first token)."""
+        """(the index in the row's quantized table of its first block the step reads (one ending after the row's
+        `read_from`), the logical position of the table's first token)."""
         start = plan.base[row] - len(plan.quantized_tables[row]) * self.tables.block_size
-        return max(plan.kv_offset - start, 0) // self.tables.block_size, start
+        return max(plan.read_from[row] - start, 0) // self.tables.block_size, start
 
     def _dequantized(
         self, blocks: slice, dtype: torch.dtype, rotated: bool = False
@@ -294,7 +294,7 @@ class QuantizedLayer(PagedLayer):
         for row in range(keys.shape[0]):
             for blocks, first in self._quantized_chunks(plan, row):
                 chunk_keys, chunk_values = self._dequantized(blocks, self.dtype)
-                skip = max(plan.kv_offset - first, 0)
+                skip = max(plan.read_from[row] - first, 0)
                 columns = slice(first + skip - plan.kv_offset, first + chunk_keys.shape[1] - plan.kv_offset)
                 keys[row][:, columns] = chunk_keys[:, skip:]
                 values[row][:, columns] = chunk_values[:, skip:]
@@ -314,7 +314,8 @@ class QuantizedLayer(PagedLayer):
                     skip: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """`PagedLayer.gather_rows` over quantized histories, in float32 (the precision `attend` reads them in): each
         row's readable quantized blocks (null-padded to the longest such table), decoded straight into the batch in
-        one call per K / V for every row, then its full-precision range. Columns before `kv_offset` are masked."""
+        one call per K / V for every row, then its full-precision range. Columns before a row's `read_from` are
+        masked."""
         if skip:
             raise ValueError("gather_rows(skip=...) reads past a shared prefix, which a quantized layer has none of "
                              "(`read_blocks` is empty): read the whole ranges (skip=0)")  # fmt: skip
@@ -323,7 +324,7 @@ class QuantizedLayer(PagedLayer):
             bs, reads = self.tables.block_size, []
             for plan in plans:
                 first, start = self._first_readable(plan, 0)
-                hidden = max(plan.kv_offset - start - first * bs, 0)  # positions of the first block before kv_offset
+                hidden = max(plan.read_from[0] - start - first * bs, 0)  # positions of the first block not read
                 reads.append((plan.quantized_tables[0][first:], hidden, plan.read_stop[0] - plan.read_start[0]))
             width = max(len(ids) for ids, _hidden, _stored in reads)
             stored_width = max(stored for _ids, _hidden, stored in reads)
@@ -449,7 +450,8 @@ class QuantizedLayer(PagedLayer):
             for row, (plan, ids) in enumerate(zip(plans, quantized)):
                 first, start = self._first_readable(plan, 0)
                 table[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-                reads[row] = torch.tensor([min(max(plan.kv_offset - start, first * bs), len(ids) * bs), len(ids) * bs])
+                reads[row] = torch.tensor([min(max(plan.read_from[0] - start, first * bs), len(ids) * bs),
+                                           len(ids) * bs])  # fmt: skip
             # A transition not sealed yet is the first of the stored blocks.
             skips = [plan.transition[0] if plan.transition[0] and arrival is None else 0
                      for plan, arrival in zip(plans, arrivals)]  # fmt: skip
@@ -484,8 +486,8 @@ class QuantizedLayer(PagedLayer):
 
     def _read_parts(self, plan: StepPlan, row: int, span: tuple[int, int] | None = None):
         """The row's read as float32 `(keys, values, first position)` parts in the code space, `[kv_heads, n, d]`:
-        its quantized chunks decoded (at most `CHUNK_TOKENS` tokens each) and its full-precision suffix, but the
-        positions `span` (a transition's blocks, read apart). A suffix that continues the last chunk is copied into
+        its quantized chunks decoded (at most `CHUNK_TOKENS` tokens each) from its `read_from` on and its
+        full-precision suffix, but the positions `span` (a transition's blocks, read apart). A suffix that continues the last chunk is copied into
         the end of that chunk's buffer, so the two are attended in one call (the suffix is at most the residual
         window and a block)."""
         base, start, stop = plan.base[row], plan.read_start[row], plan.read_stop[row]
@@ -503,7 +505,8 @@ class QuantizedLayer(PagedLayer):
                 suffix_keys, suffix_values = self._suffix(plan, row, skip)
                 keys[:, tokens:], values[:, tokens:] = suffix_keys, suffix_values
                 stop = start  # the suffix is read
-            yield keys, values, first
+            lead = max(plan.read_from[row] - first, 0)  # the first block's positions before the row's read
+            yield keys[:, lead:], values[:, lead:], first + lead
         if stop > start:
             keys, values = self._suffix(plan, row, skip)
             yield keys, values, suffix_first

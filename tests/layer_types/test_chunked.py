@@ -57,6 +57,19 @@ def test_blocks_leave_as_the_chunk_moves_on_counted_from_each_rows_first_real_to
     assert tables.rows[1].base == 10 and tables.stored_tokens(1) == 1
 
 
+def test_a_rows_read_starts_at_its_chunk_where_blocks_straddle_chunk_boundaries():
+    """Blocks of 3 in chunks of 8: the block holding position 8 begins at 6, so it keeps two tokens of the last chunk.
+    A step at 10 reads the row from its chunk's start (8: stored index 2 of the block at 6), not from the window's
+    (`kv_offset` 3), so a lone query needs no mask to see its own chunk alone; the window stays transformers'."""
+    tables = BlockTables("chunked_attention[8]", BlockPool(32, growable=True), 3, Chunks(8))
+    _grow(tables, 7, [0])  # 10 tokens
+    plan = tables.apply_step(1, [0], lambda src, dst: None, lambda *args: None)
+    assert (plan.kv_offset, plan.read_from, tables.rows[0].base, plan.read_start) == (3, [8], 6, [2])
+    tables.padding_exact = False  # where chunks start is unknown, the row reads the whole window
+    plan = tables.apply_step(1, [0], lambda src, dst: None, lambda *args: None)
+    assert (plan.kv_offset, plan.read_from) == (4, [4])
+
+
 def test_unknown_padding_keeps_the_window_of_the_chunk_size():
     tables = BlockTables("chunked_attention[8]", BlockPool(32, growable=True), 2, Chunks(8))
     tables.padding_exact = False

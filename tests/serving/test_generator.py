@@ -33,6 +33,24 @@ def test_greedy_outputs_equal_each_prompt_alone_with_dynamic_cache(name):
         assert output.generated_tokens == alone(model, prompt, DynamicCache(), MODELS_BY_NAME[name].gather_impl)
 
 
+@pytest.mark.parametrize("block_size", [3, 4, 6, 8, 16], ids=lambda size: f"block{size}")
+@pytest.mark.parametrize("quant", [None, "int4"])
+@pytest.mark.parametrize("name", ["llama4_chunked", "mistral_sliding", "gemma3"])
+def test_windows_and_chunks_equal_each_prompt_alone_at_every_block_size(name, quant, block_size):
+    """Chunks and windows of 8 with blocks that divide them (4, 8), do not (3, 6) or are larger (16): a block then
+    straddles a chunk's start, and a lone decode query must still read its own chunk alone. Prompts share a prefix
+    (prefix caching on) and are chunked by a small token budget."""
+    model = tiny_model(name)
+    prompts = random_prompts((5, 17, 9, 30, 3, 12), seed=1, prefix=11)
+    options = {} if quant is None else {"quant": quant, "residual_length": 0}
+    outputs = generate_batch(model, prompts, max_new_tokens=NEW, block_size=block_size, max_batch_tokens=16,
+                             **options)  # fmt: skip
+    for prompt, output in zip(prompts, outputs):
+        reference = (DynamicCache() if quant is None else PagedCache(model.config, block_size=block_size, **options))
+        implementation = MODELS_BY_NAME[name].gather_impl if quant is None else "paged"
+        assert output.error is None and output.generated_tokens == alone(model, prompt, reference, implementation)
+
+
 @pytest.mark.parametrize("preemption", ["swap", "recompute"])
 def test_chunked_attention_under_preemption_equals_each_prompt_alone(preemption):
     """Llama-4's chunked layers (chunks of 8) in a pool for a quarter of the demand: requests preempted and resumed
