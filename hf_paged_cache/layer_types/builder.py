@@ -29,6 +29,7 @@ def build_layers(
     # Layers the model itself makes reuse an earlier layer's K/V (transformers types them "dummy"): they call
     # no `update()`, so they read the producer's blocks whatever `sharing` says.
     reused = kv_sharing_sources(config)
+    _check_blocks_take_options(config, options, names, types)
     _check_eviction(config, options, reused)
     layers: list[CacheLayerMixin] = []
     for index, (layer_type, kwargs) in enumerate(zip(types, layer_kwargs)):
@@ -36,6 +37,32 @@ def build_layers(
         source = options.shares_from(index)
         layers.append(layer_type.build_layer(spec) if source is None else share_with(spec, source, names, layer_kwargs))
     return layers, types
+
+
+def _check_blocks_take_options(config: PretrainedConfig, options: PagedCacheConfig, names: list[str],
+                               types: list[LayerType]) -> None:  # fmt: skip
+    """Options that act on blocks are refused for a model whose layers would leave them without effect, rather than
+    accepted and ignored: with no layer stored in blocks (each keeps its own state in transformers' layers: Falcon-H1's
+    hybrid layers, Mamba's), there is no pool to size, quantize or evict from; with no layer eviction may drop tokens
+    of (sliding-window and chunked layers only), there is nothing to evict."""
+    kinds = ", ".join(sorted(set(names)))
+    if not any(layer_type.stored for layer_type in types):
+        given = [name for name, value in (("num_blocks", options.num_blocks), ("max_memory", options.max_memory),
+                                          ("initial_blocks", options.initial_blocks), ("quant", options.quant),
+                                          ("eviction", options.eviction), ("share_with", options.share_with))
+                 if value is not None]  # fmt: skip
+        if given:
+            raise ValueError(
+                f"`{given[0]}` cannot take effect for {model_name(config)}: none of its layers ({kinds}) stores K/V "
+                "in blocks (each keeps its own state, in transformers' layer), so there is no pool to size, quantize, "
+                f"evict from or share: leave {' and '.join(f'`{name}`' for name in given)} out"
+            )
+    if options.eviction is not None and not any(layer_type.evictable for layer_type in types):
+        raise ValueError(
+            f"`eviction` cannot take effect for {model_name(config)}: none of its layers ({kinds}) lets eviction drop "
+            "tokens (sliding-window and chunked layers keep their window and evict nothing more; other kinds keep "
+            "their own state): leave `eviction` out"
+        )
 
 
 def _check_eviction(config: PretrainedConfig, options: PagedCacheConfig, reused: dict[int, int]) -> None:

@@ -1,9 +1,11 @@
 """Types the paged store does not hold: transformers' own layers serve them."""
 
-from transformers import LlamaConfig
+import pytest
+from transformers import FalconH1Config, LlamaConfig, MistralConfig
 from transformers.cache_utils import LinearAttentionAndSlidingWindowAttentionLayer, LinearAttentionLayer
 
-from hf_paged_cache import PagedCache
+from hf_paged_cache import PagedCache, StreamingLLM
+from hf_paged_cache.serving.generator import BatchGenerator
 from hf_paged_cache.layer_types.registry import layer_type_for
 
 
@@ -28,3 +30,44 @@ def test_a_recurrent_layer_with_a_sliding_window_is_refused_by_the_packed_forwar
     cache = PagedCache(_config("hybrid_sliding", sliding_window=8))
     assert isinstance(cache.layers[0], LinearAttentionAndSlidingWindowAttentionLayer)
     assert "sliding-window attention in one layer" in cache.layer_types[0].packing_refusal(cache.layers[0])
+
+
+def _falcon_h1() -> FalconH1Config:
+    """Falcon-H1: each layer is transformers' hybrid layer (Mamba-2 and attention K/V in one), none in blocks."""
+    return FalconH1Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, mamba_d_ssm=32, mamba_n_heads=4,
+                          mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=8)  # fmt: skip
+
+
+BLOCK_OPTIONS = [{"num_blocks": 12}, {"max_memory": "1MiB"}, {"initial_blocks": 4}, {"quant": "int8"},
+                 {"eviction": StreamingLLM(budget=12, sinks=2, window=6)}, {"share_with": {1: 0}}]  # fmt: skip
+
+
+@pytest.mark.parametrize("options", BLOCK_OPTIONS, ids=lambda options: next(iter(options)))
+def test_options_that_act_on_blocks_are_refused_for_a_model_that_stores_none(options):
+    """They used to be accepted and ignored (nothing evicted, `kv_bytes` 0, a 12-block pool serving any prompt)."""
+    name = next(iter(options))
+    config = _falcon_h1()
+    assert not any(layer_type.stored for layer_type in PagedCache(config).layer_types)
+    with pytest.raises(ValueError, match=rf"`{name}` cannot take effect for FalconH1 model: none of its layers "
+                                         r"\(hybrid\) stores K/V in blocks.*leave `" + name):  # fmt: skip
+        PagedCache(config, **options)
+
+
+def test_the_batch_generator_refuses_them_too():
+    from transformers import FalconH1ForCausalLM
+
+    model = FalconH1ForCausalLM(_falcon_h1()).eval()
+    for options in ({"quant": "int8"}, {"num_blocks": 12}, {"eviction": StreamingLLM(budget=12, sinks=2, window=6)}):
+        with pytest.raises(ValueError, match="cannot take effect for FalconH1 model"):
+            BatchGenerator(model, **options)
+
+
+def test_eviction_is_refused_for_a_model_whose_stored_layers_evict_nothing():
+    """Every layer of this Mistral slides: its window keeps each layer's tokens and eviction drops none."""
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8)  # fmt: skip
+    assert PagedCache(config, quant="int8", num_blocks=12).layer_types[0].stored  # what blocks take, it takes
+    with pytest.raises(ValueError, match=r"`eviction` cannot take effect for Mistral model: none of its layers "
+                                         r"\(sliding_attention\) lets eviction drop tokens"):  # fmt: skip
+        PagedCache(config, eviction=StreamingLLM(budget=12, sinks=2, window=6))
