@@ -30,6 +30,7 @@ from transformers.generation.logits_process import (
 )
 
 DEFAULT_MAX_NEW_TOKENS = 20
+NO_EOS = -1  # transformers' continuous batching's `eos_token_id` for "no EOS"
 FIELDS = frozenset(GenerationConfig().to_dict())
 HONOURED = frozenset({"max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature",
                       "top_k", "top_p", "min_p", "repetition_penalty", "eos_token_id", "stop_strings"})  # fmt: skip
@@ -134,7 +135,8 @@ def request_settings(config: GenerationConfig, overrides: Mapping, where: str, p
     values = {name: getattr(config, name) for name in HONOURED}
     values.update({name: value for name, value in overrides.items() if value is not None and name in HONOURED})
     stop_ids = frozenset(() if values["eos_token_id"] is None else
-                         token_ids(values["eos_token_id"], "eos_token_id", vocab, where, single=True))  # fmt: skip
+                         token_ids(_without_disabled(values["eos_token_id"]), "eos_token_id", vocab, where,
+                                   single=True))  # fmt: skip
     do_sample = values["do_sample"] if values["do_sample"] is not None else GENERATE_DEFAULTS["do_sample"]
     if not isinstance(do_sample, bool):
         raise ValueError(f"{where}: `do_sample` must be a bool, got {do_sample!r}")
@@ -183,6 +185,16 @@ def token_ids(value, name: str, vocab: int, where: str, single: bool = False) ->
                 "model's vocabulary); tokenize text first"
             )
     return [int(token) for token in items]
+
+
+def _without_disabled(eos):
+    """`eos_token_id` without `NO_EOS`, transformers' "no EOS" (its `generate_batch` writes it into a generation config
+    that has none, which its callers then pass on)."""
+    if _is_int(eos) and eos == NO_EOS:
+        return []
+    if isinstance(eos, (list, tuple)):
+        return [token for token in eos if not (_is_int(token) and token == NO_EOS)]
+    return eos
 
 
 def _processors(values: dict, stop_ids: frozenset[int], do_sample: bool, prompt_length: int,

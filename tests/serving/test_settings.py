@@ -73,6 +73,30 @@ def test_prompts_and_eos_ids_as_tensors_equal_lists():
         assert output.finish_reason == ("eos" if cut < NEW or eos in expected.generated_tokens else "length")
 
 
+def test_a_generation_config_transformers_generate_batch_used_is_taken_as_it_meant_it():
+    """transformers' continuous batching writes `eos_token_id=-1` ("no EOS") into a generation config that has none;
+    passed on to ours, -1 means the same (in a list too), and ours changes nothing in the caller's config."""
+    from transformers import GenerationConfig
+
+    prompts = random_prompts((5, 9), seed=12)
+    # As `ContinuousMixin.init_continuous_batching` leaves it ("Setting to -1 (disabled)").
+    config = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=-1)
+    before = config.to_dict()
+    expected = [o.generated_tokens for o in clean_run(prompts, max_new_tokens=NEW)]
+    for eos in (-1, [-1], [-1, 300]):
+        config.eos_token_id = eos
+        kept = config.to_dict()
+        if eos == [-1, 300]:  # another negative or out-of-range id is still refused
+            with pytest.raises(ValueError, match=r"`eos_token_id`\[0\] = 300 is not a token id"):
+                clean_run(prompts, generation_config=config)
+            continue
+        outputs = clean_run(prompts, generation_config=config)
+        assert [o.generated_tokens for o in outputs] == expected and {o.finish_reason for o in outputs} == {"length"}
+        assert config.to_dict() == kept
+    config.eos_token_id = -1
+    assert config.to_dict() == before
+
+
 @pytest.mark.parametrize("options", [
     {"repetition_penalty": 1.5},
     {"max_length": 9 + 4},  # the longer prompt's 9 tokens and 4 new ones; max_length caps prompt + new tokens
