@@ -166,15 +166,17 @@ def test_a_forward_that_fails_in_a_recurrent_layer_is_rolled_back_and_changes_no
     options = dict(max_new_tokens=NEW, block_size=4, max_batch_tokens=8)
     expected = [o.generated_tokens for o in generate_batch(model, prompts, **options)]
     layer = model.get_decoder().layers[1]  # a recurrent layer; it fails once, at its 8th per-request call
-    layer.forward = failing(layer.forward, 8, RuntimeError("interrupted"))
+    calls, fails = [], failing(layer.forward, 8, RuntimeError("interrupted"))
+    layer.forward = lambda *args, **kwargs: calls.append(None) or fails(*args, **kwargs)
     try:
         generator = BatchGenerator(model, **options)
         for prompt in prompts:
             generator.add_request(prompt)
-        with pytest.raises(RuntimeError, match="interrupted"):
-            generator.run()
+        while len(calls) < 8:  # up to the step whose forward failed (its requests then run alone)
+            generator.step()
         assert not generator.running and all(request.cache is None for request in generator.waiting)
         assert generator.states.num_free == generator.states.num_slots
-        assert [o.generated_tokens for o in generator.run()] == expected
+        outputs = generator.run()
+        assert [o.generated_tokens for o in outputs] == expected and all(o.error is None for o in outputs)
     finally:
         del layer.forward
