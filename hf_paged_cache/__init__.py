@@ -8,7 +8,7 @@ from .serving.generator import BatchConfig, BatchGenerator, BatchMetrics, Genera
 from .blocks.pool import BlockPool
 from .cache import PagedCache
 from .config import PagedCacheConfig, parse_bytes
-from .errors import CacheFileError, OutOfBlocksError, UnsupportedAttentionError
+from .errors import CacheFileError, OutOfBlocksError, UnsupportedAttentionError, UnsupportedModelError
 from .eviction import (
     H2O,
     TOVA,
@@ -50,6 +50,7 @@ __all__ = [
     "KeyNovelty",
     "OutOfBlocksError",
     "UnsupportedAttentionError",
+    "UnsupportedModelError",
     "PagedCache",
     "PagedCacheConfig",
     "RandomEviction",

@@ -22,6 +22,13 @@ class CacheFileError(ValueError):
     does not fit the given config (another model) or options. Raised before any cache is built."""
 
 
+class UnsupportedModelError(RuntimeError):
+    """The model's code cannot be served the way asked, as its first forward shows (a decoder layer the batch generator
+    cannot call per request, an attention that calls `update()` without kwargs, K/V handed to the "paged" attention
+    read by other code). A property of the model, not of one request: the batch generator raises it, with the step
+    taken back, instead of failing the step's requests one by one."""
+
+
 class UnsupportedAttentionError(ValueError):
     """The model uses an attention feature the `"paged"` attention does not implement (a T5-style position
     bias, sparse attention, KV-shared layers without a named producer, ...). Raised before the cache changes (or

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UnsupportedModelError
+
 # Metadata that attention functions read before computing (shapes, dtypes): harmless, so allowed.
 _METADATA = {
     torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
@@ -43,7 +45,7 @@ class PagedOnlyStates(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func in _METADATA:
             return super().__torch_function__(func, types, args, kwargs)
-        raise RuntimeError(MISREAD)
+        raise UnsupportedModelError(MISREAD)
 
 
 def paged_only(states: torch.Tensor, source=None) -> PagedOnlyStates:

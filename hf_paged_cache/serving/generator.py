@@ -37,7 +37,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from ..blocks.pool import BlockPool
 from ..cache import PagedCache
 from ..config import PagedCacheConfig
-from ..errors import UnsupportedAttentionError
+from ..errors import UnsupportedAttentionError, UnsupportedModelError
 from ..memory.defragment import Fragmentation, defragment, fragmentation, largest_hole_share
 from ..memory.host_heap import keep_freed_host_memory
 from ..paged_attention import ATTENTION_NAME, check_model_features
@@ -59,6 +59,8 @@ __all__ = ["BatchConfig", "BatchGenerator", "BatchMetrics", "GenerationOutput", 
 
 Batch = list[tuple[Request, int]]  # the requests of a step and the tokens each computes
 _log = logging.getLogger(__name__)
+# What a failed forward raises when the model's code, not a request, is at fault: raised, never charged to a request.
+MODEL_REFUSALS = (UnsupportedAttentionError, UnsupportedModelError)
 
 
 class BatchGenerator:
@@ -366,7 +368,7 @@ class BatchGenerator:
     # ------------------------------------------------------------------ forward
     def _forward(self, batch: Batch) -> None:
         """Run the packed forward and sample; nothing is recorded until both succeed for the whole batch. If either
-        raises, the step is rolled back (`_roll_back`). An interrupt, or the model's refusal of the attention,
+        raises, the step is rolled back (`_roll_back`). An interrupt, or a refusal of the model's code (`MODEL_REFUSALS`),
         propagates; any other error is the requests' own: a request alone in its forward finishes with `error`, and
         those of a shared forward are isolated (each runs alone from then on), so the others go on. A request whose
         own sampling fails finishes with `error`; the others are unaffected."""
@@ -380,7 +382,7 @@ class BatchGenerator:
             samples = self._next_tokens(batch, logits)
         except BaseException as error:
             self._roll_back(batch, states)
-            if not isinstance(error, Exception) or isinstance(error, UnsupportedAttentionError):
+            if not isinstance(error, Exception) or isinstance(error, MODEL_REFUSALS):
                 raise
             self._isolate(batch, error)
             return

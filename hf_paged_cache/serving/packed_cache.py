@@ -19,7 +19,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache import PagedCache
 from ..attention.contract import PAGED_KV_KWARG
-from ..errors import UnsupportedAttentionError
+from ..errors import UnsupportedModelError
 from ..layers.handle import PackedPagedKV, PagedKV
 from ..attention.paged_states import paged_only
 from .compiled import CompiledModules
@@ -70,7 +70,7 @@ class PackedCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         attention_kwargs = kwargs.get("kwargs")
         if attention_kwargs is None:
-            raise UnsupportedAttentionError(
+            raise UnsupportedModelError(
                 "This model's attention calls `cache.update()` without attention kwargs, so packed sequences cannot "
                 "be told apart: the batch generator needs a model that passes them (Llama, Mistral, Qwen, Gemma, ...)"
             )

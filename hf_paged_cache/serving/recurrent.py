@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from ..cache import PagedCache
+from ..errors import UnsupportedModelError
 
 CACHE_KWARGS = ("cache", "past_key_values")  # the name transformers passes a decoder layer its cache by
 # Models whose recurrent layers drop their state at a chunk of several tokens (only the one-token step continues
@@ -73,7 +74,7 @@ def _per_request(module: torch.nn.Module, forward, caches: list[PagedCache], spa
     def run(hidden_states: torch.Tensor, *args, **kwargs):
         names = [name for name in CACHE_KWARGS if name in kwargs]
         if args or len(names) != 1:
-            raise RuntimeError(
+            raise UnsupportedModelError(
                 f"{type(module).__name__} is called with positional arguments after the hidden states, or without a "
                 "`cache=` keyword, so the batch generator cannot run it per request: use `model.generate` with a "
                 "`PagedCache` for this model"
@@ -86,8 +87,9 @@ def _per_request(module: torch.nn.Module, forward, caches: list[PagedCache], spa
         if not isinstance(outs[0], tuple):
             return torch.cat(outs, dim=1)
         if len(outs[0]) != 1:
-            raise RuntimeError(f"{type(module).__name__} returns more than its hidden states, which the batch "
-                               "generator cannot join across requests: use `model.generate` with a `PagedCache`")
+            raise UnsupportedModelError(f"{type(module).__name__} returns more than its hidden states, which the "
+                                        "batch generator cannot join across requests: use `model.generate` with a "
+                                        "`PagedCache`")  # fmt: skip
         return (torch.cat([out[0] for out in outs], dim=1),)  # some models' layers return a one-tuple
 
     return run
@@ -104,7 +106,7 @@ def _request_slice(key: str, value, start: int, stop: int):
     if key == "position_embeddings" and value is not None:
         return tuple(part[..., start:stop, :] for part in value)
     if isinstance(value, torch.Tensor) and key not in CACHE_KWARGS:
-        raise RuntimeError(
+        raise UnsupportedModelError(
             f"a decoder layer of this model takes the tensor {key!r}, which the batch generator does not know how to "
             "split by request: use `model.generate` with a `PagedCache` for this model"
         )

@@ -10,7 +10,7 @@ from test_smollm2 import PROMPTS, needs_wheel
 from tiny_models import MODELS_BY_NAME, VOCAB, ProducerlessGemma3nConfig
 from transformers import DynamicCache
 
-from hf_paged_cache import PagedCache, StreamingLLM, UnsupportedAttentionError
+from hf_paged_cache import PagedCache, StreamingLLM, UnsupportedAttentionError, UnsupportedModelError
 from hf_paged_cache.serving.generator import BatchConfig, BatchGenerator, generate_batch
 from hf_paged_cache.serving.settings import RequestSettings
 from hf_paged_cache.smollm2 import load_smollm2
@@ -182,7 +182,7 @@ def test_bad_knobs_and_unsupported_models_fail_clearly():
     with pytest.raises(ValueError, match="prompt_ids"):
         BatchGenerator(tiny_model("llama_gqa")).add_request([])
     model = tiny_model("gpt_neox")  # calls update() without attention kwargs
-    with pytest.raises(UnsupportedAttentionError, match="without attention kwargs"):  # the model's, not a request's
+    with pytest.raises(UnsupportedModelError, match="without attention kwargs"):  # the model's, not a request's
         generate_batch(model, random_prompts((4,)), max_new_tokens=2)
 
 
@@ -342,6 +342,24 @@ def test_a_request_whose_forward_keeps_failing_fails_alone_and_the_others_go_on(
     assert generator.template.metrics().blocks_used == 0 and not generator.has_work()
     later = generator.add_request(prompts[0])
     assert generator.run()[0].generated_tokens == clean[0].generated_tokens and later == 3
+
+
+def test_a_refusal_of_the_models_code_is_raised_not_charged_to_the_requests(monkeypatch):
+    """An `UnsupportedModelError` from inside the forward (here: the recurrent layers' per-request call) is the model's,
+    so it propagates with the step taken back, rather than failing the step's requests one by one."""
+    from hf_paged_cache.serving import generator as generator_module
+
+    def refusing(*args, **kwargs):
+        raise UnsupportedModelError("this decoder layer cannot be called per request")
+
+    monkeypatch.setattr(generator_module, "packed_logits", refusing)
+    generator = BatchGenerator(tiny_model("llama_gqa"), max_new_tokens=NEW, block_size=4)
+    for prompt in random_prompts((5, 9), seed=2):
+        generator.add_request(prompt)
+    with pytest.raises(UnsupportedModelError, match="cannot be called per request"):
+        generator.step()
+    assert not generator.running and len(generator.waiting) == 2 and not generator.finished
+    assert not any(request.isolated for request in generator.waiting)
 
 
 def test_models_the_paged_attention_cannot_serve_are_refused_at_construction():
