@@ -531,6 +531,10 @@ def test_eviction_with_quantization_and_beam_search_on_every_architecture(entry)
         pytest.skip(f"{entry.name} caches latents: eviction is refused for it (see the test below)")
     input_ids, attention_mask = padded_batch((0, 3), 24, seed=6)
     policy = POLICIES["tova"](per_head=entry.name.endswith("gqa"))  # per-head eviction composes too
+    if not any(layer_type.evictable for layer_type in PagedCache(model.config).layer_types):
+        with pytest.raises(ValueError, match="`eviction` cannot take effect .* lets eviction drop tokens"):
+            PagedCache(model.config, block_size=BLOCK, eviction=policy)  # every layer slides: nothing to evict
+        return
     cache = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=4, eviction=policy)
     model.set_attn_implementation("paged")
     with torch.no_grad():

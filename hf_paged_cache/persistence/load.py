@@ -77,6 +77,7 @@ def load_cache(
         except CacheFileError:
             raise
         except ValueError as error:  # options equal to the file's that this config cannot take
+            _check_model_type(header, config.get_text_config(decoder=True))  # another model's config, said as such
             raise CacheFileError(f"its options do not fit this config ({error}): load the file with the config of "
                                  "the model that saved it") from None  # fmt: skip
         with malformed_header():
@@ -196,15 +197,23 @@ def _rename_chunked_groups(header: dict, cache: Cache) -> None:
             saved["name"] = chunked
 
 
+def _check_model_type(header: dict, config: PretrainedConfig, layers: int | None = None) -> None:
+    """Raise if the file's model type (or its layer count, where `layers` is known) is not the config's."""
+    model = header["model"]
+    if model["model_type"] != config.model_type or (layers is not None and model["layers"] != layers):
+        counted = "" if layers is None else f" with {layers} layers"
+        raise CacheFileError(
+            f"the file holds a cache of a {model['model_type']!r} model with {model['layers']} layers, but the config "
+            f"is of a {config.model_type!r} model{counted}: load the file with the config of the model that saved it "
+            "(`model.config`)"
+        )
+
+
 def _check_model(header: dict, tensors: dict[str, torch.Tensor], cache: Cache) -> None:
     """Raise if `cache` (built from the given config and options) cannot hold the file's groups and layers."""
     model, config = header["model"], cache.model_config
     remedy = "load the file with the config of the model that saved it (`model.config`)"
-    if (model["model_type"], model["layers"]) != (config.model_type, len(cache.layers)):
-        raise CacheFileError(
-            f"the file holds a cache of a {model['model_type']!r} model with {model['layers']} layers, but the config "
-            f"is of a {config.model_type!r} model with {len(cache.layers)} layers: {remedy}"
-        )
+    _check_model_type(header, config, len(cache.layers))
     if model["tp_size"] != cache.tp_size:
         raise CacheFileError(
             f"the file was saved by one of {model['tp_size']} tensor-parallel ranks, but this config runs on "
