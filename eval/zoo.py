@@ -47,10 +47,13 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 import hf_paged_cache  # noqa: E402
 from hf_paged_cache import PagedCache, UnsupportedAttentionError, generate_batch  # noqa: E402
 from hf_paged_cache.attention.contract import REMEDY  # noqa: E402
+from hf_paged_cache.layer_types.registry import is_known, layer_type_for  # noqa: E402
 
 VOCAB, PAD_ID, BOS_ID, EOS_ID = 128, 0, 1, 2
 ATOL = 1e-4
-BLOCK_SIZE = 4
+# Block sizes every PagedCache cell runs with, against the windows and chunks of 8 (`OPTIONAL_SIZES`): one that divides
+# them, one that does not (a block straddles a window's or chunk's start), one larger than them.
+BLOCK_SIZES = (4, 3, 16)
 NEW_TOKENS = 6
 PROMPT_LEN = 8
 PADS = (0, 3)  # left padding of the rows of the batch
@@ -176,6 +179,13 @@ def tiny_config(model_type: str):
     return config_class(**kwargs)
 
 
+def stores_blocks(model_type: str) -> bool:
+    """Whether some layer of `model_type`'s tiny config (which keeps every layer kind of its default config, `build`)
+    is one the paged store holds in blocks."""
+    kinds = layer_kinds(tiny_config(model_type))
+    return not kinds or any(is_known(kind) and layer_type_for(kind).stored for kind in kinds)
+
+
 def layer_kinds(config) -> set[str]:
     try:
         return set(get_layer_types_and_kwargs(config)[0])
@@ -242,11 +252,12 @@ MODE_OPTIONS = {
 }
 
 
-def run_mode(model, attn_impl: str, make_cache, mode: str):
-    """One generation of `mode`; `make_cache()` gives the cache (a fresh one for each generate call)."""
+def run_mode(model, attn_impl: str, make_cache, mode: str, block_size: int = BLOCK_SIZES[0]):
+    """One generation of `mode`; `make_cache()` gives the cache (a fresh one for each generate call; None for
+    `generate_batch` in blocks of `block_size`)."""
     model.set_attn_implementation(attn_impl)
     if mode == "batch":
-        return batch_reference(model, make_cache) if make_cache is not None else run_batch(model)
+        return batch_reference(model, make_cache) if make_cache is not None else run_batch(model, block_size)
     options = dict(MODE_OPTIONS[mode])
     seed = options.pop("seed", None)
     input_ids, attention_mask = padded_batch(seed=MODES.index(mode))
@@ -275,9 +286,9 @@ def batch_reference(model, make_cache) -> list[list[int]]:
     return outputs
 
 
-def run_batch(model) -> list[list[int]]:
+def run_batch(model, block_size: int) -> list[list[int]]:
     outputs = generate_batch(model, batch_prompts(), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             block_size=BLOCK_SIZE, max_batch_tokens=8)  # fmt: skip
+                             block_size=block_size, max_batch_tokens=8)  # fmt: skip
     errors = [output.error for output in outputs if output.error]
     if errors:
         raise RuntimeError(f"generate_batch finished a request with an error: {errors[0]}")
@@ -376,14 +387,7 @@ def sweep_model(model_type: str, modes, time_limit: float) -> ModelResult:
                 result.cells[key] = Cell("n/a", f"the model ignores attn_implementation (its attention is its own, "
                                          f"{result.gather_impl}): a PagedCache serves it through the gather path")
                 continue
-            paged = (lambda: PagedCache(model.config, block_size=BLOCK_SIZE)) if mode != "batch" else None
-            try:
-                difference = compare(expected, run_mode(model, impl, paged, mode))
-                result.cells[key] = Cell("differs", difference) if difference else Cell("exact")
-            except ZooTimeout:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                result.cells[key] = classify_failure(exc)
+            result.cells[key] = run_cell(model, impl, mode, expected)
     except ZooTimeout as exc:
         for path, mode in cells:
             result.cells.setdefault(f"{path}/{mode}", Cell("timeout", str(exc)))
@@ -392,6 +396,25 @@ def sweep_model(model_type: str, modes, time_limit: float) -> ModelResult:
         signal.signal(signal.SIGALRM, previous)
         result.seconds = time.perf_counter() - start
     return result
+
+
+def run_cell(model, impl: str, mode: str, expected) -> Cell:
+    """A PagedCache cell at every block size of `BLOCK_SIZES`: exact only if every one is; a difference or raw error
+    names the block size it came at."""
+    for block_size in BLOCK_SIZES:
+        paged = (lambda: PagedCache(model.config, block_size=block_size)) if mode != "batch" else None  # noqa: B023
+        try:
+            difference = compare(expected, run_mode(model, impl, paged, mode, block_size))
+        except ZooTimeout:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            cell = classify_failure(exc)
+            if cell.status == "error":
+                cell.detail = f"block_size {block_size}: {cell.detail}"
+            return cell
+        if difference:
+            return Cell("differs", f"block_size {block_size}: {difference}")
+    return Cell("exact")
 
 
 def model_types(selected: str | None) -> list[str]:
@@ -477,6 +500,15 @@ def markdown(results: list[ModelResult], modes, command: str) -> str:
         for detail, models in sorted(entries, key=lambda entry: sorted(entry[1])):
             where = "; ".join(f"{model} ({', '.join(columns)})" for model, columns in models.items())
             lines.append(f"- {where}: {detail}")
+    blockless = [r.model_type for r in swept if not stores_blocks(r.model_type)]
+    if blockless:
+        lines += ["", "## Models that store no blocks", "",
+                  "Every layer of these keeps its own state in transformers' layer classes (recurrent, convolutional, or "
+                  "hybrid layers holding their attention K/V themselves, as Falcon-H1's), so a `PagedCache` holds "
+                  "nothing in blocks for them: options that act on blocks (`num_blocks`, `max_memory`, "
+                  "`initial_blocks`, `quant`, `eviction`, `share_with`) are refused, and the cache serves them as "
+                  "`DynamicCache` would: "
+                  + ", ".join(f"`{name}`" for name in blockless) + "."]  # fmt: skip
     skipped = [r for r in results if r.skipped]
     if skipped:
         lines += ["", "## Not swept", "", "| model type | class | why |", "|---|---|---|"]
@@ -488,8 +520,10 @@ def markdown(results: list[ModelResult], modes, command: str) -> str:
         "`PagedCache` and with `DynamicCache`. *gather*: the model's own attention (\"sdpa\", or \"eager\" where it "
         "has no SDPA) on K/V gathered from the blocks; *paged*: `attn_implementation=\"paged\"`; *batch*: "
         "`generate_batch` against each prompt generated alone with DynamicCache. Modes: greedy on a left-padded batch, "
-        "beam search (2 beams), seeded sampling, chunked prefill (`prefill_chunk_size=3`). Exact means the same tokens "
-        "and logits within 1e-4 (relative to the largest logit when it is above 1).", "",
+        "beam search (2 beams), seeded sampling, chunked prefill (`prefill_chunk_size=3`). Every PagedCache cell runs "
+        f"with blocks of {', '.join(map(str, BLOCK_SIZES))} tokens against windows and chunks of 8 (dividing them, not "
+        "dividing them, larger); exact means the same tokens and logits within 1e-4 (relative to the largest logit "
+        "when it is above 1) at every block size.", "",
     ]  # fmt: skip
     return "\n".join(header + lines) + "\n"
 
