@@ -1,4 +1,4 @@
-"""Products of few rows: the C++ few-rows kernel (`kernels/cpu_linear.py`) against oneDNN's product on weights packed
+"""Products of few rows: the C++ few-rows kernel (`kernels/src/cpu_linear.py`) against oneDNN's product on weights packed
 once (as `prepack_weights` keeps them), on SmolLM2-135M's layer shapes, for each of `--rows` (issue 25): where
 `cpu_linear.FEW_ROWS` comes from.
 

@@ -34,11 +34,16 @@ def test_every_package_directory_is_installed():
 
 
 def test_the_kernels_are_installed_from_their_folder():
-    assert _settings()["package-dir"] == {"hf_paged_cache.kernels": "kernels"}
+    assert _settings()["package-dir"] == {"hf_paged_cache.kernels": "kernels/src"}
+
+
+def test_the_top_level_kernels_folder_is_no_package():
+    """With an `__init__.py`, `kernels/` would shadow HF's `kernels` package from the repository root."""
+    assert (ROOT / "kernels").is_dir() and not (ROOT / "kernels" / "__init__.py").exists()
 
 
 def test_the_kernels_c_plus_plus_sources_are_installed():
     """The CPU attention kernel is compiled from its source where it runs: a wheel without the .cpp falls back silently."""
     patterns = _settings()["package-data"]["hf_paged_cache.kernels"]
-    sources = sorted(path.name for path in (ROOT / "kernels").glob("*.cpp"))
+    sources = sorted(path.name for path in (ROOT / "kernels" / "src").glob("*.cpp"))
     assert sources and all(any(Path(name).match(pattern) for pattern in patterns) for name in sources)

@@ -4,7 +4,7 @@ Outside its matrix products an eager decoder layer of a small model still costs 
 is six small ops, the rotary embedding twelve, each residual add another pass over the tokens, each module call its
 Python. A layer whose code is transformers' Llama code (the same bytecode for the layer, its attention, norms and
 gated-SiLU MLP, with plain float32 linears on oneDNN and no hooks) runs instead as: one C++ norm, the three
-projections, one C++ rotary op (`kernels/cpu_layer.py`), the cache's `update` and the attention exactly as the model
+projections, one C++ rotary op (`kernels/src/cpu_layer.py`), the cache's `update` and the attention exactly as the model
 calls them, the output projection with the residual added in the product, one norm, and the MLP with the residual
 added in its down product (`onednn.py`). Only the norm's mean sums in another order, a last-bit difference.
 

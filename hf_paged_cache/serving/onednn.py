@@ -11,7 +11,7 @@ the gate product's post-op and the product with it the up product's, so the two 
 elementwise passes, and the fresh memory their outputs take, are gone.
 
 A product of few rows (a step of decode tokens: at most `cpu_linear.FEW_ROWS`) in float32 runs the C++ kernel of
-`kernels/cpu_linear.py` instead, on the plain weight: it streams the weight once for all the rows, where oneDNN's
+`kernels/src/cpu_linear.py` instead, on the plain weight: it streams the weight once for all the rows, where oneDNN's
 kernels (tuned for many rows) run slower, and needs no packed copy.
 
 oneDNN reorders a plain weight into its own blocked layout at every product, a pass over the whole weight that costs
@@ -136,7 +136,7 @@ def _weight(module: torch.nn.Linear, packed: PackedWeights | None) -> torch.Tens
 
 
 def _few_rows(inputs: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a product of `inputs` with `weight` runs on the few-rows kernel (`kernels/cpu_linear.py`)."""
+    """Whether a product of `inputs` with `weight` runs on the few-rows kernel (`kernels/src/cpu_linear.py`)."""
     return (inputs.numel() <= cpu_linear.FEW_ROWS * inputs.shape[-1] and weight.dtype == torch.float32
             and cpu_attention.available())  # fmt: skip
 

@@ -2,7 +2,7 @@
 
 ``import transformers`` imports triton; triton's own @jit helpers (tl.max, tl.sum, ...) are then
 compiled-mode functions that the interpreter cannot call, so the kernels must not use them (see
-kernels/common.py). Checked in a fresh process, where the import order is under control.
+kernels/src/common.py). Checked in a fresh process, where the import order is under control.
 """
 
 import os

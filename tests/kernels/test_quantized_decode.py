@@ -1,7 +1,7 @@
 """paged_decode_attention over a quantized prefix, against paged_decode_attention_ref(quantized=...).
 
 Each KV format of the kernels' format axis runs once, the dtype, head dim, block size and group cycled
-(bf16 runs fp32 dots under the interpreter, see kernels/common.py). Rows are ragged: full precision only,
+(bf16 runs fp32 dots under the interpreter, see kernels/src/common.py). Rows are ragged: full precision only,
 quantized only (no full-precision token), both with the prefix ending inside a 64-key tile, a partial
 last block, and an empty row. The reference itself is checked against dense attention over the
 dequantized K/V.
