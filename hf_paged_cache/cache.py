@@ -362,10 +362,12 @@ class PagedCache(ForkingCache, Cache):
         for layer in self.paged_layers:
             layer.sync_length()
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs: Any) -> None:
+        """Keep what a later `crop` rolls back into (assisted and prompt-lookup decoding): blocks that leave a window,
+        and, through transformers' own layers, the recurrent states `kwargs` ask for (`recurrent_states_to_keep`)."""
         for group in self.groups.values():
             group.record_past = True
-        super().activate_past_recording()
+        super().activate_past_recording(**kwargs)
 
     # ------------------------------------------------------------------ accounting
     def metrics(self) -> CacheMetrics:

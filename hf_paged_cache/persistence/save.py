@@ -110,9 +110,10 @@ def _check_savable(cache: Cache) -> None:
 
 
 def _holds_tensors(layer) -> bool:
-    """Whether a layer transformers stores (not in blocks) holds any state, as tensors or dicts of them."""
+    """Whether a layer transformers stores (not in blocks) holds any state, as tensors or dicts of them. A scalar is
+    bookkeeping, not state (transformers 5.25's linear layers count their tokens in one from the start)."""
     values = [v for value in vars(layer).values() for v in (value.values() if isinstance(value, dict) else [value])]
-    return any(isinstance(value, torch.Tensor) for value in values)
+    return any(isinstance(value, torch.Tensor) and value.dim() > 0 for value in values)
 
 
 def _save_group(group: BlockTables, used: list[int], qused: list[int], prefix: str,

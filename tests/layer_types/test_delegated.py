@@ -1,7 +1,13 @@
 """Types the paged store does not hold: transformers' own layers serve them."""
 
+import sys
+from pathlib import Path
+
 import pytest
-from transformers import FalconH1Config, LlamaConfig, MistralConfig
+import torch
+import transformers
+from packaging.version import Version
+from transformers import DynamicCache, FalconH1Config, LlamaConfig, MistralConfig
 from transformers.cache_utils import LinearAttentionAndSlidingWindowAttentionLayer, LinearAttentionLayer
 
 from hf_paged_cache import PagedCache, StreamingLLM
@@ -71,3 +77,35 @@ def test_eviction_is_refused_for_a_model_whose_stored_layers_evict_nothing():
     with pytest.raises(ValueError, match=r"`eviction` cannot take effect for Mistral model: none of its layers "
                                          r"\(sliding_attention\) lets eviction drop tokens"):  # fmt: skip
         PagedCache(config, eviction=StreamingLLM(budget=12, sinks=2, window=6))
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))
+import zoo  # noqa: E402
+
+# transformers 5.25 keeps the recurrent states of the tokens a crop may take back (`recurrent_states_to_keep`).
+ROLLS_BACK_STATES = Version(transformers.__version__) >= Version("5.25")
+
+
+@pytest.mark.parametrize("decoding", ["prompt_lookup", "assisted"])
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2", "falcon_h1"])  # gated delta net, short convolutions, Mamba-2
+def test_speculative_roll_back_on_a_hybrid_model_equals_dynamic_cache(name, decoding):
+    """Candidates a step rejects are cropped off: the blocks by the cache, the recurrent and conv states by
+    transformers' own layers, which keep the states to roll back to when `generate` asks
+    (`activate_past_recording(recurrent_states_to_keep=...)`). Where transformers cannot roll a recurrent state back
+    (before 5.25), it refuses the model itself, for DynamicCache alike."""
+    model, implementation = zoo.build(name)
+    model.set_attn_implementation(implementation)
+    base = torch.randint(3, zoo.VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    ids = torch.cat([base, base, base, base[:, :3]], 1)  # repeats, so prompt lookup finds candidates
+    extra = {"prompt_lookup_num_tokens": 3} if decoding == "prompt_lookup" else {"assistant_model": zoo.build(name)[0]}
+    outputs = []
+    for cache in (DynamicCache(config=model.config), PagedCache(model.config, block_size=4)):
+        try:
+            with torch.no_grad():
+                outputs.append(model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=12,
+                                              do_sample=False, pad_token_id=zoo.PAD_ID, **extra)[0].tolist())  # fmt: skip
+        except ValueError as error:
+            assert not ROLLS_BACK_STATES and "not supported with stateful models" in str(error)
+            outputs.append("refused")
+    assert outputs[0] == outputs[1]
+    assert outputs[0] != "refused" or name != "lfm2"  # a conv state alone rolls back on either release

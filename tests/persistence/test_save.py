@@ -58,3 +58,22 @@ def test_a_write_protected_file_is_replaced_only_with_overwrite(plain, tmp_path)
     assert other.read_bytes() != data and PagedCache.load(other, model.config).options == cache.options
     with pytest.raises(TypeError, match="`overwrite` must be a bool"):
         cache.save(other, overwrite="yes")
+
+
+def test_a_hybrid_cache_saves_until_its_recurrent_layers_hold_state(tmp_path):
+    """transformers' own recurrent layers are not saved: an empty one (whose token counter, a scalar, is no state) lets
+    the cache be saved; once a forward filled it, the save is refused and writes nothing."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))
+    import zoo
+
+    model, _implementation = zoo.build("qwen3_next")
+    cache = PagedCache(model.config, block_size=4)
+    cache.save(tmp_path / "empty.safetensors")
+    with torch.no_grad():
+        model(input_ids=torch.arange(3, 9)[None], cache=cache)
+    with pytest.raises(ValueError, match="layer 0 is a transformers LinearAttentionLayer .* holds state"):
+        cache.save(tmp_path / "filled.safetensors")
+    assert not (tmp_path / "filled.safetensors").exists()
