@@ -38,13 +38,13 @@ STEPS=$WORK/steps.tsv
 : > "$STEPS"
 export PYTHON OUT DRY PYTHONUNBUFFERED=1
 
-# hf_paged_cache from this tree without installing it: its package maps hf_paged_cache.kernels to kernels/
+# hf_paged_cache from this tree without installing it: its package maps hf_paged_cache.kernels to kernels/src/
 # (pyproject.toml), so a folder of links stands in for the install. The steps run from $WORK: from the
 # repository root, `python -m` and `python -` would find its bare hf_paged_cache/ (no kernels) first.
 STAGE=$WORK/stage/hf_paged_cache
 mkdir -p "$STAGE"
 for entry in "$REPO"/hf_paged_cache/*; do ln -s "$entry" "$STAGE/"; done
-ln -s "$REPO/kernels" "$STAGE/kernels"
+ln -s "$REPO/kernels/src" "$STAGE/kernels"
 export PYTHONPATH=$WORK/stage${PYTHONPATH:+:$PYTHONPATH} REPO
 case "$PYTHON" in /*) ;; */*) PYTHON=$REPO/$PYTHON ;; esac  # a relative path keeps working from $WORK
 
@@ -63,7 +63,7 @@ record() {
   $PYTHON "$REPO/eval/gpu_check_summary.py" "$STEPS" "$OUT" $([ "$DRY" = 1 ] && echo --dry-run) > "$WORK/table.txt" 2>> "$LOG"
 }
 
-# 1. wheels: transformers >= 5.24 (and what it needs newer than the device has), carried in .whl/.
+# 1. wheels: a supported transformers (and what it needs newer than the device has), carried in .whl/.
 if compgen -G ".whl/*.whl" > /dev/null; then
   if [ "$DRY" = 1 ]; then  # check the wheels install for the device's Python, without using them here
     step wheels 30 wheels.txt '$PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -105,8 +105,8 @@ nvidia-smi || echo "nvidia-smi: not available"; } > "$OUT/versions.txt" 2>&1; ca
 
 # 3. CUDA tests: on CUDA tests/kernels run compiled (conftest sets TRITON_INTERPRET only without CUDA); their
 # parametrisations are pairwise subsets of the variant grid. The dry run interprets two of them.
-CUDA_TESTS="$REPO/tests/test_copy_stream.py::test_cuda_copies_run_on_a_side_stream_after_the_compute_stream \
-$REPO/tests/test_swap.py::test_cuda_side_stream_swaps_match_synchronous_ones \
+CUDA_TESTS="$REPO/tests/memory/test_copy_stream.py::test_cuda_copies_run_on_a_side_stream_after_the_compute_stream \
+$REPO/tests/memory/test_swap.py::test_cuda_side_stream_swaps_match_synchronous_ones \
 $REPO/tests/serving/test_preemption.py::test_cuda_side_stream_copies_give_the_synchronous_outputs"
 if [ "$DRY" = 1 ]; then
   KERNEL_TESTS="$REPO/tests/kernels/test_paged_decode.py::test_decode_empty_batch \
