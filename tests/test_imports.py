@@ -19,7 +19,7 @@ PACKAGE = Path(hf_paged_cache.__file__).parent
 KERNELS = Path(hf_paged_cache.kernels.__file__).parent
 LAYERS = ["errors", "distributed", "quantization", "kernels", "blocks", "attention", "layers", "eviction", "config",
           "layer_types", "sequence_state", "accounting", "paged_attention", "cache_step", "forks", "persistence",
-          "cache", "memory", "inspection", "serving", "scoring", "smollm2", "capacity", "demo"]  # fmt: skip
+          "cache", "memory", "inspection", "forwards", "cpu_runtime", "serving", "scoring", "smollm2", "capacity", "demo"]  # fmt: skip
 
 
 def _modules() -> dict[str, Path]:

@@ -68,11 +68,11 @@ class BatchConfig:
         scheduler: the order running requests get a step's tokens in (a `Scheduler`, or its name):
             `"decode_first"` (`DecodeFirst`, decode tokens first, by victim priority) or `"fifo"` (`FIFO`).
         compile: run the packed forwards with the decoder layers' feed-forward blocks and norms compiled
-            (`torch.compile`, dynamic shapes; `compiled.py`): faster steps after a compile on the first ones. Fused
+            (`torch.compile`, dynamic shapes; `cpu_runtime/compiled.py`): faster steps after a compile on the first ones. Fused
             kernels round differently in the last bits, so a greedy token may, rarely, differ from eager `generate`.
         onednn: run the packed forwards' `nn.Linear` layers whose weights are on the CPU through oneDNN's matrix
-            product (`onednn.py`) rather than torch's BLAS, which is slower on some CPUs, Llama-style gated-SiLU
-            MLPs as two fused products, and decoder layers of Llama's code as one fused forward (`fused_layers.py`,
+            product (`cpu_runtime/onednn.py`) rather than torch's BLAS, which is slower on some CPUs, Llama-style gated-SiLU
+            MLPs as two fused products, and decoder layers of Llama's code as one fused forward (`cpu_runtime/fused_layers.py`,
             not with `compile`); no effect elsewhere. Its kernels round differently in the last bits, so a
             greedy token may, rarely, differ from eager `generate`.
         prepack_weights: with `onednn`, keep those layers' weights in oneDNN's own layout, packed once when the

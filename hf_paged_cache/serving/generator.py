@@ -37,15 +37,15 @@ from transformers import GenerationConfig, PreTrainedModel
 from ..blocks.pool import BlockPool
 from ..cache import PagedCache
 from ..config import PagedCacheConfig
+from ..cpu_runtime.compiled import CompiledModules
+from ..cpu_runtime.fused_layers import FusedDecoderLayers
+from ..cpu_runtime.onednn import OneDnnLinears
 from ..errors import UnsupportedAttentionError, UnsupportedModelError
 from ..memory.defragment import Fragmentation, defragment, fragmentation, largest_hole_share
 from ..memory.host_heap import keep_freed_host_memory
 from ..paged_attention import ATTENTION_NAME, check_model_features
 from .batch_config import BatchConfig, pools_up_front, split_options
 from .metrics import BatchMetrics, ServingCounters
-from .compiled import CompiledModules
-from .fused_layers import FusedDecoderLayers
-from .onednn import OneDnnLinears
 from .packed_cache import check_packable, layer_sliding, packed_logits
 from .preemption import RECOMPUTE, SWAP
 from .prefix_cache import PrefixCache

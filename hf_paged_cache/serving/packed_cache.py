@@ -22,9 +22,9 @@ from ..attention.contract import PAGED_KV_KWARG
 from ..errors import UnsupportedModelError
 from ..layers.handle import PackedPagedKV, PagedKV
 from ..attention.paged_states import paged_only
-from .compiled import CompiledModules
-from .fused_layers import FusedDecoderLayers
-from .onednn import OneDnnLinears
+from ..cpu_runtime.compiled import CompiledModules
+from ..cpu_runtime.fused_layers import FusedDecoderLayers
+from ..cpu_runtime.onednn import OneDnnLinears
 from .recurrent import PerRequestLayers
 
 

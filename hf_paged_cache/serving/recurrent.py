@@ -9,14 +9,14 @@ empty before its first chunk), and the outputs are concatenated back in order.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from ..cache import PagedCache
 from ..errors import UnsupportedModelError
+from ..forwards import decoder_layers, swapped_forwards
 
 CACHE_KWARGS = ("cache", "past_key_values")  # the name transformers passes a decoder layer its cache by
 # Models whose recurrent layers drop their state at a chunk of several tokens (only the one-token step continues
@@ -52,22 +52,6 @@ class PerRequestLayers:
         """Within the block, the layers run per request (`caches[i]` takes tokens `spans[i]`)."""
         return swapped_forwards(self.layers, [_per_request(module, module.forward, caches, spans)
                                               for module in self.layers])  # fmt: skip
-
-
-@contextmanager
-def swapped_forwards(modules: list[torch.nn.Module], forwards: list) -> Iterator[None]:
-    """Within the block, `modules[i]` runs `forwards[i]`; after it, each runs what it ran before."""
-    saved = [module.__dict__.get("forward") for module in modules]  # an accelerate hook sets its own
-    try:
-        for module, forward in zip(modules, forwards):
-            module.forward = forward
-        yield
-    finally:
-        for module, forward in zip(modules, saved):
-            if forward is None:
-                del module.forward
-            else:
-                module.forward = forward
 
 
 def _per_request(module: torch.nn.Module, forward, caches: list[PagedCache], spans: list[tuple[int, int]]):
@@ -111,22 +95,6 @@ def _request_slice(key: str, value, start: int, stop: int):
             "split by request: use `model.generate` with a `PagedCache` for this model"
         )
     return value
-
-
-def decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:
-    """The decoder layers of `model`, in `layer_types` order: its decoder's `layers` list (or its one list of at
-    least `num_layers` modules)."""
-    decoder = model.get_decoder()
-    lists = {name: module for name, module in decoder.named_children()
-             if isinstance(module, torch.nn.ModuleList) and len(module) >= num_layers}  # fmt: skip
-    if "layers" in lists:
-        return lists["layers"]
-    if len(lists) == 1:
-        return next(iter(lists.values()))
-    raise ValueError(
-        f"{type(decoder).__name__} has {'no' if not lists else 'more than one'} list of {num_layers} decoder layers, "
-        "so the batch generator cannot run its recurrent layers per request: use `model.generate` with a `PagedCache`"
-    )
 
 
 def per_request_indices(cache: PagedCache) -> list[int]:

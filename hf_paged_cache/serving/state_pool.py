@@ -20,7 +20,8 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from ..cache import PagedCache
 from ..sequence_state import SequenceState, StateTensor, layer_states, sequence_state
-from .recurrent import decoder_layers, holds_state, state_bytes
+from ..forwards import decoder_layers
+from .recurrent import holds_state, state_bytes
 
 
 class StatePool:

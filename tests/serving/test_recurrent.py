@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig
 
 from hf_paged_cache import PagedCache
-from hf_paged_cache.serving.recurrent import PerRequestLayers, decoder_layers, holds_state, state_bytes
+from hf_paged_cache.serving.recurrent import PerRequestLayers, holds_state, state_bytes
 
 
 class Recording(torch.nn.Module):
@@ -71,13 +71,9 @@ def test_a_tensor_argument_it_cannot_split_is_refused_and_forward_is_restored():
     assert model.decoder.layers[0].__dict__["forward"] == hooked
 
 
-def test_models_without_recurrent_layers_need_no_split_and_a_model_without_layers_is_refused():
+def test_models_without_recurrent_layers_need_no_split():
     assert PerRequestLayers.of(Model(), _cache("full_attention")) is None
     assert not holds_state(_cache("full_attention")) and holds_state(_cache())
-    model = Model(3)
-    assert decoder_layers(model, 2) is model.decoder.layers
-    with pytest.raises(ValueError, match="has no list of 4 decoder layers"):
-        decoder_layers(Model(2), 4)
 
 
 def test_state_bytes_count_the_recurrent_and_conv_states():

@@ -13,10 +13,10 @@ from transformers import DynamicCache, Ernie4_5Config, Ernie4_5ForCausalLM
 from hf_paged_cache import PagedCache, paged_attention
 from hf_paged_cache.kernels import cpu_attention
 from hf_paged_cache.layers.handle import PackedPagedKV
-from hf_paged_cache.serving import fused_layers
-from hf_paged_cache.serving.fused_layers import FusedDecoderLayers
+from hf_paged_cache.cpu_runtime import fused_layers
+from hf_paged_cache.cpu_runtime.fused_layers import FusedDecoderLayers
 from hf_paged_cache.serving.generator import BatchGenerator
-from hf_paged_cache.serving.onednn import OneDnnLinears, onednn_available
+from hf_paged_cache.cpu_runtime.onednn import OneDnnLinears, onednn_available
 from hf_paged_cache.serving.packed_cache import layer_sliding, packed_logits
 
 pytestmark = [

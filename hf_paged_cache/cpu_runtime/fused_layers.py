@@ -33,11 +33,11 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from ..attention.contract import PAGED_KV_KWARG
+from ..forwards import decoder_layers, has_global_hooks, hooked, same_code, swapped_forwards
 from ..kernels import cpu_attention, cpu_layer
 from ..layers.handle import PackedPagedKV
 from ..paged_attention import paged_attention_forward
-from .onednn import OneDnnLinears, has_global_hooks, hooked, same_code
-from .recurrent import decoder_layers, swapped_forwards
+from .onednn import OneDnnLinears
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 

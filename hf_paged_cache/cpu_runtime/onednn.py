@@ -24,17 +24,15 @@ through `.data` is not seen.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Collection
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
-from torch.nn.modules import module as nn_module
 from transformers.activations import SiLUActivation
 from transformers.models.llama.modeling_llama import LlamaMLP
 
+from ..forwards import hooked, same_code, swapped_forwards
 from ..kernels import cpu_attention, cpu_linear
-from .recurrent import swapped_forwards
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -51,35 +49,6 @@ def _runs_on_onednn(module: torch.nn.Module) -> bool:
             and "forward" not in module.__dict__)  # fmt: skip
 
 
-def same_code(first, second, _compared: set | None = None) -> bool:
-    """Whether two functions (or methods, their decorators unwrapped) run the same code: the same bytecode and
-    defaults, and every module-level name `second` reads bound in `first`'s module to the same object or to a function
-    of the same code in turn (a model's modular copy of transformers' Llama code is, unless it swaps a helper: Ernie
-    4.5's attention is Llama's bytecode calling its own interleaved `apply_rotary_pos_emb`)."""
-    first, second = inspect.unwrap(first), inspect.unwrap(second)
-    if first is second:
-        return True
-    if not (inspect.isfunction(first) and inspect.isfunction(second)):
-        return False
-    if any(getattr(first.__code__, name) != getattr(second.__code__, name)
-           for name in ("co_code", "co_names", "co_consts", "co_varnames")):  # fmt: skip
-        return False
-    if (first.__defaults__, first.__kwdefaults__) != (second.__defaults__, second.__kwdefaults__):
-        return False
-    compared = set() if _compared is None else _compared
-    if (id(first), id(second)) in compared:  # under comparison further up (recursion): the rest decides
-        return True
-    compared.add((id(first), id(second)))
-    missing = object()
-    for name in second.__code__.co_names:
-        if name not in second.__globals__:
-            continue  # an attribute's name, or a builtin
-        ours, theirs = first.__globals__.get(name, missing), second.__globals__[name]
-        if ours is not theirs and not same_code(ours, theirs, compared):
-            return False
-    return True
-
-
 def _is_gated_silu_mlp(module: torch.nn.Module) -> bool:
     """An MLP whose forward is Llama's code (the same bytecode: the modular copies, Qwen2's, Mistral's, ..., are) over
     plain linears oneDNN runs, with no hooks the fused forward would skip, and a plain SiLU."""
@@ -90,19 +59,6 @@ def _is_gated_silu_mlp(module: torch.nn.Module) -> bool:
     return (all(isinstance(linear, torch.nn.Module) and _runs_on_onednn(linear) and not hooked(linear) for linear in linears)
             and type(act) in (torch.nn.SiLU, SiLUActivation) and "forward" not in act.__dict__ and not hooked(act)
             and len({linear.weight.dtype for linear in linears}) == 1)  # fmt: skip
-
-
-def has_global_hooks() -> bool:
-    """Whether forward hooks registered for every module (`register_module_forward_hook`...) are set: a fused forward
-    that does not call a module would skip them."""
-    # torch has no public query for them either.
-    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
-
-
-def hooked(module: torch.nn.Module) -> bool:
-    """Whether `module` has forward hooks, which a fused forward that does not call it would skip."""
-    # nn.Module has no public query for its hooks.
-    return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
 class PackedWeights:

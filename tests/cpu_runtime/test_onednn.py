@@ -15,7 +15,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 from hf_paged_cache.kernels import cpu_attention, cpu_linear
 from hf_paged_cache.serving.batch_config import BatchConfig
 from hf_paged_cache.serving.generator import BatchGenerator
-from hf_paged_cache.serving.onednn import OneDnnLinears, onednn_available, same_code
+from hf_paged_cache.cpu_runtime.onednn import OneDnnLinears, onednn_available
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -200,22 +200,3 @@ def test_prepack_weights_needs_onednn_and_must_be_a_bool():
         BatchConfig(prepack_weights=True, onednn=False)
     with pytest.raises(ValueError, match="`prepack_weights` must be a bool"):
         BatchConfig(prepack_weights="yes")
-
-
-def _doubled(x):
-    return 2 * x
-
-
-def _helper_user(x):
-    return _doubled(x) + 1
-
-
-def test_same_code_follows_the_module_level_helpers_a_function_calls():
-    """The same bytecode calling a helper of another code is other code; decorators are unwrapped; defaults count."""
-    copy = type(_helper_user)(_helper_user.__code__, {**_helper_user.__globals__, "_doubled": lambda x: 3 * x})
-    alias = type(_helper_user)(_helper_user.__code__, {**_helper_user.__globals__,
-                                                       "_doubled": type(_doubled)(_doubled.__code__, {})})  # fmt: skip
-    assert same_code(alias, _helper_user) and not same_code(copy, _helper_user)
-    assert same_code(functools.wraps(_helper_user)(lambda x: x), _helper_user)  # unwrapped to `_helper_user`
-    with_default = type(_doubled)(_doubled.__code__, _doubled.__globals__, argdefs=(1,))
-    assert not same_code(with_default, _doubled)

@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from .recurrent import decoder_layers, swapped_forwards
+from ..forwards import decoder_layers, swapped_forwards
 
 
 def maps_one_tensor(module: torch.nn.Module) -> bool:

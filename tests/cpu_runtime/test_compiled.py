@@ -10,7 +10,7 @@ from tiny_models import MODELS_BY_NAME
 from transformers import DynamicCache
 
 from hf_paged_cache.serving.batch_config import BatchConfig
-from hf_paged_cache.serving.compiled import CompiledModules, maps_one_tensor
+from hf_paged_cache.cpu_runtime.compiled import CompiledModules, maps_one_tensor
 from hf_paged_cache.serving.generator import BatchGenerator
 
 pytestmark = pytest.mark.usefixtures("one_thread")
