@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
         for _ in range(args.steps):
             generator.step()
         windows.append((time.perf_counter() - start) / args.steps)
-    assert all(len(request.output.generated_tokens) > 1 for request in generator.running), "not every request decoded"
+    assert all(len(request.output.generated_tokens) > 1 for request in generator.requests.running), "not every request decoded"
     result = {"model": args.model, "requests": args.requests, "lengths": [args.min_len, args.max_len],
               "step_seconds": statistics.median(windows), "windows": windows}  # fmt: skip
     print({k: v for k, v in result.items() if k != "windows"}, flush=True)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import PagedCache
+from .request_memory import RequestMemory
 from .settings import RequestSettings
 
 
@@ -30,11 +31,11 @@ class GenerationOutput:
 
 @dataclass
 class Request:
-    """A queued, running or preempted request: its output so far, its settings and its cache (None while queued)."""
+    """A queued, running or preempted request: its output so far, its settings and its memory."""
 
     output: GenerationOutput
     settings: RequestSettings
-    cache: PagedCache | None = None
+    memory: RequestMemory | None = None  # its cache and state slot (None while queued without a prefix hit)
     fed: int = 0  # tokens in its cache
     keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
     last_step: int = -1  # the step it was last scheduled in
@@ -46,6 +47,11 @@ class Request:
     @property
     def request_id(self) -> int:
         return self.output.request_id
+
+    @property
+    def cache(self) -> PagedCache | None:
+        """Its cache, which its memory holds."""
+        return None if self.memory is None else self.memory.cache
 
     @property
     def tokens(self) -> list[int]:

@@ -17,7 +17,7 @@ from hf_paged_cache.cpu_runtime import fused_layers
 from hf_paged_cache.cpu_runtime.fused_layers import FusedDecoderLayers
 from hf_paged_cache.serving.generator import BatchGenerator
 from hf_paged_cache.cpu_runtime.onednn import OneDnnLinears, onednn_available
-from hf_paged_cache.serving.packed_cache import layer_sliding, packed_logits
+from hf_paged_cache.serving.runner import layer_sliding, packed_logits
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

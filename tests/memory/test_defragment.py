@@ -25,14 +25,14 @@ def _generator(options: dict) -> BatchGenerator:
 def test_compaction_packs_the_pool_and_changes_no_contents_or_outputs(options, keep_free):
     expected = [o.generated_tokens for o in _generator(options).run()]
     generator = _generator(options)
-    while not (generator.finished and len(generator.running) > 1):  # a request left holes behind
+    while not (generator.finished and len(generator.requests.running) > 1):  # a request left holes behind
         generator.step()
-    late = [request.output.request_id for request in generator.waiting]
-    before = [stored_blocks(request.cache) for request in generator.running]
+    late = [request.output.request_id for request in generator.requests.waiting]
+    before = [stored_blocks(request.cache) for request in generator.requests.running]
     fragmented, packed = generator.compact(keep_free)
     assert any(f.holes for f in fragmented.values())
     assert all(f.holes == 0 and f.used == fragmented[name].used for name, f in packed.items())
-    for request, contents in zip(generator.running, before):
+    for request, contents in zip(generator.requests.running, before):
         assert all((a == b).all() for a, b in zip(stored_blocks(request.cache), contents))
     if keep_free is not None:  # a fixed pool keeps the size it was given
         assert all(f.blocks == fragmented[name].blocks == OPTIONS["num_blocks"] for name, f in packed.items())
@@ -48,7 +48,7 @@ def test_keep_free_shrinks_a_growable_pool_which_grows_again():
     generator = BatchGenerator(tiny_model("llama_gqa"), **options)
     for prompt in random_prompts(PRESSURE, seed=10, prefix=8):
         generator.add_request(prompt)
-    while not (generator.finished and len(generator.running) > 1):
+    while not (generator.finished and len(generator.requests.running) > 1):
         generator.step()
     _fragmented, packed = generator.compact(keep_free=1)
     assert all(f.blocks == f.used + 1 for f in packed.values())

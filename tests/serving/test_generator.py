@@ -63,7 +63,7 @@ def test_chunked_attention_under_preemption_equals_each_prompt_alone(preemption)
     held, fed = [], {}
 
     def after_decode_steps(generator, batch):  # blocks held once the request's last step fed one token
-        for request in generator.running:
+        for request in generator.requests.running:
             if request.cache is not None and request.fed == fed.get(request.request_id, -1) + 1:
                 held.extend(len(table) for name, group in request.cache.groups.items()
                             if name.startswith("chunked_attention") for table in group.tables)  # fmt: skip
@@ -329,7 +329,7 @@ def test_a_request_whose_forward_keeps_failing_fails_alone_and_the_others_go_on(
     real = generator_module.packed_logits
 
     def failing_for_bad(model, chunks, *args):
-        caches = {id(request.cache): request.request_id for request in generator.running}
+        caches = {id(request.cache): request.request_id for request in generator.requests.running}
         if any(caches.get(id(cache)) == bad and fed >= 12 for cache, _tokens, fed in chunks):
             raise RuntimeError("cannot read its blocks")
         return real(model, chunks, *args)
@@ -358,8 +358,8 @@ def test_a_refusal_of_the_models_code_is_raised_not_charged_to_the_requests(monk
         generator.add_request(prompt)
     with pytest.raises(UnsupportedModelError, match="cannot be called per request"):
         generator.step()
-    assert not generator.running and len(generator.waiting) == 2 and not generator.finished
-    assert not any(request.isolated for request in generator.waiting)
+    assert not generator.requests.running and len(generator.requests.waiting) == 2 and not generator.finished
+    assert not any(request.isolated for request in generator.requests.waiting)
 
 
 def test_models_the_paged_attention_cannot_serve_are_refused_at_construction():

@@ -44,10 +44,10 @@ def slot_checked(generator: BatchGenerator) -> BatchGenerator:
     model wrote into the slot in place at the step before: no layer rebound its state)."""
 
     def check(batch):
-        slots = [generator.states.slot_of(request.cache) for request in generator.running]
+        slots = [generator.states.slot_of(request.cache) for request in generator.requests.running]
         assert None not in slots and len(set(slots)) == len(slots)
         assert generator.states.num_free == generator.states.num_slots - len(slots)
-        for request, slot in zip(generator.running, slots):
+        for request, slot in zip(generator.requests.running, slots):
             for tensor, storage in generator.states.storage.items():
                 state = layer_states(request.cache.layers[tensor.layer])[tensor.kind][tensor.index]
                 assert state.data_ptr() == storage[slot].data_ptr() and state.shape == tensor.shape
@@ -110,15 +110,15 @@ def test_cancel_frees_the_requests_state_and_blocks(name):
     first, second = (generator.add_request(prompt) for prompt in random_prompts((9, 6), seed=2))
     for _ in range(3):
         generator.step()
-    held = {request.request_id: state_bytes(request.cache) for request in generator.running}
+    held = {request.request_id: state_bytes(request.cache) for request in generator.requests.running}
     assert generator.metrics().state_bytes == sum(held.values()) and all(held.values())
-    cache = generator.running[0].cache
+    cache = generator.requests.running[0].cache
     assert generator.states.num_free == generator.states.num_slots - 2
     assert generator.cancel_request(first)
     assert generator.states.num_free == generator.states.num_slots - 1 and generator.states.slot_of(cache) is None
     assert state_bytes(cache) == 0  # its layers let go of the slot: nothing of it can write there again
     generator.step()
-    assert generator.metrics().state_bytes == state_bytes(generator.running[0].cache) == held[second]
+    assert generator.metrics().state_bytes == state_bytes(generator.requests.running[0].cache) == held[second]
     assert generator.cancel_request(second)
     generator.step()
     assert generator.metrics().state_bytes == 0 and generator.metrics().blocks_used == 0
@@ -174,7 +174,7 @@ def test_a_forward_that_fails_in_a_recurrent_layer_is_rolled_back_and_changes_no
             generator.add_request(prompt)
         while len(calls) < 8:  # up to the step whose forward failed (its requests then run alone)
             generator.step()
-        assert not generator.running and all(request.cache is None for request in generator.waiting)
+        assert not generator.requests.running and all(request.cache is None for request in generator.requests.waiting)
         assert generator.states.num_free == generator.states.num_slots
         outputs = generator.run()
         assert [o.generated_tokens for o in outputs] == expected and all(o.error is None for o in outputs)

@@ -11,6 +11,7 @@ from tiny_models import MODELS_BY_NAME
 
 from hf_paged_cache import PagedCache, SwapSpace
 from hf_paged_cache.memory.copy_stream import CopyStream
+from hf_paged_cache.sequence_state import SequenceState
 from hf_paged_cache.serving.generator import BatchGenerator
 from hf_paged_cache.serving.preemption import (
     DEFAULT_COPY_RATE,
@@ -23,9 +24,16 @@ from hf_paged_cache.serving.preemption import (
     Swap,
     WeightedVictims,
 )
+from hf_paged_cache.serving.request_memory import RequestMemory
 from hf_paged_cache.serving.requests import GenerationOutput, Request
+from hf_paged_cache.serving.state_pool import StatePool
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _memory(cache):
+    """A request's memory outside a generator: its cache, with a state pool of no tensors."""
+    return RequestMemory(cache, StatePool(SequenceState(), 1, {}))
 
 
 @pytest.mark.parametrize("name,options", [
@@ -39,6 +47,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
     ("deepseek_v3", {"preemption": "swap"}),  # swapped blocks of latents, keys wider than values
 ], ids=["swap-lru", "swap-weighted", "recompute", "auto-threshold", "recompute-prefix-gemma2",
         "swap-int8", "swap-latents"])  # fmt: skip
+
 def test_a_pool_for_a_quarter_of_the_demand_gives_the_unconstrained_outputs(name, options):
     cache_options = {key: options[key] for key in ("quant", "residual_length") if key in options}
     options = {"prefix_caching": False, **options}
@@ -61,7 +70,7 @@ def test_a_pool_for_a_quarter_of_the_demand_gives_the_unconstrained_outputs(name
     assert any(m.stalled for m in generator.history)  # swapped out, or waiting for blocks while others ran
     if options["prefix_caching"]:  # each request counted once in the hit rate, however often it attached
         assert generator.prefix_cache.stats.lookups == len(PRESSURE)
-    assert generator.template.metrics().blocks_used == 0 and not generator.swapped
+    assert generator.template.metrics().blocks_used == 0 and not generator.requests.swapped
 
 
 @pytest.mark.parametrize("options", [{}, {"quant": "int8", "residual_length": 4}, {"swap_threshold": 0.8}],
@@ -73,7 +82,7 @@ def test_deferred_copies_keep_the_ordering_rules_and_the_outputs(options):
     prefetched_during = []
 
     def check(generator, batch):
-        flights = [generator.swap.in_flight(r.cache) for r in [*generator.running, *generator.swapped]]
+        flights = [generator.swap.in_flight(r.cache) for r in [*generator.requests.running, *generator.requests.swapped]]
         assert "out" not in flights and all(generator.swap.in_flight(r.cache) is None for r, _ in batch)
         prefetched_during.append(flights.count("in"))
 
@@ -138,14 +147,14 @@ def _victim_pair(seed: int = 0):
     cache = template.sibling()
     with torch.no_grad():
         model(input_ids=torch.tensor([random_prompts((10,), seed=seed)[0]]), cache=cache)
-    return template, Request(GenerationOutput(0, list(range(10))), settings=None, cache=cache, fed=10)
+    return template, Request(GenerationOutput(0, list(range(10))), settings=None, memory=_memory(cache), fed=10)
 
 
 def test_swap_falls_back_to_recompute_when_the_host_pool_is_short_or_nothing_is_computed():
     template, request = _victim_pair()
     assert Swap().choose(request, SwapSpace(template), compute_rate=1.0) == SWAP
     assert Swap().choose(request, SwapSpace(template, num_blocks=2), compute_rate=1.0) == RECOMPUTE
-    fresh = Request(GenerationOutput(1, [5]), settings=None, cache=template.sibling())
+    fresh = Request(GenerationOutput(1, [5]), settings=None, memory=_memory(template.sibling()))
     assert Swap().choose(fresh, SwapSpace(template), compute_rate=1.0) == RECOMPUTE
     assert Recompute().choose(request, SwapSpace(template), compute_rate=1.0) == RECOMPUTE
 
@@ -165,7 +174,7 @@ def test_auto_picks_the_cheaper_by_its_copy_rate_before_any_copy_was_measured():
        st.sampled_from([LRUVictims(), WeightedVictims(), WeightedVictims(decay=0.5, size_weight=3.0)]))  # fmt: skip
 def test_the_victim_order_is_a_permutation_of_the_running_requests_lowest_priority_first(rows, step, policy):
     template = PagedCache(tiny_model("llama_gqa").config, block_size=4, num_blocks=8)
-    running = [Request(GenerationOutput(i, [1]), settings=None, cache=template.sibling(), last_step=last, hotness=hot)
+    running = [Request(GenerationOutput(i, [1]), settings=None, memory=_memory(template.sibling()), last_step=last, hotness=hot)
                for i, (last, hot) in enumerate(rows)]  # fmt: skip
     victims = policy.victims(running, step, pool_blocks=8)
     assert sorted(map(id, victims)) == sorted(map(id, running))
@@ -175,7 +184,7 @@ def test_the_victim_order_is_a_permutation_of_the_running_requests_lowest_priori
 
 def test_lru_victims_are_the_least_recently_scheduled_and_weighted_ones_the_coldest_and_largest():
     template, big = _victim_pair()
-    small = Request(GenerationOutput(1, [1]), settings=None, cache=template.sibling())
+    small = Request(GenerationOutput(1, [1]), settings=None, memory=_memory(template.sibling()))
     lru, weighted = LRUVictims(), WeightedVictims(decay=0.5, size_weight=100.0)
     for policy in (lru, weighted):
         policy.touch(small, 3)
@@ -194,7 +203,7 @@ def test_preemption_strategies_given_as_instances_are_used(preemption):
     generator = BatchGenerator(tiny_model("llama_gqa"), max_new_tokens=12, block_size=4, max_batch_tokens=16,
                                num_blocks=15, prefix_caching=False, preemption=preemption,
                                victim_policy=WeightedVictims(decay=0.8))  # fmt: skip
-    assert generator.preemption is preemption and generator.victims == WeightedVictims(decay=0.8)
+    assert generator.requests.preemption is preemption and generator.requests.victims == WeightedVictims(decay=0.8)
     for prompt in random_prompts(PRESSURE, seed=9):
         generator.add_request(prompt)
     outputs = generator.run()
@@ -213,4 +222,4 @@ def test_a_preemption_that_names_no_mechanism_is_refused_and_leaves_the_request_
         generator.add_request(prompt)
     with pytest.raises(ValueError, match="Drop.choose returned 'drop'"):
         generator.run()
-    assert generator.running and generator.metrics().preempted == {}
+    assert generator.requests.running and generator.metrics().preempted == {}

@@ -61,7 +61,7 @@ def test_a_custom_scheduler_decides_the_order_of_every_step():
     for prompt in random_prompts(PRESSURE, seed=9):
         generator.add_request(prompt)
     outputs = generator.run()
-    assert generator.scheduler is scheduler and len(scheduler.orders) == len(generator.history)
+    assert generator.requests.order is scheduler and len(scheduler.orders) == len(generator.history)
     for ordered, batch in zip(scheduler.orders, batches):
         scheduled = [request_id for request_id in batch if request_id in ordered]
         assert scheduled == ordered[: len(scheduled)] and batch[: len(scheduled)] == scheduled
@@ -74,7 +74,7 @@ def test_fifo_under_pressure_gives_the_unconstrained_outputs(scheduler):
     generator = BatchGenerator(tiny_model("llama_gqa"), max_new_tokens=12, block_size=4, max_batch_tokens=16,
                                num_blocks=15, prefix_caching=False, preemption="recompute",
                                scheduler=scheduler)  # fmt: skip
-    assert isinstance(generator.scheduler, FIFO)
+    assert isinstance(generator.requests.order, FIFO)
     for prompt in random_prompts(PRESSURE, seed=9):
         generator.add_request(prompt)
     outputs = generator.run()

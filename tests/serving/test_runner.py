@@ -15,7 +15,7 @@ from hf_paged_cache.layers import handle
 from hf_paged_cache.layers import quantized as quantized_layers
 from hf_paged_cache.layers.quantized import QuantizedLayer
 from hf_paged_cache.serving.generator import BatchGenerator
-from hf_paged_cache.serving.packed_cache import layer_sliding, packed_logits
+from hf_paged_cache.serving.runner import layer_sliding, packed_logits
 from hf_paged_cache.serving.prefix_cache import PrefixCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,4 +1,5 @@
-"""`PackedCache`: one forward of many sequences packed into a single row, each with its own `PagedCache`.
+"""The runner: one packed forward of many sequences in a single row (`packed_logits`), each with its own `PagedCache`
+behind one `PackedCache`.
 
 The batch generator runs an unmodified HF model (`packed_logits`) on `input_ids` of shape `[1, tokens]` that
 concatenate prompt chunks and decode tokens of many requests (no padding stored or computed), with each token's own
