@@ -12,8 +12,6 @@ the attention math and the keyword contract it applies live below them, in `atte
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from transformers import AttentionInterface, PretrainedConfig
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -31,13 +29,22 @@ from .attention.torch_path import attend, attention, merge_partials, partial_att
 from .errors import UnsupportedAttentionError
 from .layer_types.registry import is_known, layer_type_for
 from .layers.handle import PackedPagedKV, PagedKV
+from .read_paths.selector import (
+    BATCHED_DECODE,
+    CASCADE,
+    CASCADE_KERNEL,
+    COMPACTED,
+    KERNEL_ROWS,
+    QUANTIZED,
+    ROWS,
+    TRITON,
+    Read,
+    choose_one,
+    choose_packed,
+    similar_lengths,
+)
 
 ATTENTION_NAME = "paged"
-# Decode tokens of a packed forward whose histories begin with a prefix of at least this many stored tokens in the
-# same blocks read it once for all of them (`_attend_shared_prefix`), when reading it once per token would read at
-# least SHARED_PREFIX_MIN_REREAD of its tokens again: below that, the call and merge it adds cost more than it saves.
-SHARED_PREFIX_MIN_TOKENS = 64
-SHARED_PREFIX_MIN_REREAD = 1536
 
 
 def register_paged_attention() -> None:
@@ -110,137 +117,79 @@ def paged_attention_forward(
 
 def _attend_packed(query: torch.Tensor, packed: PackedPagedKV, scale: float, softcap: float | None,
                    sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-    """A packed forward: each sequence's queries over its own blocks, `[1, q, heads, d]`. The one-token sequences (the
-    decode tokens) whose rows the torch path reads from one storage are attended together: those whose histories
-    begin with a prefix they share (`_shared_prefixes`) read it once for all of them. Where the layer can
-    (`PagedLayer.reads_rows_in_place`), the other decode tokens and the prompt chunks under plain causality go to one
-    call of the C++ CPU attention kernel over their blocks where they lie. Else the decode tokens are attended in a call
-    per bucket of similar history lengths over their histories gathered into one padded batch, instead of one call per
-    sequence; there a decode token with a long full-precision history (`PagedKV.reads_in_place`) attends alone over
-    its own blocks, since copying it into the padded batch would cost more than the call."""
-    plain = [(start, stop, part) for start, stop, part in packed.parts if part.reads_with_others]
-    decode = [(start, part) for start, stop, part in plain if stop - start == 1]
-    decode = [(start, part) for start, part in decode if part.layer.storage is decode[0][1].layer.storage]
-    pieces, read = [], set()
-    for members, prefix in _shared_prefixes(decode, packed.memo) if decode and sinks is None else []:
-        group = [decode[index] for index in members]
-        pieces += _attend_shared_prefix(query, group, prefix, packed.memo, scale, softcap)
-        read.update(start for start, _part in group)
-    if softcap is None and sinks is None:
-        # A plain row is one the kernel reads (`kernel_reads_row` allows what `reads_plain_row` does): asked of the rest.
-        plain_starts = {start for start, _stop, _part in plain}
-        rows = _rows_in_place([part for part in packed.parts if part[0] not in read
-                               and (part[0] in plain_starts or part[2].reads_in_kernel)], query)  # fmt: skip
-        if rows:
-            spans = tuple((start, stop) for start, stop, _part in rows)
-            every = spans[0][0] == 0 and spans[-1][1] == query.shape[2] and all(
-                stop == next_start for (_start, stop), (next_start, _stop) in zip(spans, spans[1:]))  # fmt: skip
-            if every:  # every token, in order: the queries as they lie, the kernel's output as the forward's
-                tokens, queries = slice(None), query[0].transpose(0, 1)  # [tokens, heads, d]
-            else:
-                key = ("row_tokens", spans)
-                if key not in packed.memo:  # the same for every layer of the forward
-                    packed.memo[key] = torch.cat([torch.arange(*span) for span in spans]).to(query.device)
-                tokens = packed.memo[key]
-                queries = query[0].index_select(1, tokens).transpose(0, 1)
-            layer = rows[0][2].layer
-            out = layer.attend_rows_in_place(queries, [part for _start, _stop, part in rows],
-                                             [stop - start for start, stop in spans], packed.memo, scale)  # fmt: skip
-            if every:
-                return out[None]
-            pieces.append((tokens, out))
-            read.update(start for start, _stop in spans)
-    together = [(start, part) for start, part in decode if start not in read and not part.reads_in_place]
-    if len(together) < 2:
-        together = []
-    for bucket in _similar_lengths(together, lambda item: item[1].read_len):
-        tokens = torch.tensor([start for start, _part in bucket], device=query.device)
-        keys, values, mask = bucket[0][1].layer.gather_rows([part.plan for _start, part in bucket], packed.memo)
-        # [rows, heads, 1, d], in the precision the rows are read in (float32 for a quantized history)
-        queries = query[0].index_select(1, tokens).transpose(0, 1).unsqueeze(2).to(keys.dtype)
-        pieces.append((tokens, attention(queries, keys, values, mask, scale, softcap, sinks)[:, :, 0].to(query.dtype)))
-    read.update(start for start, _part in together)
-    for start, stop, part in packed.parts:
-        if start not in read:
-            mask = part.own_mask(stop - start, query.device)
-            pieces.append((slice(start, stop), _attend_blocks(query[:, :, start:stop], part, mask, scale, softcap,
-                                                              sinks)[0]))  # fmt: skip
+    """A packed forward: each sequence's queries over its own blocks, `[1, q, heads, d]`, by the reads the selector
+    chose (`read_paths.selector.choose_packed`); each read gives (token indices, outputs `[tokens, heads, d]`)."""
+    reads = choose_packed(packed, query.dtype, softcap, sinks)
+    if len(reads) == 1 and reads[0].path == KERNEL_ROWS and len(reads[0].parts) == len(packed.parts):
+        return _kernel_rows(query, packed, reads[0], scale)[0][1][None]  # every token, in order
+    pieces = []
+    for read in reads:
+        pieces += _READERS[read.path](query, packed, read, scale, softcap, sinks)
     out = query.new_empty(query.shape[2], query.shape[1], pieces[0][1].shape[-1])
     for where, piece in pieces:
         out[where] = piece
     return out[None]
 
 
-def _rows_in_place(plain: list[tuple[int, int, PagedKV]], query: torch.Tensor) -> list[tuple[int, int, PagedKV]]:
-    """The parts among `plain` (one-row reads the kernel can take, `PagedKV.reads_in_kernel`, not read yet) that the
-    C++ CPU attention kernel attends in one call: those of the first one's storage, where its layer allows the kernel,
-    whose queries are one token or attend under plain causality (no window or chunk mask)."""
-    rows = [(start, stop, part) for start, stop, part in plain
-            if stop - start == 1 or part.own_mask(stop - start, query.device) is None]  # fmt: skip
-    if not rows or not rows[0][2].layer.reads_rows_in_place(query.dtype):
-        return []
-    return [row for row in rows if row[2].layer.storage is rows[0][2].layer.storage]
+def _kernel_rows(query: torch.Tensor, packed: PackedPagedKV, read: Read, scale: float, *_unused) -> list:
+    """`KERNEL_ROWS`: the parts' queries in one call of the C++ CPU attention kernel over their blocks where they lie
+    (`PagedLayer.attend_rows_in_place`). Every token of the forward in order takes the queries as they lie."""
+    rows = [packed.parts[index] for index in read.parts]
+    spans = tuple((start, stop) for start, stop, _part in rows)
+    every = spans[0][0] == 0 and spans[-1][1] == query.shape[2] and all(
+        stop == next_start for (_start, stop), (next_start, _stop) in zip(spans, spans[1:]))  # fmt: skip
+    if every:  # the queries as they lie, the kernel's output as the forward's
+        tokens, queries = slice(None), query[0].transpose(0, 1)  # [tokens, heads, d]
+    else:
+        tokens = packed.cached(("row_tokens", spans),  # the same for every layer of the forward
+                               lambda: torch.cat([torch.arange(*span) for span in spans]).to(query.device))
+        queries = query[0].index_select(1, tokens).transpose(0, 1)
+    layer = rows[0][2].layer
+    out = layer.attend_rows_in_place(queries, [part for _start, _stop, part in rows],
+                                     [stop - start for start, stop in spans], packed.memo, scale)  # fmt: skip
+    return [(tokens, out)]
 
 
-def _shared_prefixes(decode: list[tuple[int, PagedKV]], memo: dict) -> list[tuple[list[int], int]]:
-    """The decode tokens whose stored read ranges begin in the same blocks (a cached prefix), as (their indices in
-    `decode`, the prefix's tokens), for prefixes of at least `SHARED_PREFIX_MIN_TOKENS` of which reads apart would read
-    at least `SHARED_PREFIX_MIN_REREAD` tokens again; each token keeps at least its own key past the prefix. Sorted by
-    their blocks, the tokens of a prefix stand together, and the prefix a run of them shares is what its first and last
-    share. Found once per forward (`memo`) for every layer of the tokens' group."""
-    key = ("shared_prefixes", tuple(id(part.plan) for _start, part in decode))
-    if key in memo:
-        return memo[key]
-    block_size = decode[0][1].layer.tables.block_size
-    reads = sorted((part.plan.read_start[0], part.layer.read_blocks(part.plan), index)
-                   for index, (_start, part) in enumerate(decode))  # fmt: skip
-
-    def shared(one, other) -> int:  # the tokens two reads share from their first
-        if one[0] != other[0] or not one[1]:
-            return 0
-        blocks = next((at for at, (a, b) in enumerate(zip(one[1], other[1])) if a != b), min(len(one[1]), len(other[1])))
-        return blocks * block_size - one[0] % block_size
-
-    found, run = [], reads[:1]
-    for read in [*reads[1:], None]:
-        if read is not None and shared(run[0], read) >= SHARED_PREFIX_MIN_TOKENS:
-            run.append(read)
-            continue
-        if len(run) > 1:
-            plans = [decode[index][1].plan for _first, _blocks, index in run]
-            prefix = min(shared(run[0], run[-1]), *(plan.read_stop[0] - plan.read_start[0] - 1 for plan in plans))
-            if prefix >= SHARED_PREFIX_MIN_TOKENS and (len(run) - 1) * prefix >= SHARED_PREFIX_MIN_REREAD:
-                found.append(([index for _first, _blocks, index in run], prefix))
-        run = [read]
-    memo[key] = found
-    return found
+def _batched_decode(query: torch.Tensor, packed: PackedPagedKV, read: Read, scale: float, softcap: float | None,
+                    sinks: torch.Tensor | None) -> list:  # fmt: skip
+    """`BATCHED_DECODE`: decode tokens over their histories gathered into one padded batch, in one call."""
+    bucket = [packed.parts[index] for index in read.parts]
+    tokens = torch.tensor([start for start, _stop, _part in bucket], device=query.device)
+    keys, values, mask = bucket[0][2].layer.gather_rows([part.plan for _start, _stop, part in bucket], packed.memo)
+    # [rows, heads, 1, d], in the precision the rows are read in (float32 for a quantized history)
+    queries = query[0].index_select(1, tokens).transpose(0, 1).unsqueeze(2).to(keys.dtype)
+    return [(tokens, attention(queries, keys, values, mask, scale, softcap, sinks)[:, :, 0].to(query.dtype))]
 
 
-def _attend_shared_prefix(query: torch.Tensor, group: list[tuple[int, PagedKV]], prefix: int, memo: dict, scale: float,
-                          softcap: float | None) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
-    """Decode tokens `group` (starts in the packed `query` `[1, heads, q, d]`) whose read ranges begin with the same
-    `prefix` stored tokens: all of them over the prefix in one call (its keys read once, as views of its blocks),
-    then each over the rest of its own range (gathered in buckets of similar lengths), merged by log-sum-exp
-    (cascade attention); both in the C++ CPU kernel, over the blocks where they lie, where the layer allows it
-    (`PagedLayer.reads_shared_prefix_in_place`). Returns (token indices, outputs `[tokens, heads, d]`) pieces."""
-    layer, heads, head_dim = group[0][1].layer, query.shape[1], query.shape[-1]
+def _cascade_kernel(query: torch.Tensor, packed: PackedPagedKV, read: Read, scale: float, *_unused) -> list:
+    """`CASCADE_KERNEL`: decode tokens whose read ranges begin with the same `read.prefix` stored tokens, in the C++
+    CPU kernel: all of them over the prefix in one call (its keys read once), then each over the rest of its own range,
+    merged by log-sum-exp (`PagedLayer.attend_shared_prefix_in_place`)."""
+    group = [packed.parts[index] for index in read.parts]
+    tokens = torch.tensor([start for start, _stop, _part in group], device=query.device)
+    queries = query[0].index_select(1, tokens).transpose(0, 1)  # [rows, heads, d]
+    parts = [part for _start, _stop, part in group]
+    return [(tokens, group[0][2].layer.attend_shared_prefix_in_place(queries, parts, read.prefix, packed.memo, scale))]
+
+
+def _cascade(query: torch.Tensor, packed: PackedPagedKV, read: Read, scale: float, softcap: float | None,
+             *_unused) -> list:  # fmt: skip
+    """`CASCADE`: the same in torch: the prefix's keys as views of its blocks, the rest of each range gathered in
+    buckets of similar lengths (`selector.similar_lengths`), merged by log-sum-exp (cascade attention)."""
+    group = [packed.parts[index] for index in read.parts]
+    layer, heads, head_dim, prefix = group[0][2].layer, query.shape[1], query.shape[-1], read.prefix
     kv_heads = layer.kv_shape[0]
-    tokens = torch.tensor([start for start, _part in group], device=query.device)
-    if softcap is None and layer.reads_shared_prefix_in_place(query.dtype) and all(
-            part.reads_in_kernel for _start, part in group):  # fmt: skip
-        queries = query[0].index_select(1, tokens).transpose(0, 1)  # [rows, heads, d]
-        parts = [part for _start, part in group]
-        return [(tokens, layer.attend_shared_prefix_in_place(queries, parts, prefix, memo, scale))]
+    tokens = torch.tensor([start for start, _stop, _part in group], device=query.device)
     queries = query[0].index_select(1, tokens).float()  # [heads, rows, d]
-    keys, values = layer.row_kv(group[0][1].plan, 0, prefix)  # [kv_heads, prefix, d]
+    keys, values = layer.row_kv(group[0][2].plan, 0, prefix)  # [kv_heads, prefix, d]
     out, lse = partial_attention(queries.reshape(1, kv_heads, -1, head_dim), keys[None].float(), values[None].float(),
                                  None, scale, softcap)  # fmt: skip
     out, lse = out.reshape(heads, len(group), -1).transpose(0, 1), lse.reshape(heads, len(group)).transpose(0, 1)
     queries = queries.transpose(0, 1)  # [rows, heads, d]
     pieces = []
-    for bucket in _similar_lengths(list(range(len(group))), lambda index: group[index][1].read_len - prefix):
+    for bucket in similar_lengths(list(range(len(group))), lambda index: group[index][2].read_len - prefix):
         rows = torch.tensor(bucket, device=query.device)
-        keys, values, mask = layer.gather_rows([group[index][1].plan for index in bucket], memo, skip=prefix)
+        keys, values, mask = layer.gather_rows([group[index][2].plan for index in bucket], packed.memo, skip=prefix)
         rest, rest_lse = partial_attention(queries[rows].reshape(len(bucket), kv_heads, -1, head_dim), keys.float(),
                                            values.float(), mask, scale, softcap)  # fmt: skip
         merged, _lse = merge_partials(out[rows], lse[rows], rest.reshape(len(bucket), heads, -1),
@@ -249,15 +198,16 @@ def _attend_shared_prefix(query: torch.Tensor, group: list[tuple[int, PagedKV]],
     return pieces
 
 
-def _similar_lengths(items: list, length: Callable, spread: float = 1.5) -> list[list]:
-    """`items` in buckets of similar read `length`s (the longest at most `spread` x the shortest), so a padded batch
-    copies and attends over few more keys than its rows read, in a few calls rather than one per row."""
-    buckets: list[list] = []
-    for item in sorted(items, key=length):
-        if not buckets or length(item) > spread * length(buckets[-1][0]):
-            buckets.append([])
-        buckets[-1].append(item)
-    return buckets
+def _alone(query: torch.Tensor, packed: PackedPagedKV, read: Read, scale: float, softcap: float | None,
+           sinks: torch.Tensor | None) -> list:  # fmt: skip
+    """A part read alone, as a step of `generate()` (`TRITON`, `QUANTIZED`, `COMPACTED`, `ROWS`), with its own mask."""
+    start, stop, part = packed.parts[read.parts[0]]
+    mask = part.own_mask(stop - start, query.device)
+    return [(slice(start, stop), _attend_blocks(query[:, :, start:stop], part, mask, scale, softcap, sinks, read.path)[0])]
+
+
+_READERS = {KERNEL_ROWS: _kernel_rows, BATCHED_DECODE: _batched_decode, CASCADE_KERNEL: _cascade_kernel,
+            CASCADE: _cascade, TRITON: _alone, QUANTIZED: _alone, COMPACTED: _alone, ROWS: _alone}  # fmt: skip
 
 
 def _attend_gathered(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: PackedPagedKV, scale: float,
@@ -275,13 +225,19 @@ def _attend_gathered(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def _attend_blocks(query: torch.Tensor, paged_kv: PagedKV, mask: torch.Tensor | None, scale: float,
-                   softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-    """Attention of `query` `[batch, heads, q, head_dim]` over the blocks `paged_kv` names: `[batch, q, heads, d]`."""
-    # A step whose tokens read some quantized blocks differently (`StepPlan.transition`) takes the torch path.
-    if paged_kv.uses_kernels and (mask is None or paged_kv.plan.padding_exact) and not any(paged_kv.plan.transition):
+                   softcap: float | None, sinks: torch.Tensor | None, path: str | None = None) -> torch.Tensor:  # fmt: skip
+    """Attention of `query` `[batch, heads, q, head_dim]` over the blocks `paged_kv` names, by `path` (chosen here
+    when not given: `selector.choose_one`): `[batch, q, heads, d]`."""
+    path = path or choose_one(paged_kv, mask)
+    layer, plan = paged_kv.layer, paged_kv.plan
+    if path == TRITON:
         out = _kernel_attention(query, paged_kv, scale, softcap, sinks)
-    else:  # the torch path: row by row over views of the blocks (a quantized layer decodes its history too)
-        out = paged_kv.layer.attend(query, paged_kv.plan, mask, scale, softcap, sinks).transpose(1, 2)
+    elif path == QUANTIZED:  # torch over the quantized history, decoded a chunk at a time
+        out = layer.attend_quantized(query, plan, mask, scale, softcap, sinks).transpose(1, 2)
+    elif path == COMPACTED:
+        out = attend(query, *layer.read_with_mask(plan, mask, query.shape[2]), scale, softcap, sinks).transpose(1, 2)
+    else:  # row by row over views of the blocks
+        out = layer.attend_rows(query, plan, mask, scale, softcap, sinks).transpose(1, 2)
     paged_kv.finish(query, mask, scale, softcap, sinks)  # eviction statistics and triggers, if any
     return out
 

@@ -17,7 +17,7 @@ import hf_paged_cache.kernels
 
 PACKAGE = Path(hf_paged_cache.__file__).parent
 KERNELS = Path(hf_paged_cache.kernels.__file__).parent
-LAYERS = ["errors", "distributed", "quantization", "kernels", "blocks", "attention", "layers", "eviction", "config",
+LAYERS = ["errors", "distributed", "quantization", "kernels", "blocks", "attention", "layers", "read_paths", "eviction", "config",
           "layer_types", "sequence_state", "accounting", "paged_attention", "cache_step", "forks", "persistence",
           "cache", "memory", "inspection", "forwards", "cpu_runtime", "serving", "scoring", "smollm2", "capacity", "demo"]  # fmt: skip
 

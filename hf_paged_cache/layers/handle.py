@@ -14,10 +14,6 @@ if TYPE_CHECKING:
 
     from ..blocks.plan import StepPlan
 
-# A decode row's history of at least this many bytes (keys and values) is read in place rather than copied into a
-# batch with others': past it the copy costs more than the attention call the batch saves (`PagedKV.reads_in_place`).
-IN_PLACE_BYTES = 256 * 1024
-
 # (plan, query, mask, scale, softcap, sinks): what runs after a layer's attention (eviction), bound by the cache.
 AfterAttention = Callable[["StepPlan", torch.Tensor, "torch.Tensor | None", float, "float | None",
                            "torch.Tensor | None"], None]  # fmt: skip
@@ -48,10 +44,6 @@ class PagedKV:
     def kernel_chunk(self) -> int:
         """The chunk size the kernels mask this layer's reads by (0: none)."""
         return self.layer.layer_type.kernel_chunk(self.layer.tables)
-
-    @property
-    def uses_kernels(self) -> bool:
-        return self.layer.uses_kernels()
 
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of logical positions [kv_offset, new_len) of every row, `[batch, kv_heads, n, head_dim]`."""
@@ -87,27 +79,6 @@ class PagedKV:
         return self.plan.cached(("own_mask", q_len, device), lambda: self.layer.layer_type.read_mask(
             self.layer.tables, q_len, self.plan.kv_offset, self.read_len, device))  # the group's layers share it
 
-    @property
-    def reads_in_place(self) -> bool:
-        """Whether a one-token query of this handle is attended on its own, over its blocks as they lie (views where
-        they form one run, `PagedLayer.row_kv`): its history is full precision and long enough that copying it into a
-        padded batch with other sequences' (`reads_with_others`) costs more than the call the batch saves."""
-        layer = self.layer
-        return not layer.is_quantized and self.read_len * layer.block_bytes >= IN_PLACE_BYTES * layer.tables.block_size
-
-    @property
-    def reads_with_others(self) -> bool:
-        """Whether a one-token query of this handle can be attended in one call with other sequences' (the decode
-        tokens of a packed forward): the torch path reads one plain row, and nothing is due after the attention."""
-        return self.after_attention is None and not self.gathered and self.layer.reads_plain_row(self.plan)
-
-    @property
-    def reads_in_kernel(self) -> bool:
-        """Whether the C++ CPU kernel can attend this handle's queries with other sequences' in one call
-        (`PagedLayer.attend_rows_in_place`): its layer reads the one row as its blocks lie, and nothing is due after
-        the attention."""
-        return self.after_attention is None and not self.gathered and self.layer.kernel_reads_row(self.plan)
-
 
 class PackedPagedKV:
     """The handle a packed forward (the batch generator's) leaves instead of one `PagedKV`: for each sequence,
@@ -115,7 +86,13 @@ class PackedPagedKV:
 
     def __init__(self, parts: list[tuple[int, int, PagedKV]], memo: dict | None = None):
         self.parts = parts
-        self.memo = {} if memo is None else memo  # built once per forward, shared by its layers (read indices)
+        self.memo = {} if memo is None else memo  # built once per forward, shared by its layers (reads, indices)
+
+    def cached(self, key, build):
+        """`build()`, computed once per forward and shared by its layers (the reads of a group, their indices)."""
+        if key not in self.memo:
+            self.memo[key] = build()
+        return self.memo[key]
 
     @property
     def gathered(self) -> bool:

@@ -20,7 +20,7 @@ from ..kernels import cpu_attention, cpu_write
 from ..kernels.layout import allocate_kv_blocks
 from ..attention.contract import PAGED_KV_KWARG
 from ..attention.paged_states import paged_only
-from ..attention.torch_path import attend, attention, causal_mask, merge_partials, zero_unattended
+from ..attention.torch_path import attention, causal_mask, merge_partials, zero_unattended
 from .handle import AfterAttention, PagedKV
 from .interfaces import ReadRules, StorageOptions
 from .storage import LayerStorage, grown_blocks, reserved_blocks, storage_field
@@ -331,11 +331,6 @@ class PagedLayer(CacheLayerMixin):
             count -= tokens
         return pieces
 
-    def read_blocks(self, plan: StepPlan) -> list[int]:
-        """The ids of the blocks the one-row `plan`'s stored read range lies in, in order. Rows of one storage whose
-        lists start alike (a cached prefix) read the same keys there, so a packed forward reads them once for all."""
-        return self.stored_blocks(plan)
-
     def stored_blocks(self, plan: StepPlan, start: int | None = None, stop: int | None = None) -> list[int]:
         """The ids of the full-precision blocks stored tokens `start` .. `stop` - 1 of the one-row `plan` lie in (its
         read range by default), in order."""
@@ -343,12 +338,6 @@ class PagedLayer(CacheLayerMixin):
         stop = plan.read_stop[0] if stop is None else stop
         block_size, ids = self.tables.block_size, plan.tables.rows[0].blocks.ids
         return ids[start // block_size : -(-stop // block_size)]
-
-    def reads_plain_row(self, plan: StepPlan) -> bool:
-        """Whether the torch path reads `plan`'s one row as its stored blocks in order (no kernels, no compaction), so
-        `gather_rows` can read it together with other plans' rows."""
-        return (len(plan.read_start) == 1 and not plan.tables.compacted and not self.uses_kernels()
-                and plan.read_stop[0] > plan.read_start[0])  # fmt: skip
 
     def gather_rows(self, plans: list[StepPlan], memo: dict,
                     skip: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -376,37 +365,26 @@ class PagedLayer(CacheLayerMixin):
                         for blocks in (self.key_blocks, self.value_blocks))  # fmt: skip
         return keys, values, mask
 
-    def kernel_reads_row(self, plan: StepPlan) -> bool:
-        """Whether `attend_rows_in_place` can read `plan`'s one row: it reads its stored blocks in order (no Triton
-        kernels, no compaction) and reads something."""
-        return PagedLayer.reads_plain_row(self, plan)
-
-    def reads_rows_in_place(self, dtype: torch.dtype) -> bool:
-        """Whether `attend_rows_in_place` can attend one-row plans' queries of `dtype` over this layer: the backend
-        allows the CPU attention kernel and it is built (`kernels.cpu_attention`), and the full-precision storage and
-        the queries are float32."""
+    def cpu_kernel_reads(self, dtype: torch.dtype) -> bool:
+        """Whether the C++ CPU attention kernel can read this layer for queries of `dtype`: the backend allows it and it
+        is built (`kernels.cpu_attention`), and the full-precision storage and the queries are float32."""
         return (self._cpu_kernel and self.dtype == torch.float32 and dtype == torch.float32
                 and cpu_attention.available())  # fmt: skip
 
     def attend_rows_in_place(self, queries: torch.Tensor, parts: list[PagedKV], counts: list[int], memo: dict,
                              scale: float) -> torch.Tensor:  # fmt: skip
         """Queries `[sum(counts), heads, d]`, `counts[i]` of them for the one-row plan of `parts[i]` (sequences whose
-        caches share this layer's storage, each `kernel_reads_row`): the last `counts[i]` tokens of its read range,
+        caches share this layer's storage, each one row the kernel reads: `read_paths.selector`): the last `counts[i]` tokens of its read range,
         each attending causally over that range (a decode token sees all of it), in one call that reads the blocks
         where they lie (no copy of a history cut into runs, no call per row). `memo` keeps the block tables for the
         plans' other layers."""
         tables = self._kernel_tables([part.plan for part in parts], counts, memo)
         return cpu_attention.paged_attention_cpu(queries, self.key_blocks, self.value_blocks, *tables, scale)
 
-    def reads_shared_prefix_in_place(self, dtype: torch.dtype) -> bool:
-        """Whether `attend_shared_prefix_in_place` can attend one-row plans' decode queries of `dtype` here: as
-        `reads_rows_in_place` (a quantized layer's prefix is read decoded, by the torch path)."""
-        return self.reads_rows_in_place(dtype)
-
     def attend_shared_prefix_in_place(self, queries: torch.Tensor, parts: list[PagedKV], prefix: int, memo: dict,
                                       scale: float) -> torch.Tensor:  # fmt: skip
         """Decode queries `[len(parts), heads, d]`, one for the one-row plan of each of `parts` (each
-        `kernel_reads_row`), whose read ranges begin with the same `prefix` stored tokens (a cached prefix) and go on
+        one row the kernel reads), whose read ranges begin with the same `prefix` stored tokens (a cached prefix) and go on
         past it: in one kernel call all of them over the prefix, its keys read once, then in another each over the
         rest of its own range, merged by log-sum-exp (cascade attention)."""
         plans = [part.plan for part in parts]
@@ -473,20 +451,17 @@ class PagedLayer(CacheLayerMixin):
             out.append(gathered)
         return out[0], out[1]
 
-    def attend(
+    def attend_rows(
         self, query: torch.Tensor, plan: StepPlan, mask: torch.Tensor | None, scale: float, softcap: float | None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The `"paged"` attention's torch path over this layer, `[batch, heads, q, head_dim]`.
+        """The `"paged"` attention's torch path over this layer's rows (not compacted), `[batch, heads, q, head_dim]`.
 
         Row by row, over the row's own stored tokens (`row_kv`: views when its blocks form one run) with
         the model's mask columns for them, so rows of a ragged batch neither copy their history nor
-        attend over each other's padding. Compacted rows go by each token's logical position
-        (`read_with_mask`).
+        attend over each other's padding.
         """
         q_len = query.shape[2]
-        if plan.tables.compacted:
-            return attend(query, *self.read_with_mask(plan, mask, q_len), scale, softcap, sinks)
         causal = mask is None and q_len > 1  # plain causality: every query sees at least its own key
         if causal:
             mask = self.causal_mask(plan, q_len, query.device)

@@ -204,7 +204,7 @@ class QuantizedLayer(PagedLayer):
 
             fmt = self.kv_format
             quantize_blocks(key_blocks, value_blocks, src, self.qkey, self.qvalue, dst, fmt.key, fmt.value)
-        cpu = not kernels and key_blocks.dtype == torch.float32 and self.reads_rows_in_place(torch.float32)
+        cpu = not kernels and key_blocks.dtype == torch.float32 and self.cpu_kernel_reads(torch.float32)
         for name, blocks, fmt, fields in (
             ("key", key_blocks, self.kv_format.key, self.qkey),
             ("value", value_blocks, self.kv_format.value, self.qvalue),
@@ -282,13 +282,14 @@ class QuantizedLayer(PagedLayer):
             plan.tensor("quantized_block_tables", device), plan.tensor("quantized_lens", device),
         )  # fmt: skip
 
-    def _reads_quantized(self, plan: StepPlan) -> bool:
+    def reads_quantized(self, plan: StepPlan) -> bool:
+        """Whether the step reads any sealed block."""
         return any(self._quantized_chunks(plan, row) for row in range(len(plan.quantized_tables)))
 
     def gather(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of logical positions [kv_offset, new_len), the quantized ones decoded into a transient copy
         (attention implementations other than `"paged"` need whole K/V tensors)."""
-        if not self._reads_quantized(plan):
+        if not self.reads_quantized(plan):
             return super().gather(plan)
         keys, values = self.read_slots(plan.tensor("read_slots", self.device))  # quantized positions read zeros
         for row in range(keys.shape[0]):
@@ -299,16 +300,6 @@ class QuantizedLayer(PagedLayer):
                 keys[row][:, columns] = chunk_keys[:, skip:]
                 values[row][:, columns] = chunk_values[:, skip:]
         return keys, values
-
-    def reads_plain_row(self, plan: StepPlan) -> bool:
-        """`PagedLayer.reads_plain_row`, for a step that reads no block both ways (`StepPlan.transition`) and at most
-        `CHUNK_TOKENS` positions (so a batch's decoded copy stays within a chunk per row, as `attend`'s does)."""
-        return (super().reads_plain_row(plan) and not any(plan.transition)
-                and plan.new_len - plan.kv_offset <= CHUNK_TOKENS)  # fmt: skip
-
-    def read_blocks(self, plan: StepPlan) -> list[int]:
-        """None: a quantized history is decoded as it is read, so no rows read a prefix of it together."""
-        return []
 
     def gather_rows(self, plans: list[StepPlan], memo: dict,
                     skip: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -358,24 +349,22 @@ class QuantizedLayer(PagedLayer):
             out.append(batch.transpose(1, 2))
         return out[0], out[1], mask
 
-    def attend(
+    def attend_quantized(
         self, query: torch.Tensor, plan: StepPlan, mask: torch.Tensor | None, scale: float, softcap: float | None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The `"paged"` attention over this layer: `[batch, heads, q, head_dim]`, like `attention.attend`.
+        """The `"paged"` attention over this layer's quantized history: `[batch, heads, q, head_dim]`, like
+        `attention.attend`.
 
         Row by row: the quantized prefix is decoded at most `CHUNK_TOKENS` tokens at a time, each chunk attended by
         every tile of `QUERY_TILE` queries (so a long prompt chunk's transients stay bounded), and the chunks merged
         with an online softmax in float32. A row's transition blocks (`StepPlan.transition`) and its full-precision
         suffix are attended last, in one call per tile of `TRANSITION_TILE` queries over the columns it sees.
-        Steps that read nothing quantized take the unquantized path unchanged.
         A rotated side is read as stored: the queries (rotated keys) and the short full-precision suffix are
         mapped into its code space instead (`QuantFormat.code_space`), and the output (rotated values) back
         once at the end, as the Triton kernels do -- not every decoded token of a long history.
         """
         batch, _heads, q_len, _ = query.shape
-        if not self._reads_quantized(plan) and not any(plan.transition):
-            return super().attend(query, plan, mask, scale, softcap, sinks)
         width = plan.new_len - plan.kv_offset
         if mask is None and (q_len > 1 or plan.kv_offset or any(plan.transition)):
             # (one query with nothing cut and no transition sees every key, and needs no mask)
@@ -414,19 +403,9 @@ class QuantizedLayer(PagedLayer):
         if not self.read_by_others:
             self._arrived = {}
 
-    def kernel_reads_row(self, plan: StepPlan) -> bool:
-        """`PagedLayer.kernel_reads_row`, for a row that may read only sealed blocks (the kernel reads those, blocks
-        read both ways and long histories too)."""
-        return (len(plan.read_start) == 1 and not plan.tables.compacted and not self.uses_kernels()
-                and plan.new_len > plan.kv_offset)  # fmt: skip
-
-    def reads_shared_prefix_in_place(self, dtype: torch.dtype) -> bool:
-        """Never: a shared prefix of sealed blocks is read decoded, by the torch path."""
-        return False
-
-    def reads_rows_in_place(self, dtype: torch.dtype) -> bool:
-        """`PagedLayer.reads_rows_in_place`, for formats the kernel decodes (`cpu_attention.reads_format`)."""
-        return super().reads_rows_in_place(dtype) and self._kernel_decodes
+    def cpu_kernel_reads(self, dtype: torch.dtype) -> bool:
+        """`PagedLayer.cpu_kernel_reads`, for formats the kernel decodes (`cpu_attention.reads_format`)."""
+        return super().cpu_kernel_reads(dtype) and self._kernel_decodes
 
     def attend_rows_in_place(self, queries: torch.Tensor, parts: list[PagedKV], counts: list[int], memo: dict,
                              scale: float) -> torch.Tensor:  # fmt: skip

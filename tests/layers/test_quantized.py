@@ -102,6 +102,5 @@ def test_a_quantized_layer_reads_no_prefix_together_with_others():
     feed_chunks(model, cache, tokens, [20])
     layer = cache.layers[0]
     plan = layer.tables.plan
-    assert layer.read_blocks(plan) == []
     with pytest.raises(ValueError, match="skip"):
         layer.gather_rows([plan], {}, skip=4)

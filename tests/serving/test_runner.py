@@ -11,12 +11,12 @@ from hf_paged_cache import PagedCache, paged_attention
 from hf_paged_cache.blocks.pool import BlockPool
 from hf_paged_cache.kernels import cpu_attention
 from hf_paged_cache.layers.paged import PagedLayer
-from hf_paged_cache.layers import handle
 from hf_paged_cache.layers import quantized as quantized_layers
 from hf_paged_cache.layers.quantized import QuantizedLayer
 from hf_paged_cache.serving.generator import BatchGenerator
 from hf_paged_cache.serving.runner import layer_sliding, packed_logits
 from hf_paged_cache.serving.prefix_cache import PrefixCache
+from hf_paged_cache.read_paths import selector
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -103,7 +103,7 @@ def test_long_decode_histories_are_read_in_place_and_give_the_logits_of_each_alo
     model.set_attn_implementation("paged")
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    monkeypatch.setattr(handle, "IN_PLACE_BYTES", 20 * 2 * config.num_key_value_heads * head_dim * 4)  # 20 tokens
+    monkeypatch.setattr(selector, "IN_PLACE_BYTES", 20 * 2 * config.num_key_value_heads * head_dim * 4)  # 20 tokens
     template = PagedCache(model.config, block_size=4, num_blocks=80)
     prompts = random_prompts((11, 12, 30), seed=5)
     caches = [template.sibling() for _ in prompts]
@@ -141,15 +141,16 @@ def test_decode_tokens_sharing_a_cached_prefix_read_it_once_and_give_the_logits_
         return in_place_method(layer, queries, parts, prefix, *args)
 
     monkeypatch.setattr(PagedLayer, "attend_shared_prefix_in_place", counted_in_place)
-    monkeypatch.setattr(paged_attention, "SHARED_PREFIX_MIN_TOKENS", 8)
-    monkeypatch.setattr(paged_attention, "SHARED_PREFIX_MIN_REREAD", 12)
-    calls, method = [], paged_attention._attend_shared_prefix
+    monkeypatch.setattr(selector, "SHARED_PREFIX_MIN_TOKENS", 8)
+    monkeypatch.setattr(selector, "SHARED_PREFIX_MIN_REREAD", 12)
+    calls = []  # every cascade read, in torch or the kernel
 
-    def counted(query, group, prefix, *args):
-        calls.append((len(group), prefix))
-        return method(query, group, prefix, *args)
+    def counted(reader):
+        return lambda query, packed, read, *args: calls.append((len(read.parts), read.prefix)) or reader(
+            query, packed, read, *args)  # fmt: skip
 
-    monkeypatch.setattr(paged_attention, "_attend_shared_prefix", counted)
+    for path in (selector.CASCADE, selector.CASCADE_KERNEL):
+        monkeypatch.setitem(paged_attention._READERS, path, counted(paged_attention._READERS[path]))
     model = tiny_model(name)
     first, second = random_prompts((12, 8), seed=6, prefix=4)  # prefixes of 16 and 12 tokens, one block in common
     tails = random_prompts((7, 2, 13, 5, 9, 20), seed=9)
