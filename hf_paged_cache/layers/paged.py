@@ -17,10 +17,9 @@ from transformers.cache_utils import CacheLayerMixin
 from ..blocks.plan import StepPlan
 from ..blocks.tables import BlockTables
 from ..kernels import cpu_attention, cpu_write
-from ..kernels.layout import allocate_kv_blocks
+from ..kernels.layout import allocate_kv_blocks, heads_first
 from ..attention.contract import PAGED_KV_KWARG
 from ..attention.paged_states import paged_only
-from ..attention.torch_path import attention, causal_mask, merge_partials, zero_unattended
 from .handle import AfterAttention, PagedKV
 from .interfaces import ReadRules, StorageOptions
 from .storage import LayerStorage, grown_blocks, reserved_blocks, storage_field
@@ -323,7 +322,7 @@ class PagedLayer(CacheLayerMixin):
             slots = plan.cached(("row_slots", row, count, self.device),
                                 lambda: plan.slots(row, start, count).to(self.device))  # fmt: skip
             return [blocks.view(-1, *blocks.shape[2:]).index_select(0, slots).transpose(0, 1)]
-        flat, pieces = _heads_first(blocks), []
+        flat, pieces = heads_first(blocks), []
         for _column, slot, tokens in runs:
             if count <= 0:
                 break
@@ -339,88 +338,11 @@ class PagedLayer(CacheLayerMixin):
         block_size, ids = self.tables.block_size, plan.tables.rows[0].blocks.ids
         return ids[start // block_size : -(-stop // block_size)]
 
-    def gather_rows(self, plans: list[StepPlan], memo: dict,
-                    skip: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-        """The stored ranges of the one-row `plans` (sequences whose caches share this layer's storage), copied once
-        into one batch: K/V `[len(plans), kv_heads, longest, d]` and the boolean mask `[len(plans), 1, 1, longest]`
-        of their stored tokens (the rest read the null block). `skip` leaves out the first tokens of every range (a
-        prefix they share, read once). `memo` keeps the slot indices for the other layers of the plans' group in the
-        same forward."""
-
-        def build() -> tuple[torch.Tensor, torch.Tensor]:
-            lengths = [plan.read_stop[0] - plan.read_start[0] - skip for plan in plans]
-            longest = max(lengths)
-            slots = torch.zeros(len(plans), longest, dtype=torch.long)  # slot 0: the null block's first
-            for index, (plan, length) in enumerate(zip(plans, lengths)):
-                slots[index, :length] = plan.slots(0, plan.read_start[0] + skip, length)
-            mask = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
-            return slots.flatten().to(self.device), mask[:, None, None, :].to(self.device)
-
-        key = ("gather_rows", tuple(map(id, plans)), skip, self.device)
-        if key not in memo:
-            memo[key] = build()
-        slots, mask = memo[key]
-        rows, longest = mask.shape[0], mask.shape[-1]
-        keys, values = (_heads_first(blocks).index_select(1, slots).unflatten(1, (rows, longest)).transpose(0, 1)
-                        for blocks in (self.key_blocks, self.value_blocks))  # fmt: skip
-        return keys, values, mask
-
     def cpu_kernel_reads(self, dtype: torch.dtype) -> bool:
         """Whether the C++ CPU attention kernel can read this layer for queries of `dtype`: the backend allows it and it
         is built (`kernels.cpu_attention`), and the full-precision storage and the queries are float32."""
         return (self._cpu_kernel and self.dtype == torch.float32 and dtype == torch.float32
                 and cpu_attention.available())  # fmt: skip
-
-    def attend_rows_in_place(self, queries: torch.Tensor, parts: list[PagedKV], counts: list[int], memo: dict,
-                             scale: float) -> torch.Tensor:  # fmt: skip
-        """Queries `[sum(counts), heads, d]`, `counts[i]` of them for the one-row plan of `parts[i]` (sequences whose
-        caches share this layer's storage, each one row the kernel reads: `read_paths.selector`): the last `counts[i]` tokens of its read range,
-        each attending causally over that range (a decode token sees all of it), in one call that reads the blocks
-        where they lie (no copy of a history cut into runs, no call per row). `memo` keeps the block tables for the
-        plans' other layers."""
-        tables = self._kernel_tables([part.plan for part in parts], counts, memo)
-        return cpu_attention.paged_attention_cpu(queries, self.key_blocks, self.value_blocks, *tables, scale)
-
-    def attend_shared_prefix_in_place(self, queries: torch.Tensor, parts: list[PagedKV], prefix: int, memo: dict,
-                                      scale: float) -> torch.Tensor:  # fmt: skip
-        """Decode queries `[len(parts), heads, d]`, one for the one-row plan of each of `parts` (each
-        one row the kernel reads), whose read ranges begin with the same `prefix` stored tokens (a cached prefix) and go on
-        past it: in one kernel call all of them over the prefix, its keys read once, then in another each over the
-        rest of its own range, merged by log-sum-exp (cascade attention)."""
-        plans = [part.plan for part in parts]
-        # The queries over the prefix in as many rows as threads (each row's query tiles are one task per KV head).
-        split = min(torch.get_num_threads(), len(plans))
-        counts = [len(plans) // split + (row < len(plans) % split) for row in range(split)]
-        shared_tables = self._kernel_tables(plans[:1] * split, counts, memo, length=prefix)
-        shared = cpu_attention.paged_partial_attention_cpu(queries, self.key_blocks, self.value_blocks, *shared_tables,
-                                                           scale, causal=False)  # fmt: skip
-        own_tables = self._kernel_tables(plans, [1] * len(plans), memo, offset=prefix)
-        own = cpu_attention.paged_partial_attention_cpu(queries, self.key_blocks, self.value_blocks, *own_tables, scale)
-        return merge_partials(*shared, *own)[0]
-
-    def _kernel_tables(self, plans: list[StepPlan], counts: list[int], memo: dict, skips: list[int] | None = None,
-                       offset: int = 0, length: int | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
-        """The kernel's (block tables, query starts, stops, first tokens) of the plans' full-precision read ranges but
-        their first `skips[i]` blocks (or `length` tokens from `offset` tokens into each range, if given), built once
-        per forward (`memo`) for the plans' group."""
-
-        def build() -> tuple[torch.Tensor, ...]:
-            bs, skipped = self.tables.block_size, skips or [0] * len(plans)
-            starts = [max(plan.read_start[0] + offset, skip * bs) for plan, skip in zip(plans, skipped)]
-            ends = [plan.read_stop[0] if length is None else min(plan.read_stop[0], start + length)
-                    for plan, start in zip(plans, starts)]  # fmt: skip
-            ids = [self.stored_blocks(plan, start, end) for plan, start, end in zip(plans, starts, ends)]
-            table = torch.zeros(len(plans), max(max(map(len, ids)), 1), dtype=torch.long)  # padded with the null block
-            for row, blocks in enumerate(ids):
-                table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-            firsts = torch.tensor([start % bs for start in starts])
-            stops = firsts + torch.tensor([max(end - start, 0) for start, end in zip(starts, ends)])
-            return table, torch.tensor([0, *counts]).cumsum(0), stops, firsts
-
-        key = ("row_tables", tuple(map(id, plans)), tuple(counts), tuple(skips or ()), offset, length)
-        if key not in memo:
-            memo[key] = build()
-        return memo[key]
 
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V at the given slots (any shape `S`), as `[*S[:-1], kv_heads, S[-1], head_dim]`."""
@@ -451,60 +373,6 @@ class PagedLayer(CacheLayerMixin):
             out.append(gathered)
         return out[0], out[1]
 
-    def attend_rows(
-        self, query: torch.Tensor, plan: StepPlan, mask: torch.Tensor | None, scale: float, softcap: float | None,
-        sinks: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The `"paged"` attention's torch path over this layer's rows (not compacted), `[batch, heads, q, head_dim]`.
-
-        Row by row, over the row's own stored tokens (`row_kv`: views when its blocks form one run) with
-        the model's mask columns for them, so rows of a ragged batch neither copy their history nor
-        attend over each other's padding.
-        """
-        q_len = query.shape[2]
-        causal = mask is None and q_len > 1  # plain causality: every query sees at least its own key
-        if causal:
-            mask = self.causal_mask(plan, q_len, query.device)
-        out = []
-        for row, runs in enumerate(plan.runs()):
-            if not runs:  # nothing stored in range: a fully masked row, zeroed below
-                out.append(query.new_zeros(1, query.shape[1], q_len, self.value_dim))
-                continue
-            keys, values = self.row_kv(plan, row)
-            own = causal and keys.shape[1] == q_len  # the row reads only its queries' own keys: SDPA's causal flag
-            row_mask = None if mask is None or own else mask[row if mask.shape[0] > 1 else 0, None, :, :, runs[0][0] :]
-            out.append(attention(query[row : row + 1], keys[None], values[None], row_mask, scale, softcap, sinks,
-                                 causal=own))  # fmt: skip
-        out = out[0] if len(out) == 1 else torch.cat(out)
-        # The columns before a row's first run are its padding, hidden by the model's mask: the whole mask
-        # tells which query rows see no key at all.
-        return out if causal else zero_unattended(out, mask)
-
-    @staticmethod
-    def causal_mask(plan: StepPlan, q_len: int, device: torch.device) -> torch.Tensor:
-        """The causal mask of the step's read range (`q_len` queries, the last of its keys), built once per step."""
-        return plan.cached(("causal_mask", q_len, device),
-                           lambda: causal_mask(q_len, plan.new_len - plan.kv_offset, device))  # fmt: skip
-
-    def read_with_mask(
-        self, plan: StepPlan, mask: torch.Tensor | None, q_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """K/V of the step's read range as whole blocks in stored order (`StepPlan.block_read`) and the
-        boolean mask `[b, 1, q, n]` that goes with them: the model's mask taken at each slot's logical
-        position, hiding slots outside the row's range. A compacted row stores its survivors in front of
-        its virtual `base` (`Row.base`), so they stand at positions the model's mask shows.
-        """
-        ids, positions, valid = plan.cached(("block_read", self.device),
-                                            lambda: tuple(t.to(self.device) for t in plan.block_read()))
-        keys, values = (_gather_blocks(blocks, ids) for blocks in (self.key_blocks, self.value_blocks))
-        total = plan.new_len - plan.kv_offset
-        if mask is None:
-            mask = causal_mask(q_len, total, keys.device)
-        columns = (positions - plan.kv_offset).clamp(0, total - 1)
-        mask = mask.expand(len(plan.read_start), 1, q_len, total)
-        visible = mask.gather(-1, columns[:, None, None, :].expand(-1, 1, q_len, -1))
-        return keys, values, visible & valid[:, None, None, :]
-
     # ------------------------------------------------------------------ eviction support
     def stored_key_chunks(self, row: int):
         """The row's stored keys in stored order, as `[kv_heads, n, head_dim]` chunks (views when the
@@ -532,7 +400,7 @@ class PagedLayer(CacheLayerMixin):
         self._fit_pool()  # compaction may have grown the pool for fresh copy-on-write blocks
         src, dst = sources.to(self.device), targets.to(self.device)
         for blocks in (self.key_blocks, self.value_blocks):
-            flat = _heads_first(blocks)  # [kv_heads, slots, d], a view of the storage
+            flat = heads_first(blocks)  # [kv_heads, slots, d], a view of the storage
             index = src.expand(flat.shape[0], -1)[..., None].expand(-1, -1, flat.shape[-1])
             flat[:, dst] = flat.gather(1, index)
 
@@ -561,17 +429,3 @@ class PagedLayer(CacheLayerMixin):
             storage.permute(2, 0, 1, 3).index_copy_(1, ids, tensors[name].to(self.device))
         self.sync_length()
 
-
-def _heads_first(blocks: torch.Tensor) -> torch.Tensor:
-    """Storage `[num_blocks, block_size, kv_heads, d]` (head-major underneath) as the view `[kv_heads, slots, d]`:
-    consecutive slots of a head are contiguous memory."""
-    return blocks.permute(2, 0, 1, 3).flatten(1, 2)
-
-
-def _gather_blocks(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Whole blocks `ids` `[rows, width]` of storage `[num_blocks, block_size, kv_heads, d]` (head-major
-    underneath), as `[rows, kv_heads, width * block_size, d]`: one index per block, contiguous per head."""
-    heads_first = blocks.permute(2, 0, 1, 3)  # the [kv_heads, num_blocks, block_size, d] of the layout
-    rows, width = ids.shape
-    gathered = heads_first.index_select(1, ids.reshape(-1))
-    return gathered.view(heads_first.shape[0], rows, width * blocks.shape[1], blocks.shape[-1]).transpose(0, 1)

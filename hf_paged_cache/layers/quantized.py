@@ -24,19 +24,13 @@ import torch
 
 from ..blocks.plan import StepPlan
 from ..blocks.sealing import QuantizedBlockTables
-from .handle import PagedKV
 from .paged import PagedLayer
 from .storage import grown_blocks, reserved_blocks, storage_field
 from ..quantization.base import KVFormat
 from ..quantization.registry import kv_format_fields
-from ..attention.torch_path import OnlineSoftmax, visible_columns
 from ..kernels import cpu_attention, cpu_quantize
 
 CHUNK_TOKENS = 2048  # quantized tokens dequantized at a time by the paged read (a bounded transient)
-QUERY_TILE = 512  # queries of a long step attended at a time by that read (its logits: a tile x a chunk)
-# Queries of a step with a transition attended at a time: each tile reads only the span of columns it sees each way,
-# so smaller tiles skip most of what a long step's early queries cannot see.
-TRANSITION_TILE = 128
 
 
 class QuantizedLayer(PagedLayer):
@@ -237,7 +231,7 @@ class QuantizedLayer(PagedLayer):
         return result
 
     # ------------------------------------------------------------------ reading
-    def _quantized_chunks(self, plan: StepPlan, row: int, drop: int = 0) -> list[tuple[slice | list[int], int]]:
+    def quantized_chunks(self, plan: StepPlan, row: int, drop: int = 0) -> list[tuple[slice | list[int], int]]:
         """(blocks, logical position of their first token) covering the row's readable quantized prefix, but its last
         `drop` blocks (read apart: a transition, `_transition_pieces`).
 
@@ -247,12 +241,12 @@ class QuantizedLayer(PagedLayer):
         """
         def build() -> list[tuple[slice, int]]:
             bs, table = self.tables.block_size, plan.quantized_tables[row]
-            first, start = self._first_readable(plan, row)
+            first, start = self.first_readable(plan, row)
             return [(ids, start + index * bs) for ids, index in _id_runs(table[: len(table) - drop], first, bs)]
 
         return plan.cached(("quantized_chunks", row, drop), build)
 
-    def _first_readable(self, plan: StepPlan, row: int) -> tuple[int, int]:
+    def first_readable(self, plan: StepPlan, row: int) -> tuple[int, int]:
         """(the index in the row's quantized table of its first block the step reads (one ending after the row's
         `read_from`), the logical position of the table's first token)."""
         start = plan.base[row] - len(plan.quantized_tables[row]) * self.tables.block_size
@@ -284,7 +278,7 @@ class QuantizedLayer(PagedLayer):
 
     def reads_quantized(self, plan: StepPlan) -> bool:
         """Whether the step reads any sealed block."""
-        return any(self._quantized_chunks(plan, row) for row in range(len(plan.quantized_tables)))
+        return any(self.quantized_chunks(plan, row) for row in range(len(plan.quantized_tables)))
 
     def gather(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of logical positions [kv_offset, new_len), the quantized ones decoded into a transient copy
@@ -293,109 +287,13 @@ class QuantizedLayer(PagedLayer):
             return super().gather(plan)
         keys, values = self.read_slots(plan.tensor("read_slots", self.device))  # quantized positions read zeros
         for row in range(keys.shape[0]):
-            for blocks, first in self._quantized_chunks(plan, row):
+            for blocks, first in self.quantized_chunks(plan, row):
                 chunk_keys, chunk_values = self._dequantized(blocks, self.dtype)
                 skip = max(plan.read_from[row] - first, 0)
                 columns = slice(first + skip - plan.kv_offset, first + chunk_keys.shape[1] - plan.kv_offset)
                 keys[row][:, columns] = chunk_keys[:, skip:]
                 values[row][:, columns] = chunk_values[:, skip:]
         return keys, values
-
-    def gather_rows(self, plans: list[StepPlan], memo: dict,
-                    skip: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-        """`PagedLayer.gather_rows` over quantized histories, in float32 (the precision `attend` reads them in): each
-        row's readable quantized blocks (null-padded to the longest such table), decoded straight into the batch in
-        one call per K / V for every row, then its full-precision range. Columns before a row's `read_from` are
-        masked."""
-        if skip:
-            raise ValueError("gather_rows(skip=...) reads past a shared prefix, which a quantized layer has none of "
-                             "(`read_blocks` is empty): read the whole ranges (skip=0)")  # fmt: skip
-
-        def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            bs, reads = self.tables.block_size, []
-            for plan in plans:
-                first, start = self._first_readable(plan, 0)
-                hidden = max(plan.read_from[0] - start - first * bs, 0)  # positions of the first block not read
-                reads.append((plan.quantized_tables[0][first:], hidden, plan.read_stop[0] - plan.read_start[0]))
-            width = max(len(ids) for ids, _hidden, _stored in reads)
-            stored_width = max(stored for _ids, _hidden, stored in reads)
-            blocks = torch.zeros(len(plans), width, dtype=torch.long)  # block 0: the null block, decoded as zeros
-            slots = torch.zeros(len(plans), stored_width, dtype=torch.long)  # slot 0: the null block's first
-            mask = torch.zeros(len(plans), width * bs + stored_width, dtype=torch.bool)
-            for index, (plan, (ids, hidden, stored)) in enumerate(zip(plans, reads)):
-                blocks[index, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-                slots[index, :stored] = plan.slots(0, plan.read_start[0], stored)
-                mask[index, hidden : len(ids) * bs] = True
-                mask[index, width * bs : width * bs + stored] = True
-            return blocks.to(self.device), slots.flatten().to(self.device), mask[:, None, None, :].to(self.device)
-
-        key = ("gather_quantized_rows", tuple(map(id, plans)), self.device)
-        if key not in memo:
-            memo[key] = build()
-        blocks, slots, mask = memo[key]
-        rows, quantized = blocks.shape[0], blocks.shape[1] * self.tables.block_size
-        out = []
-        for fmt, fields, storage in ((self.kv_format.key, self.qkey, self.key_blocks),
-                                     (self.kv_format.value, self.qvalue, self.value_blocks)):  # fmt: skip
-            batch = torch.empty(rows, mask.shape[-1], *storage.shape[2:], device=self.device)  # [rows, n, kv_heads, d]
-            if quantized:
-                target = batch[:, :quantized].unflatten(1, blocks.shape[1:] + (-1,))
-                if fmt.rotate:  # rotated back, then copied
-                    target.copy_(fmt.dequantize(fields, blocks, torch.float32))
-                else:
-                    fmt.dequantize(fields, blocks, torch.float32, out=target)
-            flat = storage.view(-1, *storage.shape[2:])
-            batch[:, quantized:] = flat.index_select(0, slots).view(rows, -1, *flat.shape[1:])
-            out.append(batch.transpose(1, 2))
-        return out[0], out[1], mask
-
-    def attend_quantized(
-        self, query: torch.Tensor, plan: StepPlan, mask: torch.Tensor | None, scale: float, softcap: float | None,
-        sinks: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The `"paged"` attention over this layer's quantized history: `[batch, heads, q, head_dim]`, like
-        `attention.attend`.
-
-        Row by row: the quantized prefix is decoded at most `CHUNK_TOKENS` tokens at a time, each chunk attended by
-        every tile of `QUERY_TILE` queries (so a long prompt chunk's transients stay bounded), and the chunks merged
-        with an online softmax in float32. A row's transition blocks (`StepPlan.transition`) and its full-precision
-        suffix are attended last, in one call per tile of `TRANSITION_TILE` queries over the columns it sees.
-        A rotated side is read as stored: the queries (rotated keys) and the short full-precision suffix are
-        mapped into its code space instead (`QuantFormat.code_space`), and the output (rotated values) back
-        once at the end, as the Triton kernels do -- not every decoded token of a long history.
-        """
-        batch, _heads, q_len, _ = query.shape
-        width = plan.new_len - plan.kv_offset
-        if mask is None and (q_len > 1 or plan.kv_offset or any(plan.transition)):
-            # (one query with nothing cut and no transition sees every key, and needs no mask)
-            mask = self.causal_mask(plan, q_len, query.device)
-        key_format, value_format = self.kv_format.key, self.kv_format.value
-        out = []
-        for row in range(batch):
-            row_query = key_format.code_space(query[row])
-            transition = self.transition_kv(plan, row) if plan.transition[row] else None
-            tile = QUERY_TILE if transition is None else TRANSITION_TILE
-            tiles = [(q0, None if mask is None else mask[row if mask.shape[0] > 1 else 0, 0, q0 : q0 + tile],
-                      OnlineSoftmax(row_query[:, q0 : q0 + tile], scale, softcap, sinks))
-                     for q0 in range(0, q_len, tile)]  # fmt: skip
-            span = None if transition is None else (transition[0], transition[0] + transition[1][0].shape[1])
-            suffix = None
-            for keys, values, first in self._read_parts(plan, row, span):
-                if span is not None and first >= span[1]:  # the suffix after a transition: attended with it
-                    suffix = keys, values, first
-                    continue
-                for _q0, row_mask, softmax in tiles:
-                    visible = None if row_mask is None else visible_columns(row_mask, first - plan.kv_offset, keys.shape[1])
-                    softmax.update(keys, values, visible)
-            if transition is not None:
-                for q0, row_mask, softmax in tiles:
-                    for keys, values, visible in self._transition_pieces(plan, transition, suffix, row_mask,
-                                                                         q_len - q0):  # fmt: skip
-                        softmax.update(keys, values, visible)
-            result = torch.cat([softmax.result() for _q0, _mask, softmax in tiles], dim=1)
-            out.append(value_format.code_space(result))
-        self.attended()
-        return (out[0][None] if batch == 1 else torch.stack(out)).to(query.dtype)
 
     def attended(self) -> None:
         """Called once this step's attention read this layer: the full-precision copy of the blocks it sealed as they
@@ -407,55 +305,6 @@ class QuantizedLayer(PagedLayer):
         """`PagedLayer.cpu_kernel_reads`, for formats the kernel decodes (`cpu_attention.reads_format`)."""
         return super().cpu_kernel_reads(dtype) and self._kernel_decodes
 
-    def attend_rows_in_place(self, queries: torch.Tensor, parts: list[PagedKV], counts: list[int], memo: dict,
-                             scale: float) -> torch.Tensor:  # fmt: skip
-        """`PagedLayer.attend_rows_in_place` over quantized histories: each row reads its sealed blocks (decoded in
-        the kernel), then its transition blocks both ways (each query choosing as it would one token at a time), then
-        its full-precision blocks. Blocks sealed as they arrived are decoded in the kernel too, next to their
-        full-precision copy (`arrival_kv`); a transition not sealed yet is decoded here (`transition_kv`)."""
-        plans, bs = [part.plan for part in parts], self.tables.block_size
-        arrivals = [part.layer.arrival_kv(0) if part.plan.transition[0] else None for part in parts]
-        unsealed = any(plan.transition[0] and arrival is None for plan, arrival in zip(plans, arrivals))
-        transitions = [part.layer.transition_kv(part.plan, 0) if part.plan.transition[0] else None
-                       for part in parts] if unsealed else [None] * len(parts)  # fmt: skip
-
-        def build() -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-            # The quantized read ends with the blocks sealed as they arrived, unless they are decoded here.
-            quantized = [plan.quantized_tables[0][: len(plan.quantized_tables[0]) - (plan.transition[0] if unsealed
-                                                                                     and arrival is not None else 0)]
-                         for plan, arrival in zip(plans, arrivals)]  # fmt: skip
-            table = torch.zeros(len(plans), max(max(map(len, quantized)), 1), dtype=torch.long)
-            reads = torch.zeros(len(plans), 2, dtype=torch.long)
-            for row, (plan, ids) in enumerate(zip(plans, quantized)):
-                first, start = self._first_readable(plan, 0)
-                table[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-                reads[row] = torch.tensor([min(max(plan.read_from[0] - start, first * bs), len(ids) * bs),
-                                           len(ids) * bs])  # fmt: skip
-            # A transition not sealed yet is the first of the stored blocks.
-            skips = [plan.transition[0] if plan.transition[0] and arrival is None else 0
-                     for plan, arrival in zip(plans, arrivals)]  # fmt: skip
-            return table, reads, skips
-
-        key = ("quantized_row_tables", tuple(map(id, plans)))
-        if key not in memo:
-            memo[key] = build()
-        table, reads, skips = memo[key]
-        fmt = self.kv_format
-        quantized = cpu_attention.QuantizedRows(fmt.key, fmt.value, self.qkey, self.qvalue, table, reads)
-        transition, window = None, self.tables.window
-        if unsealed:  # every transition decoded here
-            (exact, starts), (decoded, _starts) = (_joined([t and t[pair] for t in transitions]) for pair in (1, 2))
-            transition = cpu_attention.TransitionRows(exact, decoded, starts, window)
-        elif any(arrival is not None for arrival in arrivals):  # decoded in the kernel from the quantized read's end
-            exact, starts = _joined(arrivals)
-            transition = cpu_attention.TransitionRows(exact, None, starts, window)
-        tables = self._kernel_tables(plans, counts, memo, skips)
-        out = cpu_attention.paged_attention_cpu(queries, self.key_blocks, self.value_blocks, *tables, scale, quantized,
-                                                transition)  # fmt: skip
-        for part in parts:
-            part.layer.attended()
-        return out
-
     def arrival_kv(self, row: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The full-precision K/V `[kv_heads, n, d]` (views, in the layer's dtype) of the blocks row `row` sealed as
         they arrived this step, if it did."""
@@ -463,34 +312,7 @@ class QuantizedLayer(PagedLayer):
             return None
         return tuple(part.flatten(0, 1).transpose(0, 1) for part in self._arrived[row])  # type: ignore[return-value]
 
-    def _read_parts(self, plan: StepPlan, row: int, span: tuple[int, int] | None = None):
-        """The row's read as float32 `(keys, values, first position)` parts in the code space, `[kv_heads, n, d]`:
-        its quantized chunks decoded (at most `CHUNK_TOKENS` tokens each) from its `read_from` on and its
-        full-precision suffix, but the positions `span` (a transition's blocks, read apart). A suffix that continues the last chunk is copied into
-        the end of that chunk's buffer, so the two are attended in one call (the suffix is at most the residual
-        window and a block)."""
-        base, start, stop = plan.base[row], plan.read_start[row], plan.read_stop[row]
-        span = span or (base, base)
-        chunks = self._quantized_chunks(plan, row, max(base - span[0], 0) // self.tables.block_size)
-        skip = max(min(span[1] - base, stop) - start, 0)  # suffix tokens within the span
-        start += skip
-        suffix_first = base + start
-        for index, (blocks, first) in enumerate(chunks):
-            tokens = (blocks.stop - blocks.start) * self.tables.block_size
-            joined = index == len(chunks) - 1 and stop > start and first + tokens == suffix_first
-            extra = stop - start if joined else 0
-            keys, values = self._decoded_buffer(blocks, tokens, extra)
-            if joined:
-                suffix_keys, suffix_values = self._suffix(plan, row, skip)
-                keys[:, tokens:], values[:, tokens:] = suffix_keys, suffix_values
-                stop = start  # the suffix is read
-            lead = max(plan.read_from[row] - first, 0)  # the first block's positions before the row's read
-            yield keys[:, lead:], values[:, lead:], first + lead
-        if stop > start:
-            keys, values = self._suffix(plan, row, skip)
-            yield keys, values, suffix_first
-
-    def _decoded_buffer(self, blocks: slice, tokens: int, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def decoded_buffer(self, blocks: slice, tokens: int, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantized blocks decoded (rotated sides as stored) into float32 `[kv_heads, tokens + extra, d]` K and V
         buffers, whose last `extra` columns are left for the caller."""
         bs, heads = self.tables.block_size, self.kv_shape[0]
@@ -502,12 +324,6 @@ class QuantizedLayer(PagedLayer):
             fmt.dequantize(fields, blocks, torch.float32, rotated=True, out=target)
             out.append(buffer)
         return out[0], out[1]
-
-    def _suffix(self, plan: StepPlan, row: int, skip: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """The row's full-precision read range but its first `skip` tokens, float32 in the code space,
-        `[kv_heads, n, d]`."""
-        keys, values = (part[:, skip:].float() for part in self.row_kv(plan, row))
-        return self.kv_format.key.code_space(keys), self.kv_format.value.code_space(values)
 
     def transition_kv(self, plan: StepPlan, row: int) -> tuple[int, tuple, tuple]:
         """The row's transition blocks both ways, once per step: their first position, their full-precision K/V
@@ -532,35 +348,6 @@ class QuantizedLayer(PagedLayer):
         keys, values = (part.flatten(0, 1).transpose(0, 1).float() for part in (keys, values))
         keys, values = self.kv_format.key.code_space(keys), self.kv_format.value.code_space(values)
         return first, (keys, values), quantized
-
-    def _transition_pieces(self, plan: StepPlan, transition: tuple, suffix: tuple | None, row_mask: torch.Tensor,
-                           back: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
-        """A row's transition blocks (`transition_kv`) as each query of the tile `back` tokens before the step's end
-        (the queries are the step's last tokens: all of its tokens, or its last alone in a narrowed forward) would
-        read them one token at a time: quantized when they end `window` positions or more before the query's own
-        position + 1, else in full precision; then the row's `suffix` (keys, values, first position), if any.
-        Returns `(keys, values, visible)` pieces of at most `CHUNK_TOKENS` columns each way (a bounded transient,
-        as for the quantized prefix), of only the columns some query of the tile sees that way, the suffix joined
-        to the last piece: one call each."""
-        first, full, quantized = transition
-        n = full[0].shape[1]
-        start_position = plan.new_len - back
-        positions = torch.arange(start_position, start_position + row_mask.shape[0], device=row_mask.device)
-        ends = first + (torch.arange(n, device=row_mask.device) // self.tables.block_size + 1) * self.tables.block_size
-        reads_quantized = ends[None, :] <= positions[:, None] + 1 - self.tables.window
-        visible = visible_columns(row_mask, first - plan.kv_offset, n)
-        pieces = []
-        for start in range(0, n, CHUNK_TOKENS):
-            columns = slice(start, start + CHUNK_TOKENS)
-            parts = [(*side, visible[:, columns] & reads) for side, reads in (
-                ((quantized[0][:, columns], quantized[1][:, columns]), reads_quantized[:, columns]),
-                ((full[0][:, columns], full[1][:, columns]), ~reads_quantized[:, columns]))]  # fmt: skip
-            if suffix is not None and start + CHUNK_TOKENS >= n:
-                keys, values, suffix_first = suffix
-                parts.append((keys, values, visible_columns(row_mask, suffix_first - plan.kv_offset, keys.shape[1])))
-            parts = [_seen_columns(*part) for part in parts]
-            pieces.append(tuple(torch.cat(side, 1) for side in zip(*parts)))
-        return pieces
 
     # ------------------------------------------------------------------ state
     def state_dict(self, blocks: list[int], quantized: list[int]) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -603,22 +390,3 @@ def _id_runs(table: list[int], first: int, block_size: int) -> list[tuple[slice,
         index += run
     return runs
 
-
-def _joined(pairs: list[tuple[torch.Tensor, torch.Tensor] | None],
-            ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:  # fmt: skip
-    """Rows' (keys, values) `[kv_heads, n_i, d]` (None: a row without) joined along the tokens (a lone pair as it is),
-    and where each row's begin, `[rows + 1]`."""
-    present = [pair for pair in pairs if pair is not None]
-    keys, values = (present[0][side] if len(present) == 1 else torch.cat([pair[side] for pair in present], 1)
-                    for side in (0, 1))  # fmt: skip
-    starts = torch.tensor([0, *(0 if pair is None else pair[0].shape[1] for pair in pairs)]).cumsum(0)
-    return (keys, values), starts
-
-
-def _seen_columns(keys: torch.Tensor, values: torch.Tensor,
-                  visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`keys` / values `[kv_heads, n, d]` and `visible` `[q, n]` cut to the span of columns some query sees (one
-    column, unseen, if none is: a query that sees nothing anywhere still gets its log-sum-exp of -inf)."""
-    seen = visible.any(0).nonzero()
-    columns = slice(int(seen[0]), int(seen[-1]) + 1) if seen.numel() else slice(0, min(keys.shape[1], 1))
-    return keys[:, columns], values[:, columns], visible[:, columns]

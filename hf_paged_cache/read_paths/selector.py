@@ -1,7 +1,7 @@
 """Which path reads each token of a step: the one place that decides.
 
-The `"paged"` attention reads a layer's K/V from its blocks by one of these paths (each implemented in a module of
-this package, `read_paths.PATHS`):
+The `"paged"` attention reads a layer's K/V from its blocks by one of these paths, each implemented in a module of
+this package (`triton`, `cascade`, `kernel_rows`, `batched_decode`, `rows`, `quantized`):
 
 | path | reads | when |
 |---|---|---|

@@ -33,3 +33,18 @@ def allocate_kv_blocks(
     if fill is not None:
         storage.fill_(fill)
     return storage.permute(1, 2, 0, 3)
+
+
+def heads_first(blocks: torch.Tensor) -> torch.Tensor:
+    """Storage `[num_blocks, block_size, kv_heads, d]` as the view `[kv_heads, slots, d]`: consecutive slots of a head
+    are contiguous memory."""
+    return blocks.permute(2, 0, 1, 3).flatten(1, 2)
+
+
+def gather_blocks(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Whole blocks `ids` `[rows, width]` of storage `[num_blocks, block_size, kv_heads, d]`, as
+    `[rows, kv_heads, width * block_size, d]`: one index per block, contiguous per head."""
+    by_head = blocks.permute(2, 0, 1, 3)  # the [kv_heads, num_blocks, block_size, d] of the layout
+    rows, width = ids.shape
+    gathered = by_head.index_select(1, ids.reshape(-1))
+    return gathered.view(by_head.shape[0], rows, width * blocks.shape[1], blocks.shape[-1]).transpose(0, 1)

@@ -9,6 +9,7 @@ from tiny_models import VOCAB, shared_model
 from hf_paged_cache import PagedCache
 from hf_paged_cache.attention.torch_path import causal_mask
 from hf_paged_cache.layers.handle import PackedPagedKV, PagedKV
+from hf_paged_cache.read_paths.rows import step_causal_mask
 
 
 def _recording_handle(calls: list, gathered: bool = False) -> PagedKV:
@@ -55,7 +56,7 @@ def test_the_own_mask_is_causal_over_the_read_range():
             assert handle.own_mask(10, cpu) is None
         else:
             assert torch.equal(handle.own_mask(10, cpu), causal_mask(10, 10, cpu, window))
-        assert torch.equal(layer.causal_mask(layer.tables.plan, 10, cpu), causal_mask(10, 10, cpu))
+        assert torch.equal(step_causal_mask(layer.tables.plan, 10, cpu), causal_mask(10, 10, cpu))
 
 
 @torch.no_grad()

@@ -8,6 +8,7 @@ from tiny_models import VOCAB, feed_chunks, padded_batch, shared_model, token_by
 
 from hf_paged_cache import PagedCache
 from hf_paged_cache.layers import quantized as quantized_layers
+from hf_paged_cache.read_paths import quantized as quantized_read
 
 BLOCK = 4
 RESIDUAL = 4
@@ -52,8 +53,8 @@ def test_a_long_chunk_read_in_query_tiles_gives_the_untiled_logits(spec, monkeyp
     tokens = torch.randint(3, VOCAB, (1, 45), generator=torch.Generator().manual_seed(3))
     results = []
     for tile in (10**6, 5):
-        monkeypatch.setattr(quantized_layers, "QUERY_TILE", tile)
-        monkeypatch.setattr(quantized_layers, "TRANSITION_TILE", tile)
+        monkeypatch.setattr(quantized_read, "QUERY_TILE", tile)
+        monkeypatch.setattr(quantized_read, "TRANSITION_TILE", tile)
         cache = PagedCache(model.config, block_size=BLOCK, quant=spec, residual_length=RESIDUAL)
         results.append(feed_chunks(model, cache, tokens, [7, 30, 1, 1]))  # a warm chunk over a quantized prefix too
     torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=0)
@@ -92,15 +93,3 @@ def test_the_paged_read_is_attention_over_the_dequantized_copy(name, spec, chunk
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
 
 
-def test_a_quantized_layer_reads_no_prefix_together_with_others():
-    """Sequences never read a quantized history's prefix together (it is decoded as it is read): no shared blocks,
-    and a read past a shared prefix is refused, naming the parameter."""
-    model = shared_model("llama_gqa")
-    model.set_attn_implementation("paged")
-    tokens = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(4))
-    cache = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=RESIDUAL)
-    feed_chunks(model, cache, tokens, [20])
-    layer = cache.layers[0]
-    plan = layer.tables.plan
-    with pytest.raises(ValueError, match="skip"):
-        layer.gather_rows([plan], {}, skip=4)

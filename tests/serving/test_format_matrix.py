@@ -11,9 +11,10 @@ import functools
 import pytest
 from batch_workloads import alone, random_prompts, tiny_model
 
-from hf_paged_cache import PagedCache, generate_batch, quantization
+from hf_paged_cache import PagedCache, generate_batch, paged_attention, quantization
 from hf_paged_cache.config import BACKENDS
-from hf_paged_cache.layers.quantized import QuantizedLayer
+from hf_paged_cache.read_paths import quantized as quantized_read
+from hf_paged_cache.read_paths import selector
 from hf_paged_cache.quantization import QuantFormat, format_from_spec
 
 # One spec per shape of read: per-token int8, per-channel int4 / int2 keys, rotated and unrotated 2-bit sides, mixed
@@ -57,13 +58,13 @@ def test_every_format_serves_through_every_path(spec, backend, fused, sealing):
 def test_the_sealed_cells_read_transition_blocks(sealing, monkeypatch):
     """What the sealed cells rely on: the torch path sees steps that read blocks they seal both ways (the read the
     narrowed last layer lost); the unsealed cells see none."""
-    seen, attend = [], QuantizedLayer.attend_quantized
+    seen = []
 
     def recorded(layer, query, plan, *args):
         seen.append(any(plan.transition))
-        return attend(layer, query, plan, *args)
+        return quantized_read.attend(layer, query, plan, *args)
 
-    monkeypatch.setattr(QuantizedLayer, "attend_quantized", recorded)
+    monkeypatch.setitem(paged_attention._TORCH_PATHS, selector.QUANTIZED, recorded)
     generate_batch(tiny_model("llama_gqa"), PROMPTS, max_new_tokens=NEW, block_size=4, max_batch_tokens=8, quant="int2",
                    residual_length=SEALING[sealing], backend="torch")  # fmt: skip
     assert any(seen) == (sealing == "sealed")

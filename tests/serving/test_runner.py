@@ -16,20 +16,21 @@ from hf_paged_cache.layers.quantized import QuantizedLayer
 from hf_paged_cache.serving.generator import BatchGenerator
 from hf_paged_cache.serving.runner import layer_sliding, packed_logits
 from hf_paged_cache.serving.prefix_cache import PrefixCache
-from hf_paged_cache.read_paths import selector
+from hf_paged_cache.read_paths import batched_decode, cascade, selector
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def counted_plans(monkeypatch, cls, name: str) -> list[int]:
-    """Record how many plans each call of `cls.<name>(plans, ...)` (a read or write of several sequences) took."""
-    counts, method = [], getattr(cls, name)
+def counted_plans(monkeypatch, owner, name: str) -> list[int]:
+    """Record how many plans each call of `owner.<name>(layer, plans, ...)` (a layer class's method, or a read path's
+    function: a read or write of several sequences) took."""
+    counts, method = [], getattr(owner, name)
 
     def counted(layer, plans, *args):
         counts.append(len(plans))
         return method(layer, plans, *args)
 
-    monkeypatch.setattr(cls, name, counted)
+    monkeypatch.setattr(owner, name, counted)
     return counts
 
 
@@ -75,7 +76,7 @@ def test_decode_tokens_attended_together_give_the_logits_of_each_alone(name, mon
     template = PagedCache(model.config, block_size=4, num_blocks=80)
     prompts = random_prompts((11, 12, 30, 6), seed=5)
     caches = [template.sibling() for _ in prompts]
-    gathered = counted_plans(monkeypatch, PagedLayer, "gather_rows")
+    gathered = counted_plans(monkeypatch, batched_decode, "gather_rows")
     written = counted_plans(monkeypatch, PagedLayer, "write_rows")
     with torch.no_grad():
         for cache, prompt in zip(caches[:3], prompts[:3]):  # three sequences decode, the fourth starts its prompt
@@ -107,7 +108,7 @@ def test_long_decode_histories_are_read_in_place_and_give_the_logits_of_each_alo
     template = PagedCache(model.config, block_size=4, num_blocks=80)
     prompts = random_prompts((11, 12, 30), seed=5)
     caches = [template.sibling() for _ in prompts]
-    gathered = counted_plans(monkeypatch, PagedLayer, "gather_rows")
+    gathered = counted_plans(monkeypatch, batched_decode, "gather_rows")
     with torch.no_grad():
         for cache, prompt in zip(caches, prompts):
             model(input_ids=torch.tensor([prompt[:-1]]), cache=cache)
@@ -134,23 +135,17 @@ def test_decode_tokens_sharing_a_cached_prefix_read_it_once_and_give_the_logits_
         pytest.skip("the CPU attention kernel could not be built here")
     if not kernel:
         monkeypatch.setattr(cpu_attention, "available", lambda: False)
-    in_place, in_place_method = [], PagedLayer.attend_shared_prefix_in_place
-
-    def counted_in_place(layer, queries, parts, prefix, *args):
-        in_place.append((len(parts), prefix))
-        return in_place_method(layer, queries, parts, prefix, *args)
-
-    monkeypatch.setattr(PagedLayer, "attend_shared_prefix_in_place", counted_in_place)
     monkeypatch.setattr(selector, "SHARED_PREFIX_MIN_TOKENS", 8)
     monkeypatch.setattr(selector, "SHARED_PREFIX_MIN_REREAD", 12)
-    calls = []  # every cascade read, in torch or the kernel
+    calls, in_place = [], []  # every cascade read, in torch or the kernel; those in the kernel
 
-    def counted(reader):
-        return lambda query, packed, read, *args: calls.append((len(read.parts), read.prefix)) or reader(
-            query, packed, read, *args)  # fmt: skip
+    def counted(reader, *records):
+        return lambda query, packed, read, *args: [record.append((len(read.parts), read.prefix))
+                                                   for record in records] and reader(query, packed, read, *args)
 
-    for path in (selector.CASCADE, selector.CASCADE_KERNEL):
-        monkeypatch.setitem(paged_attention._READERS, path, counted(paged_attention._READERS[path]))
+    monkeypatch.setitem(paged_attention._READERS, selector.CASCADE, counted(cascade.attend, calls))
+    monkeypatch.setitem(paged_attention._READERS, selector.CASCADE_KERNEL, counted(cascade.attend_in_kernel, calls,
+                                                                                   in_place))  # fmt: skip
     model = tiny_model(name)
     first, second = random_prompts((12, 8), seed=6, prefix=4)  # prefixes of 16 and 12 tokens, one block in common
     tails = random_prompts((7, 2, 13, 5, 9, 20), seed=9)
@@ -238,7 +233,7 @@ def test_quantized_decode_tokens_attended_together_give_the_logits_of_each_alone
     template = PagedCache(model.config, **options)
     prompts = random_prompts((3, 21, 26, 33), seed=8)
     caches = [template.sibling() for _ in prompts]
-    gathered = counted_plans(monkeypatch, QuantizedLayer, "gather_rows")
+    gathered = counted_plans(monkeypatch, batched_decode, "gather_rows")
     written = counted_plans(monkeypatch, PagedLayer, "write_rows")
     with torch.no_grad():
         references = []
