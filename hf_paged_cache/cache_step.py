@@ -90,8 +90,8 @@ class CacheStep:
             pool.grow(extra)
         for group in stepping:
             members = cache.group_layers(group.name)
-            group.apply_step(q_len, pads, functools.partial(copy_blocks, members), functools.partial(seal, members),
-                             mirrors[group.name])  # fmt: skip
+            group.planner.apply_step(q_len, pads, functools.partial(copy_blocks, members),
+                                     functools.partial(seal, members), mirrors[group.name])  # fmt: skip
         if cache.evictor is not None:
             cache.evictor.step_planned(q_len)
         self.trim(cache, stepping)  # blocks that left a window this step, or that a reorder let go since the last
@@ -121,7 +121,7 @@ class CacheStep:
         mirrors = {group.name: {} for group in stepping}
         if not cache.options.sharing or key_states.shape[0] < 2:
             return mirrors
-        candidates = {group.name: group.mirror_candidates(pads) for group in stepping}
+        candidates = {group.name: group.planner.mirror_candidates(pads) for group in stepping}
         if all(row == first for rows in candidates.values() for row, first in enumerate(rows)):
             return mirrors
         same = equal_rows(key_states, value_states)
@@ -139,7 +139,7 @@ class CacheStep:
             tables, bs = layer.tables, layer.tables.block_size
             needed = len(tables.rows[row].blocks) - (tables.stored_tokens(row) - plan.new_tokens[row]) // bs
             tables.pool.reserve(needed, group=tables.name, block_size=bs)
-            plan = tables.unmirror(row, functools.partial(copy_blocks, cache.group_layers(tables.name)))
+            plan = tables.planner.unmirror(row, functools.partial(copy_blocks, cache.group_layers(tables.name)))
         return plan
 
     def _growth(self, cache: Cache, stepping: list[BlockTables], q_len: int, pads: list[int],
@@ -147,7 +147,7 @@ class CacheStep:
         """([(pool, blocks to add)], None) for the step, or ([], the error to raise) when a fixed pool is short."""
         growth = []
         for group in stepping:
-            for pool, needed, freed, name in group.demands(q_len, pads, mirrors[group.name]):
+            for pool, needed, freed, name in group.planner.demands(q_len, pads, mirrors[group.name]):
                 try:
                     extra = pool.check_reserve(needed, group=name, block_size=group.block_size, freed=freed)
                 except OutOfBlocksError as shortage:
@@ -182,7 +182,7 @@ class CacheStep:
         demand: dict[BlockPool, int] = {}
         rows = next((len(group.rows) for group in cache.groups.values() if group.length > 0), 1)
         for group in cache.groups.values():
-            for pool, needed, freed, _name in group.demands(q_len, [0] * rows, {}):
+            for pool, needed, freed, _name in group.planner.demands(q_len, [0] * rows, {}):
                 demand[pool] = demand.get(pool, 0) + max(needed - freed, 0)
         return demand
 

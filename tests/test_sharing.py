@@ -64,10 +64,10 @@ class ForkWriteFree(RuleBasedStateMachine):
     def _step(self, tables: BlockTables, rows: list[list[int]], q_len: int, mirrors: dict[int, int]) -> None:
         batch = len(rows)
         pads = [0] * batch
-        (_pool, needed, freed, _name), = tables.demands(q_len, pads, mirrors)
+        (_pool, needed, freed, _name), = tables.planner.demands(q_len, pads, mirrors)
         if needed > self.pool.num_free + freed:
             return
-        plan = tables.apply_step(q_len, pads, self._copy, lambda s, t: None, mirrors)
+        plan = tables.planner.apply_step(q_len, pads, self._copy, lambda s, t: None, mirrors)
         tokens = []
         for row in range(batch):
             source = mirrors.get(row, row)
@@ -100,7 +100,7 @@ class ForkWriteFree(RuleBasedStateMachine):
     @rule(data=st.data(), q_len=st.integers(1, 6), mirror=st.booleans())
     def step(self, data, q_len, mirror):
         tables, rows = data.draw(st.sampled_from(self.tables))
-        candidates = tables.mirror_candidates([0] * len(rows))
+        candidates = tables.planner.mirror_candidates([0] * len(rows))
         mirrors = {row: first for row, first in enumerate(candidates) if first != row} if mirror else {}
         self._step(tables, rows, q_len, mirrors)
 

@@ -20,7 +20,7 @@ def _no_copy(_sources: list[int], _targets: list[int]) -> None:
 def _padded_plan():
     """Two rows of a 6-token prompt, the second left-padded by 2 (pads are not stored)."""
     tables = BlockTables("full", BlockPool(16), block_size=BS)
-    return tables, tables.apply_step(6, [0, 2], _no_copy, _no_copy)
+    return tables, tables.planner.apply_step(6, [0, 2], _no_copy, _no_copy)
 
 
 def test_ceil_div_rounds_up():

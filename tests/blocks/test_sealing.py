@@ -33,10 +33,10 @@ def test_a_row_seals_what_token_by_token_growth_would_have_sealed(residual, step
     tables, window = _tables(residual), max(residual, 1)
     for q_len in steps:
         start = tables.length
-        demands = tables.demands(q_len, [0], {})
+        demands = tables.planner.demands(q_len, [0], {})
         used = [pool.num_used for pool, _needed, _freed, _name in demands]
         calls = []
-        plan = tables.apply_step(q_len, [0], _no_copy, _seals(calls))
+        plan = tables.planner.apply_step(q_len, [0], _no_copy, _seals(calls))
         for (pool, needed, freed, _name), before in zip(demands, used):
             assert pool.num_used == before + needed - freed
         reach = tables.length if q_len > window else start + 1
@@ -51,8 +51,8 @@ def test_a_row_seals_what_token_by_token_growth_would_have_sealed(residual, step
 
 def test_demands_name_both_pools_and_the_quantized_one_as_such():
     tables = _tables(residual_length=2)
-    tables.apply_step(9, [0], _no_copy, _seals([]))
-    (fp, fp_needed, _, fp_name), (quantized, needed, _, name) = tables.demands(1, [0], {})
+    tables.planner.apply_step(9, [0], _no_copy, _seals([]))
+    (fp, fp_needed, _, fp_name), (quantized, needed, _, name) = tables.planner.demands(1, [0], {})
     assert (fp, fp_name) == (tables.pool, "full/int8") and (quantized, name) == (tables.qpool, "full/int8 (quantized)")
     assert tables.quantized_pool is tables.qpool
 
@@ -60,7 +60,7 @@ def test_demands_name_both_pools_and_the_quantized_one_as_such():
 def test_a_crop_into_the_sealed_prefix_works_at_a_block_boundary_and_raises_elsewhere():
     tables = _tables(residual_length=2)
     for _ in range(12):
-        tables.apply_step(1, [0], _no_copy, _seals([]))
+        tables.planner.apply_step(1, [0], _no_copy, _seals([]))
     assert len(tables.qtables[0]) == 2  # tokens 0..7 sealed, 8..11 in full precision
     with pytest.raises(RuntimeError, match="position 6 lies inside a quantized block"):
         tables.check_crop(6)
@@ -72,14 +72,14 @@ def test_a_crop_into_the_sealed_prefix_works_at_a_block_boundary_and_raises_else
 
 def test_forks_share_one_sealed_copy_of_a_shared_block():
     tables = _tables(residual_length=1)
-    tables.apply_step(BS, [0], _no_copy, _seals([]))  # one full block, nothing sealed yet
+    tables.planner.apply_step(BS, [0], _no_copy, _seals([]))  # one full block, nothing sealed yet
     twin = tables.fork()
     calls = []
-    tables.apply_step(1, [0], _no_copy, _seals(calls))  # its first token reads block 0 quantized: sealed
+    tables.planner.apply_step(1, [0], _no_copy, _seals(calls))  # its first token reads block 0 quantized: sealed
     ((sources, targets, _keep),) = calls
     assert sources == [1] and tables.pool.ref_count(1) == 1  # the twin still holds the full-precision block
     twin_calls = []
-    twin.apply_step(1, [0], _no_copy, _seals(twin_calls))
+    twin.planner.apply_step(1, [0], _no_copy, _seals(twin_calls))
     assert twin_calls == [], "the twin takes a reference to the copy, sealing nothing"
     assert twin.qtables[0] == tables.qtables[0] == targets and tables.qpool.ref_count(targets[0]) == 2
     assert tables.pool.num_used == 2  # block 1 went back: each side holds only its new block
@@ -101,9 +101,9 @@ def test_both_pools_either_fit_the_demand_or_the_step_raises_having_changed_noth
     for q_len in steps:
         before = state()
         try:
-            for pool, needed, freed, name in tables.demands(q_len, [0, 0], {}):
+            for pool, needed, freed, name in tables.planner.demands(q_len, [0, 0], {}):
                 pool.check_reserve(needed, group=name, block_size=BS, freed=freed)
         except OutOfBlocksError:
             assert state() == before
             continue
-        tables.apply_step(q_len, [0, 0], _no_copy, _seals([]))  # a demand met never runs a pool dry
+        tables.planner.apply_step(q_len, [0, 0], _no_copy, _seals([]))  # a demand met never runs a pool dry

@@ -34,12 +34,12 @@ def _runs_as_slots(tables: BlockTables, plan) -> torch.Tensor:
 def test_runs_read_exactly_the_slots_of_the_token_by_token_gather(window):
     pool = BlockPool(64)
     tables = BlockTables("full", pool, block_size=4, reach=window)
-    plan = tables.apply_step(9, [0, 3, 8], _no_copy, _no_copy)
+    plan = tables.planner.apply_step(9, [0, 3, 8], _no_copy, _no_copy)
     strangers = []
     for step in range(14):
         if step % 3 == 1:  # another table takes blocks, so some rows' runs break
             strangers += pool.allocate(2, after=tables.rows[step % 3].blocks.ids[-1])
-        plan = tables.apply_step(1, [0, 0, 0], _no_copy, _no_copy)
+        plan = tables.planner.apply_step(1, [0, 0, 0], _no_copy, _no_copy)
         assert torch.equal(_runs_as_slots(tables, plan), plan.gather_slots())
     assert any(len(runs) > 1 for runs in plan.runs()), "the test should break some run"
 
@@ -64,9 +64,9 @@ def test_rows_of_a_ragged_batch_keep_one_run_each_while_they_decode():
     blocks = sum(-(-length // bs) for length in lengths)
     pool = BlockPool(blocks + 12)  # room for three more blocks per row
     tables = BlockTables("full", pool, block_size=bs)
-    tables.apply_step(20, [20 - length for length in lengths], _no_copy, _no_copy)
+    tables.planner.apply_step(20, [20 - length for length in lengths], _no_copy, _no_copy)
     for _ in range(3 * bs - 1):
-        plan = tables.apply_step(1, [0] * 4, _no_copy, _no_copy)
+        plan = tables.planner.apply_step(1, [0] * 4, _no_copy, _no_copy)
         assert [len(runs) for runs in plan.runs()] == [1, 1, 1, 1]
     assert pool.num_used == sum(-(-(length + 3 * bs - 1) // bs) for length in lengths)  # no block more than needed
 
@@ -93,11 +93,11 @@ def test_demands_say_exactly_what_apply_step_takes_and_change_nothing(window, pa
     for index, q_len in enumerate(steps):
         step_pads = [min(pad, q_len - 1) for pad in pads] if index == 0 else [0] * len(pads)
         before = _state(tables)
-        ((pool, needed, freed, name),) = tables.demands(q_len, step_pads, {})
+        ((pool, needed, freed, name),) = tables.planner.demands(q_len, step_pads, {})
         assert _state(tables) == before and pool is tables.pool and name == "sliding"
         used = pool.num_used
         start = tables.length
-        tables.apply_step(q_len, step_pads, _no_copy, _no_copy)
+        tables.planner.apply_step(q_len, step_pads, _no_copy, _no_copy)
         assert pool.num_used == used + needed - freed
         for row in range(len(tables.rows)):  # what the rows hold: every stored token, within the window
             assert len(tables.rows[row].blocks) == -(-tables.stored_tokens(row) // 4)
@@ -108,9 +108,9 @@ def test_demands_say_exactly_what_apply_step_takes_and_change_nothing(window, pa
 
 def test_a_step_that_does_not_fit_a_fixed_pool_raises_before_anything_changes():
     tables = BlockTables("full", BlockPool(3), block_size=4)
-    tables.apply_step(10, [0], _no_copy, _no_copy)  # 3 blocks
+    tables.planner.apply_step(10, [0], _no_copy, _no_copy)  # 3 blocks
     before = _state(tables)
-    ((pool, needed, freed, name),) = tables.demands(3, [0], {})
+    ((pool, needed, freed, name),) = tables.planner.demands(3, [0], {})
     assert (needed, freed) == (1, 0)
     with pytest.raises(OutOfBlocksError, match="for its full layers: this step needs 1 blocks but only 0 of 3"):
         pool.reserve(needed, group=name, block_size=tables.block_size, freed=freed)
@@ -121,7 +121,7 @@ def test_a_window_returns_the_blocks_it_leaves_and_a_recorded_past_keeps_them_un
     tables = BlockTables("sliding", BlockPool(20), block_size=4, reach=5)
     tables.record_past = True
     for _ in range(17):
-        tables.apply_step(1, [0], _no_copy, _no_copy)
+        tables.planner.apply_step(1, [0], _no_copy, _no_copy)
     assert tables.first_stored(0) == 0 and tables.pool.num_used == 5
     tables.check_crop(3)  # the past is still there
     tables.record_past = False
@@ -133,32 +133,32 @@ def test_a_window_returns_the_blocks_it_leaves_and_a_recorded_past_keeps_them_un
 
 def test_a_write_into_a_shared_partly_filled_last_block_copies_it_first():
     tables = BlockTables("full", BlockPool(8), block_size=4)
-    tables.apply_step(6, [0], _no_copy, _no_copy)
+    tables.planner.apply_step(6, [0], _no_copy, _no_copy)
     first, last = tables.tables[0]
     twin = tables.fork()
     assert tables.pool.ref_count(first) == tables.pool.ref_count(last) == 2
-    ((_, needed, _, _),) = twin.demands(1, [0], {})
+    ((_, needed, _, _),) = twin.planner.demands(1, [0], {})
     assert needed == 1  # the copy-on-write; the token fits the last block
     copies = []
-    twin.apply_step(1, [0], _record(copies), _no_copy)
+    twin.planner.apply_step(1, [0], _record(copies), _no_copy)
     ((sources, targets),) = copies
     assert sources == [last] and twin.tables[0] == [first, targets[0]]
     assert tables.pool.ref_count(first) == 2 and tables.pool.ref_count(last) == 1
-    ((_, needed, _, _),) = tables.demands(1, [0], {})
+    ((_, needed, _, _),) = tables.planner.demands(1, [0], {})
     assert needed == 0  # the original's last block is its own again
-    tables.apply_step(1, [0], _no_copy, _no_copy)
+    tables.planner.apply_step(1, [0], _no_copy, _no_copy)
     assert tables.tables[0] == [first, last]
 
 
 def test_crop_frees_the_blocks_after_the_new_end_and_growth_resumes_there():
     tables = BlockTables("full", BlockPool(8), block_size=4)
-    tables.apply_step(13, [0], _no_copy, _no_copy)
+    tables.planner.apply_step(13, [0], _no_copy, _no_copy)
     ids = list(tables.tables[0])
     tables.crop(9)
     assert tables.length == 9 and tables.tables[0] == ids[:3] and tables.pool.num_used == 3
     tables.crop(8)
     assert tables.tables[0] == ids[:2]
-    plan = tables.apply_step(1, [0], _no_copy, _no_copy)
+    plan = tables.planner.apply_step(1, [0], _no_copy, _no_copy)
     assert len(tables.tables[0]) == 3 and plan.read_stop == [9]
     tables.crop(0)
     assert tables.rows == [] and tables.length == 0 and tables.pool.num_used == 0
@@ -178,10 +178,10 @@ def test_a_fixed_pool_either_fits_the_whole_demand_or_the_step_raises_having_cha
     for q_len in steps:
         before = _state(tables)
         try:
-            for pool, needed, freed, name in tables.demands(q_len, [0] * batch, {}):
+            for pool, needed, freed, name in tables.planner.demands(q_len, [0] * batch, {}):
                 pool.check_reserve(needed, group=name, block_size=4, freed=freed)
         except OutOfBlocksError:
             assert _state(tables) == before
             continue
-        tables.apply_step(q_len, [0] * batch, _no_copy, _no_copy)  # a demand met never runs the pool dry
+        tables.planner.apply_step(q_len, [0] * batch, _no_copy, _no_copy)  # a demand met never runs the pool dry
         assert tables.pool.num_used <= num_blocks

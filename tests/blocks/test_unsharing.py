@@ -27,7 +27,7 @@ def _record(calls: list) -> Callable[[list[int], list[int]], None]:
 def test_reorder_shares_blocks_by_reference_and_unshare_takes_what_unshare_demand_said(lengths, data):
     tables = BlockTables("full", BlockPool(100), block_size=4)
     longest = max(lengths)
-    tables.apply_step(longest, [longest - length for length in lengths], _no_copy, _no_copy)
+    tables.planner.apply_step(longest, [longest - length for length in lengths], _no_copy, _no_copy)
     order = data.draw(st.lists(st.integers(0, len(lengths) - 1), min_size=1, max_size=5))
     expected = [list(tables.tables[source]) for source in order]
     demand = unshare_demand(tables, order)

@@ -17,7 +17,7 @@ def _no_copy(_sources: list[int], _targets: list[int]) -> None:
 def test_survivors_move_to_the_front_and_the_freed_blocks_return():
     pool = BlockPool(16)
     tables = BlockTables("full", pool, block_size=4)
-    tables.apply_step(10, [0], _no_copy, _no_copy)  # one row of 10 tokens in 3 blocks
+    tables.planner.apply_step(10, [0], _no_copy, _no_copy)  # one row of 10 tokens in 3 blocks
     used = pool.num_used
     slots = torch.zeros(pool.num_blocks * 4, dtype=torch.long)  # what each slot holds: the token's position
     for index, block in enumerate(tables.rows[0].blocks.ids):

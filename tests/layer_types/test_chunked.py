@@ -42,18 +42,18 @@ def test_chunked_mask_sees_only_the_queries_own_chunk():
 
 
 def _grow(tables: BlockTables, steps: int, pads: list[int]):
-    tables.apply_step(3, pads, lambda src, dst: None, lambda *args: None)
+    tables.planner.apply_step(3, pads, lambda src, dst: None, lambda *args: None)
     for _ in range(steps):
-        tables.apply_step(1, [0] * len(pads), lambda src, dst: None, lambda *args: None)
+        tables.planner.apply_step(1, [0] * len(pads), lambda src, dst: None, lambda *args: None)
 
 
 def test_blocks_leave_as_the_chunk_moves_on_counted_from_each_rows_first_real_token():
     tables = BlockTables("chunked_attention[8]", BlockPool(32, growable=True), 2, Chunks(8))
     _grow(tables, 6, [0, 2])  # length 9: the step at 9 reads chunk [8, 16) of row 0 and [2, 10) of row 1
-    tables.apply_step(1, [0, 0], lambda src, dst: None, lambda *args: None)
+    tables.planner.apply_step(1, [0, 0], lambda src, dst: None, lambda *args: None)
     assert [row.base for row in tables.rows] == [8, 2]
     assert tables.stored_tokens(0) == 2 and tables.stored_tokens(1) == 8
-    tables.apply_step(1, [0, 0], lambda src, dst: None, lambda *args: None)  # at 10 row 1's next chunk begins
+    tables.planner.apply_step(1, [0, 0], lambda src, dst: None, lambda *args: None)  # at 10 row 1's next chunk begins
     assert tables.rows[1].base == 10 and tables.stored_tokens(1) == 1
 
 
@@ -63,10 +63,10 @@ def test_a_rows_read_starts_at_its_chunk_where_blocks_straddle_chunk_boundaries(
     (`kv_offset` 3), so a lone query needs no mask to see its own chunk alone; the window stays transformers'."""
     tables = BlockTables("chunked_attention[8]", BlockPool(32, growable=True), 3, Chunks(8))
     _grow(tables, 7, [0])  # 10 tokens
-    plan = tables.apply_step(1, [0], lambda src, dst: None, lambda *args: None)
+    plan = tables.planner.apply_step(1, [0], lambda src, dst: None, lambda *args: None)
     assert (plan.kv_offset, plan.read_from, tables.rows[0].base, plan.read_start) == (3, [8], 6, [2])
     tables.padding_exact = False  # where chunks start is unknown, the row reads the whole window
-    plan = tables.apply_step(1, [0], lambda src, dst: None, lambda *args: None)
+    plan = tables.planner.apply_step(1, [0], lambda src, dst: None, lambda *args: None)
     assert (plan.kv_offset, plan.read_from) == (4, [4])
 
 
