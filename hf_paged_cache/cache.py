@@ -29,11 +29,10 @@ from .layer_types.builder import build_layers
 from .layers.handle import PagedKV
 from .layers.paged import PagedLayer
 from .layers.quantized import QuantizedLayer
-from .layers.shared import SharedKVLayer
+from .layers.shared_kv import SharedKVLayer
 from .paged_attention import ATTENTION_NAME, check_model_features
 from .persistence.load import load_cache
 from .persistence.save import save_cache
-from .quantization.registry import format_from_spec
 
 
 class PagedCache(ForkingCache, Cache):
@@ -99,7 +98,7 @@ class PagedCache(ForkingCache, Cache):
             else:
                 self.groups[name] = QuantizedBlockTables(
                     name, pool, self._new_pool(self._fixed_pool_size()), self.options.block_size, reach,
-                    format_from_spec(quant), self.options.residual_length,
+                    self.options.kv_format(quant), self.options.residual_length,
                 )  # fmt: skip
         return self.groups[name]
 

@@ -16,7 +16,7 @@ from .blocks.tables import BlockTables
 from .errors import OutOfBlocksError
 from .layers.paged import PagedLayer
 from .layers.quantized import QuantizedLayer
-from .layers.shared import SharedKVLayer
+from .layers.shared_kv import SharedKVLayer
 
 
 

@@ -202,11 +202,13 @@ class PagedCacheConfig:
         return (self.share_with or {}).get(layer_idx) if self.sharing else None
 
     def _validate_quantization(self) -> None:
+        formats: dict[str, KVFormat] = {}  # every spec the options name, resolved once (`kv_format`)
+
         def check_spec(spec, name: str) -> None:
             if spec is None:
                 return
             try:
-                format_from_spec(spec)
+                formats[spec] = format_from_spec(spec)
             except ValueError as error:
                 raise ValueError(f"`{name}`: {error}") from None
 
@@ -223,6 +225,7 @@ class PagedCacheConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"`{name}` must be an int >= 0, got {value!r}")
+        object.__setattr__(self, "_formats", formats)
         if self.max_memory is not None and self.quantized:
             raise ValueError(
                 "`max_memory` cannot be combined with `quant` / `quant_layers` yet (a budget would have to be split "
@@ -242,7 +245,11 @@ class PagedCacheConfig:
 
     def layer_format(self, layer_idx: int) -> KVFormat | None:
         spec = self.layer_quant(layer_idx)
-        return None if spec is None else format_from_spec(spec)
+        return None if spec is None else self.kv_format(spec)
+
+    def kv_format(self, spec: str) -> KVFormat:
+        """The format a spec of these options names, resolved once when the options were checked."""
+        return self._formats[spec]
 
     def uses_kernels(self, device: torch.device) -> bool:
         """Whether blocks on `device` are read and written by the Triton kernels."""

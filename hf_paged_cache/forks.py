@@ -14,7 +14,7 @@ from transformers.cache_utils import Cache
 
 from .cache_step import CacheStep
 from .layers.paged import PagedLayer
-from .layers.shared import SharedKVLayer
+from .layers.shared_kv import SharedKVLayer
 
 
 class Forks:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from .packing import BlockCopier
+from .renumbering import BlockCopier
 from .plan import StepPlan, ceil_div
 from .pool import BlockPool
 from .rows import Row, blocks_freed

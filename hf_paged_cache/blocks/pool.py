@@ -229,8 +229,8 @@ class BlockPool:
             if not self._ref[block]:
                 self._append(block)
 
-    def packing(self) -> dict[int, int]:
-        """The `remap` that packs the blocks in use to ids 1..n, in id order (consecutive ids stay consecutive)."""
+    def front_renumbering(self) -> dict[int, int]:
+        """The `remap` that moves the blocks in use to ids 1..n, in id order (consecutive ids stay consecutive)."""
         return {block: new for new, block in enumerate(self.used_ids(), start=1)}
 
     def remapped_epoch(self, block: int) -> int:

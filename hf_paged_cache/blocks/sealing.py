@@ -6,7 +6,7 @@ They are `BlockTables` whose planner (`SealingPlanner`) also decides which full-
 
 from __future__ import annotations
 
-from .packing import Renumbering
+from .renumbering import Renumbering
 from .plan import StepPlan, ceil_div
 from .pool import BlockPool
 from .reach import Reach

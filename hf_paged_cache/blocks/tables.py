@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from .packing import BlockCopier, Renumbering, pack
+from .renumbering import BlockCopier, Renumbering, renumber_to_front
 from .plan import StepPlan, ceil_div
 from .planner import StepPlanner
 from .pool import BlockPool
@@ -231,7 +231,7 @@ class BlockTables:
         Only for a pool whose every reference is a row of this group (a cache without forks, full precision):
         nothing else learns the new ids. The plan of the step just applied is made again on them."""
         plan = self.plan
-        pack([(self.pool, copy_blocks)], [functools.partial(self.remap, keep_runs=True)])
+        renumber_to_front([(self.pool, copy_blocks)], [functools.partial(self.remap, keep_runs=True)])
         self.pool.shrink(num_blocks)
         if plan is not None:
             self.plan = self.planner.make_plan(plan.q_len, plan.new_tokens, plan.mirrors)

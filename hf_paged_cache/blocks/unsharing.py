@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .packing import BlockCopier
+from .renumbering import BlockCopier
 from .pool import BlockPool
 from .rows import Row
 from .tables import BlockTables

@@ -1,5 +1,5 @@
 """Token eviction: policies score what survives (`policies/`, one module each) from statistics of attention
-(`statistics` says which, `attention_stats` records them); wrappers add variants (`variants`); `selection`
+(`statistics` says which, `attention_stats` records them); wrappers add variants (`wrappers`); `selection`
 turns scores into survivors within the `budget`; the evictor decides when (`evictor`), and `removal` frees
 the blocks."""
 
@@ -21,7 +21,7 @@ from .policies import (
 )
 from .selection import RowChoice, ScoreInputs, Selector, TakenFirst, choose_kept, choose_kept_per_head, novel_tokens
 from .statistics import Accumulated, LastQuery, ObservationWindow, Statistic
-from .variants import PerHead, ProtectNovel
+from .wrappers import PerHead, ProtectNovel
 
 __all__ = [
     "Accumulated",

@@ -1,6 +1,6 @@
 """Choosing a row's survivors from scores: what a choice looks at (`ScoreInputs`, `RowChoice`), the rules
 every choice keeps (padding goes, sinks and the recent window stay, units are kept whole, every head keeps
-as many tokens), and the `Selector` interface that policies and their wrappers (`variants.py`) implement.
+as many tokens), and the `Selector` interface that policies and their wrappers (`wrappers.py`) implement.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from __future__ import annotations
 from transformers.cache_utils import CacheLayerMixin
 
 from ..layers.paged import PagedLayer
-from ..layers.shared import SharedKVLayer
+from ..layers.shared_kv import SharedKVLayer
 from .base import LayerSpec
 from .delegated import DelegatedType
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blocks.packing import Holder, pack
+from ..blocks.renumbering import Holder, renumber_to_front
 from ..blocks.pool import BlockPool
 from ..blocks.sealing import QuantizedBlockTables
 from ..cache import PagedCache
@@ -92,7 +92,7 @@ def defragment(template: PagedCache, holders: Sequence[Holder] = (), keep_free: 
     pools = device_pools(template)
     own = [group.remap for cache in caches for group in cache.groups.values()]
     own += [group.remap_sealed_copies for group in template.groups.values() if isinstance(group, QuantizedBlockTables)]
-    pack([(pool, functools.partial(_copy, storage_tensors(template, pool, kind))) for pool, kind in pools],
+    renumber_to_front([(pool, functools.partial(_copy, storage_tensors(template, pool, kind))) for pool, kind in pools],
          [*own, *holders])  # fmt: skip
     if keep_free is not None and template.options.growable:  # a fixed pool keeps the size it was given
         for pool, _kind in pools:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 from transformers import GenerationConfig, PreTrainedModel
@@ -63,8 +64,9 @@ class BatchConfig:
             them), or `"deferred"` (each copy waits until a step needs it: a check that outputs do not depend on
             when copies land).
         decay, size_weight: the `"weighted"` victim policy's time decay per step and size weight.
-        compact_threshold: compact the pools (`memory/defragment.py`) after a step that leaves more than this share
-            of the ids below a pool's highest block in use free; None: only when `compact()` is called.
+        defragment_threshold: defragment the pools (`memory/defragment.py`) after a step that leaves more than this
+            share of the ids below a pool's highest block in use free; None: only when `defragment()` is called.
+        compact_threshold: deprecated, `defragment_threshold`.
         scheduler: the order running requests get a step's tokens in (a `Scheduler`, or its name):
             `"decode_first"` (`DecodeFirst`, decode tokens first, by victim priority) or `"fifo"` (`FIFO`).
         compile: run the packed forwards with the decoder layers' feed-forward blocks and norms compiled
@@ -98,7 +100,8 @@ class BatchConfig:
     swap_copies: str = "auto"
     decay: float = 0.9
     size_weight: float = 1.0
-    compact_threshold: float | None = None
+    defragment_threshold: float | None = None
+    compact_threshold: float | None = None  # deprecated: `defragment_threshold`
     scheduler: str | Scheduler = "decode_first"
     compile: bool = False
     onednn: bool = True
@@ -124,7 +127,12 @@ class BatchConfig:
                 )
         if self.swap_copies not in COPY_MODES:
             raise ValueError(f"`swap_copies` must be one of {COPY_MODES}, got {self.swap_copies!r}")
-        for name in ("swap_threshold", "compact_threshold"):
+        if self.compact_threshold is not None:
+            warnings.warn("`compact_threshold` is `defragment_threshold`", FutureWarning, stacklevel=3)
+            if self.defragment_threshold is not None:
+                raise ValueError("give `defragment_threshold` alone (`compact_threshold` is its deprecated name)")
+            object.__setattr__(self, "defragment_threshold", self.compact_threshold)
+        for name in ("swap_threshold", "defragment_threshold"):
             value = getattr(self, name)
             share = not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value <= 1
             if value is not None and not share:

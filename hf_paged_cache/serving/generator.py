@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
@@ -171,8 +172,8 @@ class BatchGenerator:
             self.counters.forward_seconds += time.perf_counter() - started
             self.counters.forward_tokens += sum(q for _, q in batch)
         holes = largest_hole_share(self.template)
-        if self.config.compact_threshold is not None and holes > self.config.compact_threshold:
-            self.compact()
+        if self.config.defragment_threshold is not None and holes > self.config.defragment_threshold:
+            self.defragment()
             holes = largest_hole_share(self.template)
         self._record(sum(q for _, q in batch), holes)
 
@@ -269,17 +270,22 @@ class BatchGenerator:
             self.onednn.packed_bytes if self.onednn is not None else 0,
         ))  # fmt: skip
 
-    def compact(self, keep_free: int | None = None) -> tuple[dict[str, Fragmentation], dict[str, Fragmentation]]:
-        """Pack the blocks in use to the low end of every pool (`memory/defragment.py`; with `keep_free`, shrink
+    def defragment(self, keep_free: int | None = None) -> tuple[dict[str, Fragmentation], dict[str, Fragmentation]]:
+        """Move the blocks in use to the low end of every pool (`memory/defragment.py`; with `keep_free`, shrink
         each growable pool to its blocks in use plus that many; fixed pools keep their size). Returns the
         fragmentation before and after."""
-        self.swap.copies.fence()  # a pending copy in writes the ids it was given, which compaction moves
+        self.swap.copies.fence()  # a pending copy in writes the ids it was given, which defragmenting moves
         before = fragmentation(self.template)
         prefix = self.prefix_cache  # its entries hold block ids too
         held = [] if prefix is None else [functools.partial(prefix.remap, groups=self.template.groups)]
         defragment(self.template, held, keep_free)
-        self.counters.compactions += 1
+        self.counters.defragmentations += 1
         return before, fragmentation(self.template)
+
+    def compact(self, keep_free: int | None = None) -> tuple[dict[str, Fragmentation], dict[str, Fragmentation]]:
+        """Deprecated: `defragment` (in this library, "compact" is what eviction does to a row)."""
+        warnings.warn("`BatchGenerator.compact` is `defragment`", FutureWarning, stacklevel=2)
+        return self.defragment(keep_free)
 
     def metrics(self) -> BatchMetrics | None:
         """The latest snapshot (None before the first step)."""

@@ -6,6 +6,8 @@ new strategy needs no field of its own; `preempted_swap` / `preempted_recompute`
 
 from __future__ import annotations
 
+import warnings
+
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -43,7 +45,7 @@ class BatchMetrics:
     swap_prefetched: int = 0  # swap-ins copied while a forward they were not part of ran (a step ahead)
     recomputed_tokens: int = 0  # tokens computed again after recompute preemptions (prefix hits excluded)
     fragmentation: float = 0.0  # the largest share of free ids below a pool's highest block in use
-    compactions: int = 0  # so far
+    defragmentations: int = 0  # so far (`BatchGenerator.defragment`)
     state_bytes: int = 0  # running requests' recurrent state outside the blocks (hybrid models: `recurrent.py`)
     state_slots: int = 0  # slots of the state pool (`state_pool.py`): one per request that may run at once
     state_pool_bytes: int = 0  # bytes the state pool allocated up front (0 for a model without recurrent state)
@@ -79,6 +81,12 @@ class BatchMetrics:
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @property
+    def compactions(self) -> int:
+        """Deprecated: `defragmentations` (in this library, "compact" is what eviction does to a row)."""
+        warnings.warn("`BatchMetrics.compactions` is `defragmentations`", FutureWarning, stacklevel=2)
+        return self.defragmentations
+
 
 @dataclass
 class ServingCounters:
@@ -87,7 +95,7 @@ class ServingCounters:
     preempted: Counter = field(default_factory=Counter)  # mechanism name -> preemptions
     prefetched: int = 0  # swap-ins started while a forward they were not part of ran
     recomputed_tokens: int = 0
-    compactions: int = 0
+    defragmentations: int = 0
     finished: int = 0
     admitted_prompt_tokens: int = 0
     forward_seconds: float = 0.0  # time in packed forwards and sampling
@@ -117,7 +125,7 @@ class ServingCounters:
             preempted=dict(self.preempted), swap_out_blocks=swap.out_blocks, swap_out_bytes=swap.out_bytes,
             swap_in_blocks=swap.in_blocks, swap_in_bytes=swap.in_bytes, swap_stall_seconds=copies.stall_seconds,
             swap_copy_seconds=copies.copy_seconds, swap_prefetched=self.prefetched,
-            recomputed_tokens=self.recomputed_tokens, fragmentation=holes, compactions=self.compactions,
+            recomputed_tokens=self.recomputed_tokens, fragmentation=holes, defragmentations=self.defragmentations,
             state_bytes=state_bytes, state_slots=state_slots, state_pool_bytes=state_pool_bytes,
             packed_weight_bytes=packed_weight_bytes,
         )  # fmt: skip

@@ -18,7 +18,7 @@ import hashlib
 from array import array
 from dataclasses import dataclass
 
-from ..blocks.packing import Renumbering
+from ..blocks.renumbering import Renumbering
 from ..blocks.sealing import QuantizedBlockTables
 from ..blocks.tables import BlockTables
 from ..cache import PagedCache

@@ -29,7 +29,7 @@ def test_compaction_packs_the_pool_and_changes_no_contents_or_outputs(options, k
         generator.step()
     late = [request.output.request_id for request in generator.requests.waiting]
     before = [stored_blocks(request.cache) for request in generator.requests.running]
-    fragmented, packed = generator.compact(keep_free)
+    fragmented, packed = generator.defragment(keep_free)
     assert any(f.holes for f in fragmented.values())
     assert all(f.holes == 0 and f.used == fragmented[name].used for name, f in packed.items())
     for request, contents in zip(generator.requests.running, before):
@@ -50,7 +50,7 @@ def test_keep_free_shrinks_a_growable_pool_which_grows_again():
         generator.add_request(prompt)
     while not (generator.finished and len(generator.requests.running) > 1):
         generator.step()
-    _fragmented, packed = generator.compact(keep_free=1)
+    _fragmented, packed = generator.defragment(keep_free=1)
     assert all(f.blocks == f.used + 1 for f in packed.values())
     layer = generator.template.paged_layers[0]
     assert layer.key_blocks.shape[0] == layer.tables.pool.num_blocks + 1
@@ -59,17 +59,31 @@ def test_keep_free_shrinks_a_growable_pool_which_grows_again():
 
 def test_bad_compaction_knobs_fail_clearly():
     with pytest.raises(ValueError, match="keep_free"):
-        _generator({}).compact(keep_free=-1)
-    with pytest.raises(ValueError, match="compact_threshold"):
-        BatchConfig(compact_threshold=0)
+        _generator({}).defragment(keep_free=-1)
+    with pytest.raises(ValueError, match="defragment_threshold"):
+        BatchConfig(defragment_threshold=0)
 
 
 def test_automatic_compaction_keeps_fragmentation_under_the_threshold():
     expected = [o.generated_tokens for o in _generator({}).run()]
-    generator = _generator({"compact_threshold": 0.2})
+    generator = _generator({"defragment_threshold": 0.2})
     assert [o.generated_tokens for o in generator.run()] == expected
-    assert generator.metrics().compactions > 0
+    assert generator.metrics().defragmentations > 0
     assert all(m.fragmentation <= 0.2 for m in generator.history)
     plain = _generator({})
     plain.run()
-    assert max(m.fragmentation for m in plain.history) > 0.2 and plain.metrics().compactions == 0
+    assert max(m.fragmentation for m in plain.history) > 0.2 and plain.metrics().defragmentations == 0
+
+
+def test_the_names_that_called_defragmenting_compacting_still_work_with_a_warning():
+    """`compact`, `compact_threshold` and `compactions` predate the glossary ("compact" is what eviction does)."""
+    with pytest.warns(FutureWarning, match="defragment_threshold"):
+        assert BatchConfig(compact_threshold=0.5).defragment_threshold == 0.5
+    with pytest.raises(ValueError, match="defragment_threshold` alone"), pytest.warns(FutureWarning):
+        BatchConfig(compact_threshold=0.5, defragment_threshold=0.4)
+    generator = _generator({})
+    generator.step()
+    with pytest.warns(FutureWarning, match="`defragment`"):
+        generator.compact()
+    with pytest.warns(FutureWarning, match="`defragmentations`"):
+        assert generator.metrics().compactions == 0  # a snapshot of the step before the call

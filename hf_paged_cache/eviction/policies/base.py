@@ -19,7 +19,7 @@ from ..budget import TokenBudget
 from ..novelty import check_novelty_options
 from ..selection import RowChoice, ScoreInputs, Selector, choose_kept
 from ..statistics import Statistic
-from ..variants import PerHead, ProtectNovel
+from ..wrappers import PerHead, ProtectNovel
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`pack` and the `remap` / `state_dict` / `load_state_dict` of the classes that hold block ids (`BlockList`, `Row`,
+"""`renumber_to_front` and the `remap` / `state_dict` / `load_state_dict` of the classes that hold block ids (`BlockList`, `Row`,
 `BlockTables`, `QuantizedBlockTables`' sealed-copy records, `PrefixCache`)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from hf_paged_cache.blocks.packing import pack
+from hf_paged_cache.blocks.renumbering import renumber_to_front
 from hf_paged_cache.blocks.pool import BlockPool
 from hf_paged_cache.blocks.rows import BlockList, Row
 from hf_paged_cache.blocks.sealing import QuantizedBlockTables
@@ -28,10 +28,10 @@ def _scattered(pool: BlockPool, ids: list[int]) -> BlockList:
 def test_packing_maps_the_blocks_in_use_to_the_low_ids_in_order():
     pool = BlockPool(8)
     _scattered(pool, [2, 5, 7])
-    assert pool.packing() == {2: 1, 5: 2, 7: 3}
+    assert pool.front_renumbering() == {2: 1, 5: 2, 7: 3}
     assert pool.remapped_epoch(1) == pool.epoch(1) + 1
     epochs = [pool.remapped_epoch(block) for block in range(1, 9)]
-    pool.remap(pool.packing())
+    pool.remap(pool.front_renumbering())
     assert [pool.epoch(block) for block in range(1, 9)] == epochs
 
 
@@ -44,7 +44,7 @@ def test_pack_copies_the_moved_blocks_and_renumbers_every_holder_before_the_pool
         seen.append((dict(renumbering[pool]), pool.ref_count(7)))  # the pool is not remapped yet
         blocks.remap(renumbering[pool])
 
-    pack([(pool, lambda sources, targets: copies.append((sources, targets)))], [holder])
+    renumber_to_front([(pool, lambda sources, targets: copies.append((sources, targets)))], [holder])
     assert copies == [([2, 5, 7], [1, 2, 3])]
     assert seen == [({2: 1, 5: 2, 7: 3}, 1)]
     assert blocks.ids == [1, 2, 3] and [pool.ref_count(b) for b in range(1, 5)] == [1, 1, 1, 0]
@@ -100,7 +100,7 @@ def test_sealed_copy_records_and_prefix_entries_follow_a_pack_and_forget_stale_o
     prefix.entries = {b"a": {"full_attention": (6, pool.epoch(6))}, b"b": {"full_attention": (2, pool.epoch(2))}}
     holders = [tables.remap, tables.remap_sealed_copies,
                functools.partial(prefix.remap, groups={"full_attention": tables})]  # fmt: skip
-    pack([(pool, lambda *_: None), (qpool, lambda *_: None)], holders)
+    renumber_to_front([(pool, lambda *_: None), (qpool, lambda *_: None)], holders)
     assert tables.tables == [[1, 2]] and tables.qtables == [[1]]
     assert tables.sealed_copies == {1: (pool.epoch(1), 1, qpool.epoch(1))}
     assert prefix.entries == {b"a": {"full_attention": (2, pool.epoch(2))}}
