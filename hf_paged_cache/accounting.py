@@ -264,7 +264,7 @@ def collect_metrics(
 
 def _group_metrics(group: BlockTables, layers: Sequence[PagedLayer], evictions: tuple[int, int]) -> dict[str, int]:
     pool, rows = group.pool, range(len(group.rows))
-    block_bytes = sum(layer.block_bytes for layer in layers)
+    block_bytes = sum(layer.storage.block_bytes for layer in layers)
     tokens = sum(group.stored_tokens(row) for row in rows)
     used = pool.num_used * block_bytes if pool else 0
     ideal = tokens * block_bytes // group.block_size
@@ -273,7 +273,7 @@ def _group_metrics(group: BlockTables, layers: Sequence[PagedLayer], evictions: 
     shared, saved = pool.sharing() if pool else (0, 0)
     saved *= block_bytes
     if isinstance(group, QuantizedBlockTables):
-        qblock_bytes = sum(layer.quantized_block_bytes for layer in layers)
+        qblock_bytes = sum(layer.sealed.block_bytes for layer in layers)
         qtokens = sum(group.quantized_tokens(row) for row in rows)
         quantized = {
             "quantized_blocks_total": group.qpool.num_blocks,
@@ -294,7 +294,7 @@ def _group_metrics(group: BlockTables, layers: Sequence[PagedLayer], evictions: 
         "blocks_used": pool.num_used if pool else 0,
         "blocks_free": pool.num_free if pool else 0,
         "tokens_stored": tokens,
-        "pool_bytes": sum(layer.storage_bytes for layer in layers),
+        "pool_bytes": sum(store.nbytes for layer in layers for store in layer.stores),
         "used_bytes": used,
         "ideal_bytes": ideal,
         "waste_bytes": max(used - ideal, 0),

@@ -190,12 +190,12 @@ class CacheStep:
 def copy_blocks(layers: list[PagedLayer], sources: list[int], targets: list[int]) -> None:
     """Copy-on-write: block contents from `sources` to `targets` in every layer of a group."""
     for layer in layers:
-        layer.copy_blocks(sources, targets)
+        layer.storage.copy_blocks(sources, targets)
 
 
 def copy_quantized(layers: list[QuantizedLayer], sources: list[int], targets: list[int]) -> None:
     for layer in layers:
-        layer.copy_quantized_blocks(sources, targets)
+        layer.sealed.copy_blocks(sources, targets)
 
 
 def seal(layers: list[PagedLayer], sources: list[int], targets: list[int], keep: list[int]) -> None:

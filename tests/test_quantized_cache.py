@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 import transformers
+from cache_state import stored_keys
 from tiny_models import (
     MODELS, MODELS_BY_NAME, PAD_ID, VOCAB, feed_chunks, make_model, padded_batch, tiny_config, token_by_token,
 )
@@ -94,7 +95,7 @@ def test_every_format_generates_on_every_architecture(entry):
             for name, group in cache.groups.items():  # the same tokens in full precision would take more bytes
                 if isinstance(group, QuantizedBlockTables) and metrics.groups[name]["quantized_tokens"]:
                     layers = [layer for layer in cache.paged_layers if layer.tables is group]
-                    fp_per_token = sum(layer.block_bytes for layer in layers) / BLOCK
+                    fp_per_token = sum(layer.storage.block_bytes for layer in layers) / BLOCK
                     stats = metrics.groups[name]
                     assert stats["quantized_bytes"] < stats["quantized_tokens"] * fp_per_token, (spec, name)
 
@@ -428,11 +429,11 @@ def test_crop_keeps_the_blocks_it_sealed():
     cache = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=RESIDUAL)
     feed_chunks(model, cache, tokens, [30])
     (group,) = cache.groups.values()
-    before = [layer.stored_keys(0)[:, : 4 * BLOCK] for layer in cache.layers]
+    before = [stored_keys(layer, 0)[:, : 4 * BLOCK] for layer in cache.layers]
     cache.crop(4 * BLOCK - 30)
     assert len(group.qtables[0]) == 4 and group.tables[0] == []
     for layer, keys in zip(cache.layers, before):
-        assert torch.equal(layer.stored_keys(0), keys)
+        assert torch.equal(stored_keys(layer, 0), keys)
     grown = PagedCache(model.config, block_size=BLOCK, quant="int8", residual_length=RESIDUAL)
     feed_chunks(model, grown, tokens[:, : 4 * BLOCK], [4 * BLOCK])
     assert len(grown.groups[group.name].qtables[0]) == (4 * BLOCK - RESIDUAL) // BLOCK

@@ -88,6 +88,14 @@ class StepPlan:
         """Slots of the row's stored tokens [first, first + count)."""
         return self.tables.slots(row, first, count)
 
+    def stored_blocks(self, start: int | None = None, stop: int | None = None) -> list[int]:
+        """The ids of the full-precision blocks stored tokens `start` .. `stop` - 1 of this one-row plan lie in (its
+        read range by default), in order."""
+        start = self.read_start[0] if start is None else start
+        stop = self.read_stop[0] if stop is None else stop
+        block_size = self.tables.block_size
+        return self.tables.rows[0].blocks.ids[start // block_size : -(-stop // block_size)]
+
     def runs(self) -> list[list[tuple[int, int, int]]]:
         """Per row, the stored range [read_start, read_stop) as runs of consecutive slots: (column in the
         logical read range [kv_offset, new_len), first slot, tokens), in order. Each run is one contiguous

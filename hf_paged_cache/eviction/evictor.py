@@ -100,7 +100,7 @@ class Evictor:
         for group, index, keeps in decisions:
             counts = self.counts.setdefault(group.name, [0, 0])
             for row, keep in keeps.items():
-                tokens = evict_tokens(group, row, keep, self.layers[index].move_tokens)
+                tokens = evict_tokens(group, row, keep, self.layers[index].storage.move_tokens)
                 self.stats[index].keep_only(row, keep)
                 counts[0] += 1
                 counts[1] += tokens
@@ -116,7 +116,7 @@ class Evictor:
         attention = None
         if self.policy.statistic is not None:
             attention = self.stats[index].row(row, count, kv_heads)
-        inputs = ScoreInputs(positions, group.length, attention, lambda: layer.stored_keys(row).cpu())
+        inputs = ScoreInputs(positions, group.length, attention, lambda: _stored_keys(layer, row))
         choice = RowChoice(inputs, first_real=group.rows[row].pads, budget=budget, sinks=self.policy.sinks,
                            window=self.policy.window, kv_heads=kv_heads, unit_sizes=unit_sizes(group, row),
                            split=group.quantized_tokens(row), tp_size=self.tp_size)  # fmt: skip
@@ -151,3 +151,10 @@ class Evictor:
     def totals(self) -> tuple[int, int]:
         """(row evictions, tokens evicted) over every group."""
         return sum(c[0] for c in self.counts.values()), sum(c[1] for c in self.counts.values())
+
+
+def _stored_keys(layer: PagedLayer, row: int) -> torch.Tensor:
+    """Every stored key of the row, float32 `[kv_heads, n, head_dim]` on CPU (a transient copy, for the scores)."""
+    chunks = [chunk.float() for chunk in layer.stored_key_chunks(row)]
+    keys = torch.cat(chunks, dim=1) if chunks else torch.zeros(layer.kv_shape[0], 0, layer.kv_shape[1])
+    return keys.cpu()

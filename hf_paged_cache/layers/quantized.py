@@ -18,17 +18,17 @@ Under the Triton backend the kernels read the quantized prefix themselves (dequa
 from __future__ import annotations
 
 import copy
-import functools
 
 import torch
 
 from ..blocks.plan import StepPlan
 from ..blocks.sealing import QuantizedBlockTables
 from .paged import PagedLayer
-from .storage import grown_blocks, reserved_blocks, storage_field
+from .sealed_blocks import SealedBlocks
+from .storage import BlockStore
 from ..quantization.base import KVFormat
 from ..quantization.registry import kv_format_fields
-from ..kernels import cpu_attention, cpu_quantize
+from ..kernels import cpu_attention
 
 CHUNK_TOKENS = 2048  # quantized tokens dequantized at a time by the paged read (a bounded transient)
 
@@ -36,22 +36,27 @@ CHUNK_TOKENS = 2048  # quantized tokens dequantized at a time by the paged read 
 class QuantizedLayer(PagedLayer):
     """An attention layer whose history is stored quantized (the most recent tokens in full precision).
 
-    Storage: the full-precision `key_blocks` / `value_blocks` of `PagedLayer`, plus `qkey` / `qvalue`, the
-    quantized fields (codes, scale, zero) of the group's quantized pool, `[qblocks + 1, ...]` each.
+    Storage: the full-precision `KVBlocks` of `PagedLayer` (the group's pool), plus `sealed`, a `SealedBlocks` of
+    the group's quantized pool in its format (`qkey` / `qvalue`: each side's fields, `[qblocks + 1, ...]`).
     """
 
     is_quantized = True
     tables: QuantizedBlockTables
-    qkey: dict[str, torch.Tensor] = storage_field("qkey", {})
-    qvalue: dict[str, torch.Tensor] = storage_field("qvalue", {})
+    qkey = property(lambda layer: layer.sealed.fields("qkey"))
+    qvalue = property(lambda layer: layer.sealed.fields("qvalue"))
 
     def __init__(self, tables: QuantizedBlockTables, options, layer_type):
         super().__init__(tables, options, layer_type)
         self.kv_format: KVFormat = tables.kv_format
+        self.sealed = SealedBlocks(self.kv_format)
         # Sampled reconstruction error: per "key" / "value", [sum of sample means, samples, max].
         self.error_stats = {"key": [0.0, 0, 0.0], "value": [0.0, 0, 0.0]}
         self._arrived: dict = {}  # this step's blocks sealed as they arrived, full precision, until the paged read
         self._kept = None  # (ids, keys, values): full-precision blocks `seal` kept for this step's arrivals
+
+    @property
+    def stores(self) -> list[BlockStore]:
+        return [self.storage, self.sealed]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -59,11 +64,14 @@ class QuantizedLayer(PagedLayer):
         bs, fmt = self.tables.block_size, self.kv_format
         self._kernel_decodes = (cpu_attention.reads_format(fmt.key, bs, self.kv_shape[1])
                                 and cpu_attention.reads_format(fmt.value, bs, self.value_dim))  # fmt: skip
-        if not self.qkey:
-            self.qkey, self.qvalue = self._allocate_quantized(self.tables.qpool.num_blocks + 1)
+        if not self.sealed.allocated:
+            self.sealed.allocate(self.tables.qpool, bs, self.kv_shape[0], (self.kv_shape[1], self.value_dim),
+                                 self.device)  # fmt: skip
 
     def fork(self, tables: QuantizedBlockTables) -> QuantizedLayer:
         twin = super().fork(tables)
+        if tables.pool is None:
+            twin.sealed = SealedBlocks(self.kv_format)
         twin.error_stats = copy.deepcopy(self.error_stats)
         twin.forget_step_copies()
         return twin
@@ -71,59 +79,6 @@ class QuantizedLayer(PagedLayer):
     def forget_step_copies(self) -> None:
         """Drop the full-precision copies of this step's sealed blocks (a fork starts with none of its own)."""
         self._arrived, self._kept = {}, None
-
-    def _allocate_quantized(self, blocks: int, zeroed: bool = True) -> tuple[dict, dict]:
-        bs, heads = self.tables.block_size, self.kv_shape[0]
-        block_bytes = self.kv_format.key.bytes_per_block(bs, heads, self.kv_shape[1])
-        capacity = reserved_blocks(blocks, block_bytes, self.device, self.tables.qpool.growable)
-        return (
-            self.kv_format.key.allocate(blocks, bs, heads, self.kv_shape[1], self.device, zeroed, capacity),
-            self.kv_format.value.allocate(blocks, bs, heads, self.value_dim, self.device, zeroed, capacity),
-        )
-
-    def _fit_pool(self) -> None:
-        super()._fit_pool()
-        blocks = self.tables.qpool.num_blocks + 1
-        if self.qkey["codes"].shape[0] < blocks:
-            fresh = functools.cache(lambda: self._allocate_quantized(blocks, zeroed=False))
-            self.qkey, self.qvalue = (
-                {name: grown_blocks(tensor, blocks, lambda name=name: fresh()[side][name])
-                 for name, tensor in old.items()}
-                for side, old in enumerate((self.qkey, self.qvalue))
-            )
-        elif self.qkey["codes"].shape[0] > blocks:
-            self.cut_storage()
-
-    def cut_storage(self) -> None:
-        super().cut_storage()
-        blocks = self.tables.qpool.num_blocks + 1
-        if self.qkey and self.qkey["codes"].shape[0] > blocks:
-            fresh = self._allocate_quantized(blocks, zeroed=False)
-            self.qkey, self.qvalue = (
-                {name: new[name].copy_(tensor[:blocks]) for name, tensor in old.items()}
-                for old, new in zip((self.qkey, self.qvalue), fresh)
-            )
-
-    @property
-    def storage_bytes(self) -> int:
-        quantized = sum(t.numel() * t.element_size() for fields in (self.qkey, self.qvalue) for t in fields.values())
-        return super().storage_bytes + quantized
-
-    @property
-    def quantized_block_bytes(self) -> int:
-        """Bytes of one quantized block (key + value codes, scales and zero points)."""
-        if not self.qkey:
-            return 0
-        return sum(t[0].numel() * t.element_size() for fields in (self.qkey, self.qvalue) for t in fields.values())
-
-    def copy_quantized_blocks(self, sources: list[int], targets: list[int]) -> None:
-        """Copy sealed blocks (codes, scales, zero points) from `sources` to `targets`."""
-        if self.is_initialized:
-            self._fit_pool()
-            src, dst = torch.tensor(sources, device=self.device), torch.tensor(targets, device=self.device)
-            for fields in (self.qkey, self.qvalue):
-                for tensor in fields.values():
-                    tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     # ------------------------------------------------------------------ sealing
     def update(self, key_states, value_states, plan: StepPlan, attention_kwargs=None, *hooks):
@@ -141,7 +96,7 @@ class QuantizedLayer(PagedLayer):
         queries read them both ways (`arrival_kv`)."""
         self._arrived = {}
         if plan.arrivals:
-            self._fit_pool()
+            self.fit_pool()
             arrived = self._seal_arrivals(plan, key_states[:, :, tokens], value_states[:, :, tokens])
             if paged_read:  # the paged read gives the step's earlier tokens their full precision
                 arrived.update({row: arrived[source] for row, source in plan.mirrors.items() if source in arrived})
@@ -179,46 +134,25 @@ class QuantizedLayer(PagedLayer):
         a copy of blocks `keep`, whose tokens this step seals with new ones (`_seal_arrivals`)."""
         if not self.is_initialized:
             return
-        self._fit_pool()
+        self.fit_pool()
         if keep:
             ids = torch.tensor(keep, device=self.device)
             self._kept = (list(keep), self.key_blocks.index_select(0, ids), self.value_blocks.index_select(0, ids))
         if sources:
             self._quantize(self.key_blocks, self.value_blocks, torch.tensor(sources, device=self.device), targets)
 
-    @torch.no_grad()
     def _quantize(self, key_blocks: torch.Tensor, value_blocks: torch.Tensor, src: torch.Tensor,
                   targets: list[int]) -> None:  # fmt: skip
-        """Blocks `src` of `key_blocks` / `value_blocks` (the storage, or a transient copy) into quantized blocks
-        `targets`; the first of them is decoded again to sample the reconstruction error."""
-        dst = torch.tensor(targets, device=self.device)
+        """Blocks `src` of `key_blocks` / `value_blocks` (the storage, or a transient copy) into sealed blocks
+        `targets`, counting the decoded sample's error (`quant_error`)."""
         kernels = self.uses_kernels()
-        if kernels:  # one launch quantizes every block of K and V
-            from ..kernels import quantize_blocks
-
-            fmt = self.kv_format
-            quantize_blocks(key_blocks, value_blocks, src, self.qkey, self.qvalue, dst, fmt.key, fmt.value)
         cpu = not kernels and key_blocks.dtype == torch.float32 and self.cpu_kernel_reads(torch.float32)
-        for name, blocks, fmt, fields in (
-            ("key", key_blocks, self.kv_format.key, self.qkey),
-            ("value", value_blocks, self.kv_format.value, self.qvalue),
-        ):
-            if cpu:  # the C++ encode, bit for bit the format's: one call instead of a dozen small ops
-                error = cpu_quantize.quantize_blocks_cpu(fmt, blocks, src, fields, dst)
-            else:
-                if not kernels:
-                    fmt.quantize(blocks.index_select(0, src), fields, dst)
-                sample = blocks[src[:1]].float()
-                decoded = fmt.dequantize(fields, dst[:1])
-                # Per token and head, relative to the head's mean token norm in the block (a near-zero token
-                # would make its own norm a meaningless denominator).
-                scale = sample.norm(dim=-1).mean(dim=1, keepdim=True).clamp(min=1e-12)
-                error = (decoded - sample).norm(dim=-1) / scale
-            errors = error.flatten().tolist()  # a few dozen numbers: reduced here, not by a tensor op each
+        errors = self.sealed.seal(key_blocks, value_blocks, src, targets, kernels, cpu)
+        for name, side in (("key", "qkey"), ("value", "qvalue")):
             stats = self.error_stats[name]
-            stats[0] += sum(errors) / len(errors)
+            stats[0] += sum(errors[side]) / len(errors[side])
             stats[1] += 1
-            stats[2] = max(stats[2], *errors)
+            stats[2] = max(stats[2], *errors[side])
 
     def quant_error(self) -> dict[str, float]:
         """Mean and max relative L2 error of K and V over the sampled sealed blocks: per token and head,
@@ -252,19 +186,10 @@ class QuantizedLayer(PagedLayer):
         start = plan.base[row] - len(plan.quantized_tables[row]) * self.tables.block_size
         return max(plan.read_from[row] - start, 0) // self.tables.block_size, start
 
-    def _dequantized(
-        self, blocks: slice, dtype: torch.dtype, rotated: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Blocks decoded as `[kv_heads, tokens, head_dim]` keys and values (a rotated side as stored, if
-        `rotated`: see `QuantFormat.dequantize`)."""
-        keys = self.kv_format.key.dequantize(self.qkey, blocks, dtype, rotated)
-        values = self.kv_format.value.dequantize(self.qvalue, blocks, dtype, rotated)
-        return keys.flatten(0, 1).transpose(0, 1), values.flatten(0, 1).transpose(0, 1)
-
     def stored_key_chunks(self, row: int):
         """Quantized keys decoded a run (at most `CHUNK_TOKENS`) at a time, then the full-precision ones."""
         for ids, _index in _id_runs(self.tables.rows[row].quantized.ids, 0, self.tables.block_size):
-            yield self.kv_format.key.dequantize(self.qkey, ids).flatten(0, 1).transpose(0, 1)
+            yield self.sealed.decoded_keys(ids)
         yield from super().stored_key_chunks(row)
 
     def quantized_kv(self, plan: StepPlan, device: torch.device):
@@ -285,10 +210,10 @@ class QuantizedLayer(PagedLayer):
         (attention implementations other than `"paged"` need whole K/V tensors)."""
         if not self.reads_quantized(plan):
             return super().gather(plan)
-        keys, values = self.read_slots(plan.tensor("read_slots", self.device))  # quantized positions read zeros
+        keys, values = self.storage.read_slots(plan.tensor("read_slots", self.device))  # quantized positions read zeros
         for row in range(keys.shape[0]):
             for blocks, first in self.quantized_chunks(plan, row):
-                chunk_keys, chunk_values = self._dequantized(blocks, self.dtype)
+                chunk_keys, chunk_values = self.sealed.decoded(blocks, self.dtype)
                 skip = max(plan.read_from[row] - first, 0)
                 columns = slice(first + skip - plan.kv_offset, first + chunk_keys.shape[1] - plan.kv_offset)
                 keys[row][:, columns] = chunk_keys[:, skip:]
@@ -312,39 +237,20 @@ class QuantizedLayer(PagedLayer):
             return None
         return tuple(part.flatten(0, 1).transpose(0, 1) for part in self._arrived[row])  # type: ignore[return-value]
 
-    def decoded_buffer(self, blocks: slice, tokens: int, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantized blocks decoded (rotated sides as stored) into float32 `[kv_heads, tokens + extra, d]` K and V
-        buffers, whose last `extra` columns are left for the caller."""
-        bs, heads = self.tables.block_size, self.kv_shape[0]
-        out = []
-        for fmt, fields, dim in ((self.kv_format.key, self.qkey, self.kv_shape[1]),
-                                 (self.kv_format.value, self.qvalue, self.value_dim)):  # fmt: skip
-            buffer = torch.empty(heads, tokens + extra, dim, device=self.device)
-            target = buffer[:, :tokens].unflatten(1, (tokens // bs, bs)).permute(1, 2, 0, 3)
-            fmt.dequantize(fields, blocks, torch.float32, rotated=True, out=target)
-            out.append(buffer)
-        return out[0], out[1]
-
     def transition_kv(self, plan: StepPlan, row: int) -> tuple[int, tuple, tuple]:
         """The row's transition blocks both ways, once per step: their first position, their full-precision K/V
         and their quantized (decoded) K/V, each `[kv_heads, n, d]` in float32 (rotated sides as stored)."""
         tables, count = self.tables, plan.transition[row]
-        bs, heads = tables.block_size, self.kv_shape[0]
+        bs = tables.block_size
         if row in self._arrived:  # sealed as they arrived: the last of the row's quantized blocks
             first = plan.base[row] - count * bs
             keys, values = self._arrived[row]
-            quantized = self._dequantized(plan.quantized_tables[row][-count:], torch.float32, rotated=True)
+            quantized = self.sealed.decoded(plan.quantized_tables[row][-count:], torch.float32, rotated=True)
         else:  # still full precision: decoded as they will be sealed
             first = plan.base[row]
             ids = torch.tensor(tables.rows[row].blocks.ids[:count], device=self.device)
             keys, values = self.key_blocks[ids], self.value_blocks[ids]
-            fields = []
-            for fmt, blocks, dim in ((self.kv_format.key, keys, self.kv_shape[1]),
-                                     (self.kv_format.value, values, self.value_dim)):  # fmt: skip
-                scratch = fmt.allocate(count, bs, heads, dim, device=self.device)
-                fmt.quantize(blocks, scratch, range(count))
-                fields.append(fmt.dequantize(scratch, slice(0, count), torch.float32, rotated=True))
-            quantized = tuple(field.flatten(0, 1).transpose(0, 1) for field in fields)
+            quantized = self.sealed.round_trip(keys, values)
         keys, values = (part.flatten(0, 1).transpose(0, 1).float() for part in (keys, values))
         keys, values = self.kv_format.key.code_space(keys), self.kv_format.value.code_space(values)
         return first, (keys, values), quantized
@@ -354,29 +260,20 @@ class QuantizedLayer(PagedLayer):
         """`PagedLayer.state_dict`, plus the sealed blocks `quantized` (codes, scales, zero points), the sampled
         error and the resolved format (what a spec like "int2" meant when the file was written)."""
         state, tensors = super().state_dict(blocks, quantized)
-        ids = torch.tensor(quantized, dtype=torch.long, device=self.device)
-        for side, fields in (("qkey", self.qkey), ("qvalue", self.qvalue)):
-            for name, field in fields.items():
-                tensors[f"{side}.{name}"] = field.index_select(0, ids)
+        tensors.update(self.sealed.saved(quantized))
         state["error_stats"] = self.error_stats
         state["kv_format"] = kv_format_fields(self.kv_format)
         return state, tensors
 
     def storage_shapes(self, blocks: int, quantized: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        shapes = super().storage_shapes(blocks, quantized)
-        for side, fields in (("qkey", self.qkey), ("qvalue", self.qvalue)):
-            for name, field in fields.items():
-                shapes[f"{side}.{name}"] = ((quantized, *field.shape[1:]), field.dtype)
-        return shapes
+        return {**super().storage_shapes(blocks, quantized), **self.sealed.saved_shapes(quantized)}
 
     def load_state_dict(self, state: dict, tensors: dict[str, torch.Tensor], blocks: list[int],
                         quantized: list[int]) -> None:  # fmt: skip
-        ids = torch.tensor(quantized, dtype=torch.long, device=self.device)
-        for side, fields in (("qkey", self.qkey), ("qvalue", self.qvalue)):
-            for name, field in fields.items():
-                field.index_copy_(0, ids, tensors[f"{side}.{name}"].to(self.device))
+        self.sealed.load(tensors, quantized)
         self.error_stats = state["error_stats"]
         super().load_state_dict(state, tensors, blocks, quantized)
+
 
 def _id_runs(table: list[int], first: int, block_size: int) -> list[tuple[slice, int]]:
     """`table[first:]` cut into runs of consecutive ids of at most `CHUNK_TOKENS` tokens:

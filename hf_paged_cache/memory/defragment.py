@@ -99,7 +99,7 @@ def defragment(template: PagedCache, holders: Sequence[Holder] = (), keep_free: 
             pool.shrink(min(pool.num_used + keep_free, pool.num_blocks))
         for name in template.groups:
             for layer in template.group_layers(name):
-                layer.cut_storage()
+                layer.fit_pool()
 
 
 def _tables(caches: list[PagedCache], pool: BlockPool, kind: str) -> list[list[int]]:

@@ -314,10 +314,7 @@ def storage_tensors(cache: PagedCache, pool: BlockPool, kind: str) -> list[torch
         if group_pool(group, kind) is not pool:
             continue
         for layer in cache.group_layers(name):
-            if kind == "blocks":
-                tensors += [layer.key_blocks, layer.value_blocks]
-            else:
-                tensors += [*layer.qkey.values(), *layer.qvalue.values()]
+            tensors += (layer.storage if kind == "blocks" else layer.sealed).tensors.values()
     return tensors
 
 

@@ -43,7 +43,7 @@ def attend(query: torch.Tensor, packed: PackedPagedKV, read: Read, scale: float,
     kv_heads = layer.kv_shape[0]
     tokens = torch.tensor([start for start, _stop, _part in group], device=query.device)
     queries = query[0].index_select(1, tokens).float()  # [heads, rows, d]
-    keys, values = layer.row_kv(group[0][2].plan, 0, prefix)  # [kv_heads, prefix, d]
+    keys, values = layer.storage.row_kv(group[0][2].plan, 0, prefix)  # [kv_heads, prefix, d]
     out, lse = partial_attention(queries.reshape(1, kv_heads, -1, head_dim), keys[None].float(), values[None].float(),
                                  None, scale, softcap)  # fmt: skip
     out, lse = out.reshape(heads, len(group), -1).transpose(0, 1), lse.reshape(heads, len(group)).transpose(0, 1)

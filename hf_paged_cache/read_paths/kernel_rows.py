@@ -53,7 +53,7 @@ def kernel_tables(layer: PagedLayer, plans: list[StepPlan], counts: list[int], p
         starts = [max(plan.read_start[0] + offset, skip * bs) for plan, skip in zip(plans, skipped)]
         ends = [plan.read_stop[0] if length is None else min(plan.read_stop[0], start + length)
                 for plan, start in zip(plans, starts)]  # fmt: skip
-        ids = [layer.stored_blocks(plan, start, end) for plan, start, end in zip(plans, starts, ends)]
+        ids = [plan.stored_blocks(start, end) for plan, start, end in zip(plans, starts, ends)]
         table = torch.zeros(len(plans), max(max(map(len, ids)), 1), dtype=torch.long)  # padded with the null block
         for row, blocks in enumerate(ids):
             table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)

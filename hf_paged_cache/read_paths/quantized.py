@@ -78,7 +78,7 @@ def _read_parts(layer: QuantizedLayer, plan: StepPlan, row: int, span: tuple[int
         tokens = (blocks.stop - blocks.start) * layer.tables.block_size
         joined = index == len(chunks) - 1 and stop > start and first + tokens == suffix_first
         extra = stop - start if joined else 0
-        keys, values = layer.decoded_buffer(blocks, tokens, extra)
+        keys, values = layer.sealed.decoded_buffer(blocks, tokens, extra)
         if joined:
             suffix_keys, suffix_values = _suffix(layer, plan, row, skip)
             keys[:, tokens:], values[:, tokens:] = suffix_keys, suffix_values
@@ -92,7 +92,7 @@ def _read_parts(layer: QuantizedLayer, plan: StepPlan, row: int, span: tuple[int
 
 def _suffix(layer: QuantizedLayer, plan: StepPlan, row: int, skip: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The row's full-precision read range but its first `skip` tokens, float32 in the code space, `[kv_heads, n, d]`."""
-    keys, values = (part[:, skip:].float() for part in layer.row_kv(plan, row))
+    keys, values = (part[:, skip:].float() for part in layer.storage.row_kv(plan, row))
     return layer.kv_format.key.code_space(keys), layer.kv_format.value.code_space(values)
 
 

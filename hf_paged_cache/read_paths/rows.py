@@ -1,6 +1,6 @@
 """`ROWS` and `COMPACTED`: the torch paths over full-precision blocks.
 
-`ROWS` attends row by row, over the row's own stored tokens (`PagedLayer.row_kv`: views when its blocks form one run)
+`ROWS` attends row by row, over the row's own stored tokens (`KVBlocks.row_kv`: views when its blocks form one run)
 with the mask's columns for them, so rows of a ragged batch neither copy their history nor attend over each other's
 padding. `COMPACTED` reads rows eviction compacted: their survivors stand in front of a virtual base, so it reads
 whole blocks in stored order and takes the mask at each slot's logical position.
@@ -34,7 +34,7 @@ def attend_rows(layer: PagedLayer, query: torch.Tensor, plan: StepPlan, mask: to
         if not runs:  # nothing stored in range: a fully masked row, zeroed below
             out.append(query.new_zeros(1, query.shape[1], q_len, layer.value_dim))
             continue
-        keys, values = layer.row_kv(plan, row)
+        keys, values = layer.storage.row_kv(plan, row)
         own = causal and keys.shape[1] == q_len  # the row reads only its queries' own keys: SDPA's causal flag
         row_mask = None if mask is None or own else mask[row if mask.shape[0] > 1 else 0, None, :, :, runs[0][0] :]
         out.append(attention(query[row : row + 1], keys[None], values[None], row_mask, scale, softcap, sinks,

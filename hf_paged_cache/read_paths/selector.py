@@ -17,8 +17,8 @@ this package (`triton`, `cascade`, `kernel_rows`, `batched_decode`, `rows`, `qua
 A packed forward (the batch generator's) is decided once per forward and group (`choose_packed`): the cascade,
 the kernel rows and the batched decode take what they can, in that order, and every part left is read alone by
 `choose_one`, as a step of `generate()` is. The facts the decisions rest on are the layers' (`PagedLayer.uses_kernels`,
-`cpu_kernel_reads`, `is_quantized`, `block_bytes`, `stored_blocks`) and the plans' (rows, ranges, compaction,
-transition blocks); what each path does with its parts is its module's.
+`cpu_kernel_reads`, `is_quantized`, `storage.block_bytes`) and the plans' (rows, ranges, `stored_blocks`,
+compaction, transition blocks); what each path does with its parts is its module's.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def _reads_alone(part: PagedKV) -> bool:
     """Whether a decode token is read on its own over its blocks as they lie rather than copied into a padded batch:
     a full-precision history long enough that the copy costs more than the call the batch saves."""
     layer = part.layer
-    return not layer.is_quantized and part.read_len * layer.block_bytes >= IN_PLACE_BYTES * layer.tables.block_size
+    return not layer.is_quantized and part.read_len * layer.storage.block_bytes >= IN_PLACE_BYTES * layer.tables.block_size
 
 
 def _kernel_rows(packed: PackedPagedKV, candidates: list[int], query_dtype: torch.dtype) -> list[int]:
@@ -169,7 +169,7 @@ def _shared_prefixes(packed: PackedPagedKV, decode: list[int]) -> list[tuple[lis
     if first.is_quantized:
         return []
     block_size = first.tables.block_size
-    reads = sorted((parts[index][2].plan.read_start[0], parts[index][2].layer.stored_blocks(parts[index][2].plan),
+    reads = sorted((parts[index][2].plan.read_start[0], parts[index][2].plan.stored_blocks(),
                     index) for index in decode)  # fmt: skip
 
     def shared(one, other) -> int:  # the tokens two reads share from their first

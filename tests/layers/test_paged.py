@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from hf_paged_cache import PagedCache
 from hf_paged_cache.kernels import cpu_attention, cpu_write
-from hf_paged_cache.layers import paged as layers
+from hf_paged_cache.layers import storage
 
 PADS = (0, 3, 7)
 NEW_TOKENS = 16
@@ -31,7 +31,7 @@ def _generate(model, attn: str, cache):
 def test_rows_cut_into_runs_read_like_dynamic_cache(attn, max_runs, monkeypatch):
     """A pool with no room to spare: every row's run breaks as it grows, so rows are read from several runs
     (`max_runs` 8) or, past `MAX_RUNS`, slot by slot (0)."""
-    monkeypatch.setattr(layers, "MAX_RUNS", max_runs)
+    monkeypatch.setattr(storage, "MAX_RUNS", max_runs)
     model, _config = MODELS_BY_NAME["llama_gqa"].build()
     stored = [12 - pad + NEW_TOKENS - 1 for pad in PADS]
     cache = PagedCache(model.config, block_size=BLOCK_SIZE, num_blocks=sum(-(-n // BLOCK_SIZE) for n in stored))
@@ -43,9 +43,9 @@ def test_rows_cut_into_runs_read_like_dynamic_cache(attn, max_runs, monkeypatch)
     assert max(len(runs) for runs in tables.plan.runs()) > 1
     layer, plan = cache.layers[0], tables.plan
     for row in range(len(PADS)):  # the first tokens of a row's read range (a prefix other rows share) cut its runs
-        keys, values = layer.row_kv(plan, row)
+        keys, values = layer.storage.row_kv(plan, row)
         for count in (1, 3, keys.shape[1] - 1):
-            first_keys, first_values = layer.row_kv(plan, row, count)
+            first_keys, first_values = layer.storage.row_kv(plan, row, count)
             assert torch.equal(first_keys, keys[:, :count]) and torch.equal(first_values, values[:, :count])
 
 

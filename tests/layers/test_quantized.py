@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cache_state import stored_keys
 from tiny_models import VOCAB, feed_chunks, padded_batch, shared_model, token_by_token
 
 from hf_paged_cache import PagedCache
@@ -31,7 +32,7 @@ def test_contents_and_logits_follow_positions_not_step_sizes(spec):
         cache = PagedCache(model.config, block_size=BLOCK, quant=spec, residual_length=RESIDUAL + 1)
         logits = feed_chunks(model, cache, tokens, chunks + [1, 1, 1])  # then three tokens one at a time
         (group,) = cache.groups.values()
-        keys = [layer.stored_keys(0) for layer in cache.layers]
+        keys = [stored_keys(layer, 0) for layer in cache.layers]
         results.append((logits, list(group.qtables[0]), group.base[0], keys))  # a cache let go frees its rows
     reference_logits, sealed, base, reference_keys = results[0]
     assert len(sealed) == (33 - RESIDUAL - 1) // BLOCK and base == len(sealed) * BLOCK

@@ -61,7 +61,7 @@ def test_only_a_growable_cpu_pool_reserves_room():
 
 def test_a_growable_cache_grows_its_storage_in_place():
     """Generating past the first allocation grows the pool several times: the storage stays one allocation
-    (its blocks never copied) within its room, and storage_bytes counts the blocks, not the room."""
+    (its blocks never copied) within its room, and the store's nbytes counts the blocks, not the room."""
     model, _config = MODELS_BY_NAME["llama_gqa"].build()
     cache = PagedCache(model.config, block_size=BLOCK_SIZE)
     ids = torch.randint(5, 100, (1, 3))
@@ -75,4 +75,4 @@ def test_a_growable_cache_grows_its_storage_in_place():
             pointers.add(layer.key_blocks.data_ptr())
     assert len(set(sizes)) > 2 and sizes[-1] <= block_capacity(layer.key_blocks)  # grew, within the first room
     assert len(pointers) == 1
-    assert layer.storage_bytes == 2 * layer.key_blocks.numel() * layer.key_blocks.element_size()
+    assert layer.storage.nbytes == 2 * layer.key_blocks.numel() * layer.key_blocks.element_size()
