@@ -25,6 +25,7 @@ import eviction  # noqa: E402
 
 from hf_paged_cache import KeyDiff, KeyNorm, KeyNovelty, PagedCache  # noqa: E402
 from hf_paged_cache.eviction import ScoreInputs  # noqa: E402
+from hf_paged_cache.layers.paged import stored_keys  # noqa: E402
 
 SIGNALS = {  # name: the policy whose score() is probed
     "keynorm": KeyNorm(budget=64, sinks=0, window=0),
@@ -54,7 +55,7 @@ def probe(model, encode, prompt: dict, args) -> dict[str, tuple[int, int, int]]:
     for name, policy in SIGNALS.items():
         layers = heads = total = 0
         for layer in cache.paged_layers:
-            keys = layer.stored_keys(0)
+            keys = stored_keys(layer, 0)
             scores = policy.score(ScoreInputs(torch.arange(count), count, None, lambda: keys)).float()
             scores[:, : args.sinks] = scores[:, count - args.window :] = float("inf")  # protected anyway
             layers += set(digits) <= set(scores.mean(0).topk(keep).indices.tolist())

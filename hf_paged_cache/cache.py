@@ -12,13 +12,16 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
 from .accounting import CacheMetrics, blocks_in_budget, collect_metrics
-from .attention.contract import PAGED_KV_KWARG, caches_latents, check_attention_kwargs, model_name
+from .attention.contract import (
+    PAGED_KV_KWARG, attention_is_paged, caches_latents, check_attention_kwargs, check_paged_reader, model_name,
+)  # fmt: skip
 from .blocks.plan import StepPlan
 from .blocks.pool import BlockPool
 from .blocks.reach import Reach
 from .blocks.sealing import QuantizedBlockTables
 from .blocks.tables import BlockTables
 from .blocks.unsharing import unshare, unshare_demand
+from .cache_blocks import CacheBlocks
 from .cache_step import CacheStep, copy_blocks, copy_quantized
 from .config import PagedCacheConfig
 from .distributed import tensor_parallel_size
@@ -30,7 +33,7 @@ from .layers.handle import PagedKV
 from .layers.paged import PagedLayer
 from .layers.quantized import QuantizedLayer
 from .layers.shared_kv import SharedKVLayer
-from .paged_attention import ATTENTION_NAME, check_model_features
+from .paged_attention import check_model_features
 from .persistence.load import load_cache
 from .persistence.save import save_cache
 
@@ -92,26 +95,17 @@ class PagedCache(ForkingCache, Cache):
         if quant is not None:
             name = f"{name}/{quant.strip()}"
         if name not in self.groups:
-            pool = None if self.options.max_memory is not None else self._new_pool(self._fixed_pool_size())
-            if quant is None:
-                self.groups[name] = BlockTables(name, pool, self.options.block_size, reach)
-            else:
-                self.groups[name] = QuantizedBlockTables(
-                    name, pool, self._new_pool(self._fixed_pool_size()), self.options.block_size, reach,
-                    self.options.kv_format(quant), self.options.residual_length,
-                )  # fmt: skip
+            self.groups[name] = _new_group(self.options, name, reach, quant)
         return self.groups[name]
-
-    def _new_pool(self, num_blocks: int) -> BlockPool:
-        return BlockPool(num_blocks, growable=self.options.growable)
-
-    def _fixed_pool_size(self) -> int:
-        """Blocks a pool starts with; 0 when a growable pool is sized by the first step's demand."""
-        return self.options.num_blocks or self.options.initial_blocks or 0
 
     @property
     def paged_layers(self) -> list[PagedLayer]:
         return [layer for layer in self.layers if isinstance(layer, PagedLayer)]
+
+    @property
+    def blocks(self) -> CacheBlocks:
+        """What the rows hold of the pools, for swap, defragmentation, a prefix cache and a scheduler."""
+        return CacheBlocks(self)
 
     # ------------------------------------------------------------------ the write path
     def update(
@@ -126,7 +120,7 @@ class PagedCache(ForkingCache, Cache):
         attention_kwargs = kwargs.get("kwargs")
         # Whether this forward runs the "paged" attention, which reads K/V from the blocks itself unless the model
         # caches latents (its attention reads K/V expanded from the gathered history).
-        paged = attention_kwargs is not None and self._attention_is_paged()
+        paged = attention_kwargs is not None and attention_is_paged(self.model_config)
         in_place = paged and not self._latents
         if paged:  # what the config and this layer's kwargs show is refused before this layer writes
             try:
@@ -146,7 +140,8 @@ class PagedCache(ForkingCache, Cache):
             return layer.update(key_states, value_states, *args, **kwargs)
         self._check_thread()
         if self.options.eviction is not None or layer.tables.compacted:
-            self._check_paged_reader(attention_kwargs)
+            evicted = any(group.compacted for group in self.groups.values())
+            check_paged_reader(self.model_config, attention_kwargs, evicted)
         if not layer.is_initialized:
             self.options.check_backend(self.options.device or key_states.device)
         layer.check_states(key_states)
@@ -202,29 +197,6 @@ class PagedCache(ForkingCache, Cache):
         """Paged layers that have written the latest step (all of them between steps)."""
         return sum(layer.seq_len == layer.tables.length for layer in self.paged_layers)
 
-    def _check_paged_reader(self, attention_kwargs: dict | None) -> None:
-        """Eviction needs the `"paged"` attention: it reads the blocks by stored index (other implementations
-        read every logical position, so they would not see the gaps eviction leaves) and computes the
-        statistics policies score by. Raised at the first forward, before anything changes."""
-        if attention_kwargs is None:
-            cause = "this model's attention calls `cache.update()` without attention kwargs, so nothing reads blocks"
-            remedy = "build the cache without `eviction` for this model."
-        elif not self._attention_is_paged():
-            implementation = getattr(self.model_config, "_attn_implementation", None)
-            cause = f"the config this cache was built from selects the {implementation!r} attention"
-            remedy = (
-                'call `model.set_attn_implementation("paged")` or load with `attn_implementation="paged"` (registered '
-                "by `import hf_paged_cache`, and again by `register_paged_attention()`), and build the cache from that "
-                "model's config."
-            )
-        else:
-            return
-        reason = "evicted tokens" if any(group.compacted for group in self.groups.values()) else "an eviction policy"
-        raise RuntimeError(f'PagedCache has {reason}, which only the "paged" attention reads, but {cause}: {remedy}')
-
-    def _attention_is_paged(self) -> bool:
-        return getattr(self.model_config, "_attn_implementation", None) == ATTENTION_NAME
-
     def ensure_storage(self, dtype: torch.dtype) -> None:
         """Create the pools of a `max_memory` cache at its first write (or load), which tells the storage dtype."""
         if self.options.max_memory is None or all(group.pool is not None for group in self.groups.values()):
@@ -232,7 +204,7 @@ class PagedCache(ForkingCache, Cache):
         num_blocks = blocks_in_budget(self.model_config, self.options.max_memory, self.options.block_size,
                                       self.options.dtype or dtype, self.tp_size)  # fmt: skip
         for group in self.groups.values():
-            group.pool = self._new_pool(num_blocks)
+            group.pool = BlockPool(num_blocks, growable=self.options.growable)
 
     def step_demand(self, q_len: int) -> dict[BlockPool, int]:
         """Free blocks per pool that this cache's next step of `q_len` tokens per row takes (what it allocates
@@ -397,6 +369,18 @@ class PagedCache(ForkingCache, Cache):
         file's. A corrupted file, another model's config or mismatched options raise `CacheFileError` (a
         `ValueError`) naming the mismatch. Loading runs no code from the file (safetensors and JSON, no pickle)."""
         return load_cache(cls, path, config, options, **kwargs)
+
+
+def _new_group(options: PagedCacheConfig, name: str, reach: Reach | None, quant: str | None) -> BlockTables:
+    """A group's tables and pools: no pool yet for a `max_memory` cache (`PagedCache.ensure_storage`), else one of
+    the blocks a pool starts with (0 when a growable pool is sized by the first step's demand)."""
+    start = options.num_blocks or options.initial_blocks or 0
+    pool = None if options.max_memory is not None else BlockPool(start, growable=options.growable)
+    if quant is None:
+        return BlockTables(name, pool, options.block_size, reach)
+    qpool = BlockPool(start, growable=options.growable)
+    return QuantizedBlockTables(name, pool, qpool, options.block_size, reach, options.kv_format(quant),
+                                options.residual_length)  # fmt: skip
 
 
 def _row_indices(indices, name: str) -> torch.Tensor:

@@ -16,6 +16,7 @@ from transformers import AttentionInterface, PretrainedConfig
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention.contract import (
+    ATTENTION_NAME,
     PAGED_KV_KWARG,
     check_attention_kwargs,
     kv_sharing_sources,
@@ -42,8 +43,6 @@ from .read_paths.selector import (
     choose_one,
     choose_packed,
 )
-
-ATTENTION_NAME = "paged"
 
 
 def register_paged_attention() -> None:

@@ -19,11 +19,6 @@ def quantized_fields(layer: PagedLayer) -> list[torch.Tensor]:
     return [*layer.qkey.values(), *layer.qvalue.values()] if isinstance(layer, QuantizedLayer) else []
 
 
-def stored_keys(layer: PagedLayer, row: int) -> torch.Tensor:
-    """Every stored key of the row (sealed ones decoded), float32 `[kv_heads, n, head_dim]`."""
-    return torch.cat([chunk.float() for chunk in layer.stored_key_chunks(row)], dim=1)
-
-
 def cache_state(cache: PagedCache) -> dict:
     groups = {}
     for name, group in cache.groups.items():

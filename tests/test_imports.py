@@ -4,7 +4,8 @@ hint that needs a higher module is a back-reference all the same.
 Its sub-packages (and top-level modules) form a stack, each importing only what lies below it. Bottom to top:
 errors, distributed, quantization, kernels, blocks, attention (the attention math and the keyword contract),
 layers, eviction, config, layer_types, accounting, paged_attention (the function transformers calls), cache_step,
-forks, persistence, cache, memory, inspection, serving, then the leaves (scoring, smollm2, capacity, demo).
+forks, persistence, cache_blocks (the narrow face of a cache's blocks), cache, memory, inspection, serving, then the
+leaves (scoring, smollm2, capacity, demo).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ PACKAGE = Path(hf_paged_cache.__file__).parent
 KERNELS = Path(hf_paged_cache.kernels.__file__).parent
 LAYERS = ["errors", "distributed", "quantization", "kernels", "blocks", "attention", "layers", "read_paths", "eviction", "config",
           "layer_types", "sequence_state", "accounting", "paged_attention", "cache_step", "forks", "persistence",
-          "cache", "memory", "inspection", "forwards", "cpu_runtime", "serving", "scoring", "smollm2", "capacity", "demo"]  # fmt: skip
+          "cache_blocks", "cache", "memory", "inspection", "forwards", "cpu_runtime", "serving", "scoring", "smollm2", "capacity", "demo"]  # fmt: skip
 
 
 def _modules() -> dict[str, Path]:

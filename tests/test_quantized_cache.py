@@ -14,7 +14,6 @@ import os
 import pytest
 import torch
 import transformers
-from cache_state import stored_keys
 from tiny_models import (
     MODELS, MODELS_BY_NAME, PAD_ID, VOCAB, feed_chunks, make_model, padded_batch, tiny_config, token_by_token,
 )
@@ -23,6 +22,7 @@ from hf_paged_cache import OutOfBlocksError, PagedCache, PagedCacheConfig, estim
 from hf_paged_cache.blocks.sealing import QuantizedBlockTables
 from hf_paged_cache.blocks.tables import BlockTables
 from hf_paged_cache.quantization import format_from_spec
+from hf_paged_cache.layers.paged import stored_keys
 from hf_paged_cache.layers.quantized import QuantizedLayer
 
 FORMATS = ("int8", "int4", "int2", "fp8_e4m3", "K4V2")

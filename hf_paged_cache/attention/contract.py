@@ -17,6 +17,8 @@ from transformers import PretrainedConfig
 
 from ..errors import UnsupportedAttentionError
 
+# The name transformers' attention registries know the paged attention by (`paged_attention.py` registers it).
+ATTENTION_NAME = "paged"
 # The keyword `update()` leaves its handle under (`layers/handle.py`): where the step's history lives.
 PAGED_KV_KWARG = "paged_kv"
 
@@ -134,3 +136,29 @@ def model_name(config: PretrainedConfig) -> str:
     """The model class the config names (its first architecture), else the model family of its config class."""
     architectures = getattr(config, "architectures", None)
     return architectures[0] if architectures else f"{type(config).__name__.removesuffix('Config')} model"
+
+
+def attention_is_paged(config: PretrainedConfig) -> bool:
+    """Whether `config` selects the `"paged"` attention."""
+    return getattr(config, "_attn_implementation", None) == ATTENTION_NAME
+
+
+def check_paged_reader(config: PretrainedConfig, attention_kwargs: dict | None, evicted: bool) -> None:
+    """Eviction needs the `"paged"` attention: it reads the blocks by stored index (other implementations read every
+    logical position, so they would not see the gaps eviction leaves) and computes the statistics policies score by.
+    Raised at the first forward, before anything changes (`evicted`: tokens were evicted already)."""
+    if attention_kwargs is None:
+        cause = "this model's attention calls `cache.update()` without attention kwargs, so nothing reads blocks"
+        remedy = "build the cache without `eviction` for this model."
+    elif not attention_is_paged(config):
+        implementation = getattr(config, "_attn_implementation", None)
+        cause = f"the config this cache was built from selects the {implementation!r} attention"
+        remedy = (
+            'call `model.set_attn_implementation("paged")` or load with `attn_implementation="paged"` (registered '
+            "by `import hf_paged_cache`, and again by `register_paged_attention()`), and build the cache from that "
+            "model's config."
+        )
+    else:
+        return
+    reason = "evicted tokens" if evicted else "an eviction policy"
+    raise RuntimeError(f'PagedCache has {reason}, which only the "paged" attention reads, but {cause}: {remedy}')

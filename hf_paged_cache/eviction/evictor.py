@@ -11,19 +11,16 @@ and per-layer budgets work; sliding-window layers keep their window and evict no
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..blocks.plan import StepPlan
 from ..blocks.tables import BlockTables
+from ..layers.paged import PagedLayer, stored_keys
 from .attention_stats import AttentionStats
 from .policies.base import EvictionPolicy
 from .removal import check_evict, evict_tokens, unit_sizes
 from .selection import RowChoice, ScoreInputs
-
-if TYPE_CHECKING:
-    from ..layers.paged import PagedLayer
 
 
 class Evictor:
@@ -116,7 +113,7 @@ class Evictor:
         attention = None
         if self.policy.statistic is not None:
             attention = self.stats[index].row(row, count, kv_heads)
-        inputs = ScoreInputs(positions, group.length, attention, lambda: _stored_keys(layer, row))
+        inputs = ScoreInputs(positions, group.length, attention, lambda: stored_keys(layer, row).cpu())
         choice = RowChoice(inputs, first_real=group.rows[row].pads, budget=budget, sinks=self.policy.sinks,
                            window=self.policy.window, kv_heads=kv_heads, unit_sizes=unit_sizes(group, row),
                            split=group.quantized_tokens(row), tp_size=self.tp_size)  # fmt: skip
@@ -152,9 +149,3 @@ class Evictor:
         """(row evictions, tokens evicted) over every group."""
         return sum(c[0] for c in self.counts.values()), sum(c[1] for c in self.counts.values())
 
-
-def _stored_keys(layer: PagedLayer, row: int) -> torch.Tensor:
-    """Every stored key of the row, float32 `[kv_heads, n, head_dim]` on CPU (a transient copy, for the scores)."""
-    chunks = [chunk.float() for chunk in layer.stored_key_chunks(row)]
-    keys = torch.cat(chunks, dim=1) if chunks else torch.zeros(layer.kv_shape[0], 0, layer.kv_shape[1])
-    return keys.cpu()

@@ -292,6 +292,13 @@ class PagedLayer(CacheLayerMixin):
         self.sync_length()
 
 
+def stored_keys(layer: PagedLayer, row: int) -> torch.Tensor:
+    """Every stored key of the row (sealed ones decoded), float32 `[kv_heads, n, head_dim]` (a transient copy), for
+    eviction scores and probes."""
+    chunks = [chunk.float() for chunk in layer.stored_key_chunks(row)]
+    return torch.cat(chunks, dim=1) if chunks else torch.zeros(layer.kv_shape[0], 0, layer.kv_shape[1])
+
+
 def _stored_tokens(plans: list[StepPlan], device: torch.device) -> torch.Tensor:
     """Which of the one-row `plans`' new tokens, side by side in their order, are stored: each plan's `write_tokens`
     (all of its tokens without), offset by the tokens of the plans before it."""

@@ -22,10 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..blocks.renumbering import Holder, renumber_to_front
-from ..blocks.pool import BlockPool
-from ..blocks.sealing import QuantizedBlockTables
 from ..cache import PagedCache
-from .swap import KINDS, group_pool, storage_tensors
 
 
 @dataclass(frozen=True)
@@ -47,30 +44,15 @@ class Fragmentation:
         return self.holes / self.high_water if self.high_water else 0.0
 
 
-def device_pools(cache: PagedCache) -> list[tuple[BlockPool, str]]:
-    """The cache's device pools, each once, with the kind of block it holds ("blocks" or "quantized")."""
-    pools = {}
-    for group in cache.groups.values():
-        for kind in KINDS:
-            pool = group_pool(group, kind)
-            if pool is not None:
-                pools.setdefault(id(pool), (pool, kind))
-    return list(pools.values())
-
-
 def fragmentation(template: PagedCache) -> dict[str, Fragmentation]:
     """Per device pool of the family of `template` (named by its group, "/quantized" for sealed blocks)."""
     caches = template.caches_sharing_pools()
     result = {}
-    for name, group in template.groups.items():
-        for kind in KINDS:
-            pool = group_pool(group, kind)
-            if pool is None:
-                continue
-            high = max(pool.used_ids(), default=0)
-            breaks = sum(1 for ids in _tables(caches, pool, kind) for a, b in zip(ids, ids[1:]) if b != a + 1)
-            result[name if kind == "blocks" else f"{name}/quantized"] = Fragmentation(pool.num_blocks, pool.num_used,
-                                                                                      high, breaks)  # fmt: skip
+    for name, (pool, _kind) in template.blocks.named_pools().items():
+        high = max(pool.used_ids(), default=0)
+        breaks = sum(1 for cache in caches for blocks in cache.blocks.block_lists(pool)
+                     for a, b in zip(blocks.ids, blocks.ids[1:]) if b != a + 1)  # fmt: skip
+        result[name] = Fragmentation(pool.num_blocks, pool.num_used, high, breaks)
     return result
 
 
@@ -89,22 +71,14 @@ def defragment(template: PagedCache, holders: Sequence[Holder] = (), keep_free: 
     caches = template.caches_sharing_pools()
     for cache in caches:
         cache.check_between_steps("compact the pools of")
-    pools = device_pools(template)
-    own = [group.remap for cache in caches for group in cache.groups.values()]
-    own += [group.remap_sealed_copies for group in template.groups.values() if isinstance(group, QuantizedBlockTables)]
-    renumber_to_front([(pool, functools.partial(_copy, storage_tensors(template, pool, kind))) for pool, kind in pools],
-         [*own, *holders])  # fmt: skip
+    pools = template.blocks.pools()
+    own = [holder for cache in caches for holder in cache.blocks.remaps(sealed_copies=cache is template)]
+    copies = [(pool, functools.partial(_copy, template.blocks.storage(pool, kind))) for pool, kind in pools]
+    renumber_to_front(copies, [*own, *holders])
     if keep_free is not None and template.options.growable:  # a fixed pool keeps the size it was given
         for pool, _kind in pools:
             pool.shrink(min(pool.num_used + keep_free, pool.num_blocks))
-        for name in template.groups:
-            for layer in template.group_layers(name):
-                layer.fit_pool()
-
-
-def _tables(caches: list[PagedCache], pool: BlockPool, kind: str) -> list[list[int]]:
-    return [blocks.ids for cache in caches for group in cache.groups.values() for row in group.rows
-            for blocks in row.block_lists() if blocks.pool is pool]  # fmt: skip
+        template.blocks.fit_storage()
 
 
 def _copy(tensors: list[torch.Tensor], sources: list[int], targets: list[int]) -> None:

@@ -29,19 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from ..blocks.pool import BlockPool
-from ..blocks.tables import BlockTables
 from ..cache import PagedCache
 from .copy_stream import CopyStream, Transfer
 from ..quantization.base import QuantFormat
 from ..quantization.registry import format_from_spec
-
-
-KINDS = ("blocks", "quantized")  # a row's block lists: full precision (`Row.blocks`), sealed (`Row.quantized`)
-
-
-def group_pool(group: BlockTables, kind: str) -> BlockPool | None:
-    """The device pool of a group's `kind` of blocks (None: the group has no such blocks, or no pool yet)."""
-    return group.pools()[KINDS.index(kind)]
 
 
 @dataclass
@@ -204,7 +195,7 @@ class SwapSpace:
             copy, finish = host.store(tensors, ids, list(mapping.values()))
             copies.append(copy)
             finishes.append(finish)
-            self._move(cache, kind, pool, mapping, host.pool)
+            self._move(cache, pool, mapping, host.pool)
             self.stats.out_blocks += len(ids)
             self.stats.out_bytes += len(ids) * host.block_bytes
         self._swapped.add(cache)
@@ -227,12 +218,11 @@ class SwapSpace:
             host = self._host[id(pool)]
             mapping = dict(zip(host_ids, pool.allocate(len(host_ids))))
             copies.append(host.load(tensors, host_ids, list(mapping.values())))
-            self._move(cache, kind, host.pool, mapping, pool)
+            self._move(cache, host.pool, mapping, pool)
             self.stats.in_blocks += len(host_ids)
             self.stats.in_bytes += len(host_ids) * host.block_bytes
         self._swapped.discard(cache)
-        for group in cache.groups.values():
-            group.drop_plan()
+        cache.blocks.drop_plans()
         return self._submit(cache, "in", device, copies, [])
 
     def _device(self, parts: list) -> torch.device | None:
@@ -260,20 +250,15 @@ class SwapSpace:
         return transfer
 
     # ------------------------------------------------------------------ helpers
-    def _distinct(self, cache: PagedCache) -> dict[tuple[BlockPool, str], list[int]]:
+    @staticmethod
+    def _distinct(cache: PagedCache) -> dict[tuple[BlockPool, str], list[int]]:
         """Per (device pool, "blocks" / "quantized"): the distinct block ids the cache's rows hold, in order."""
-        found: dict[tuple[BlockPool, str], dict[int, None]] = {}
-        for group in cache.groups.values():
-            for row in group.rows:
-                for kind, blocks in zip(KINDS, row.block_lists()):
-                    if blocks.ids:
-                        found.setdefault((group_pool(group, kind), kind), {}).update(dict.fromkeys(blocks.ids))
-        return {key: list(ids) for key, ids in found.items()}
+        return cache.blocks.held()
 
     def _fields(self, cache: PagedCache):
         """(device pool, kind), its distinct ids in `cache`, and the storage tensors of every layer indexed by them."""
         for (pool, kind), ids in self._distinct(cache).items():
-            yield (pool, kind), ids, storage_tensors(cache, pool, kind)
+            yield (pool, kind), ids, cache.blocks.storage(pool, kind)
 
     def _host_size(self, pool: BlockPool) -> int:
         return self.num_blocks if self.num_blocks is not None else pool.num_blocks
@@ -284,38 +269,23 @@ class SwapSpace:
         return self._host[id(pool)]
 
     def _formats(self, kind: str, tensors: list[torch.Tensor]) -> list[QuantFormat | None]:
-        """The host format of each storage tensor: compressed full-precision keys and values (`storage_tensors`
+        """The host format of each storage tensor: compressed full-precision keys and values (`CacheBlocks.storage`
         lists them key, value per layer), everything else as it is."""
         if self.compression is None or kind != "blocks":
             return [None] * len(tensors)
         return [self.compression.key if index % 2 == 0 else self.compression.value for index in range(len(tensors))]
 
     @staticmethod
-    def _move(cache: PagedCache, kind: str, source: BlockPool, mapping: dict[int, int], target: BlockPool) -> None:
-        """Point every `kind` list of the cache's rows that holds ids of `source` at their `mapping` in `target`:
+    def _move(cache: PagedCache, source: BlockPool, mapping: dict[int, int], target: BlockPool) -> None:
+        """Point every block list of the cache's rows that holds ids of `source` at their `mapping` in `target`:
         each list drops its references to the old blocks and holds one to the new (each new block was allocated
         once, so the lists after the first that hold it take one more reference)."""
         holders = Counter()
-        lists = [blocks for group in cache.groups.values() for row in group.rows
-                 for listed, blocks in zip(KINDS, row.block_lists()) if listed == kind and blocks.pool is source]
-        for blocks in lists:
+        for blocks in cache.blocks.block_lists(source):
             fresh = [mapping[block] for block in blocks.ids]
             target.fork([block for block in fresh if holders[block]])
             holders.update(fresh)
             blocks.repoint(target, fresh)
-
-
-def storage_tensors(cache: PagedCache, pool: BlockPool, kind: str) -> list[torch.Tensor]:
-    """Every storage tensor indexed by ids of `pool`: the full-precision K/V of its group's layers (`kind`
-    "blocks"; key, value per layer) or their quantized fields ("quantized"). The layers of a cache's forks share
-    this storage."""
-    tensors = []
-    for name, group in cache.groups.items():
-        if group_pool(group, kind) is not pool:
-            continue
-        for layer in cache.group_layers(name):
-            tensors += (layer.storage if kind == "blocks" else layer.sealed).tensors.values()
-    return tensors
 
 
 def _block_bytes(tensors: list[torch.Tensor], formats: list[QuantFormat | None]) -> int:

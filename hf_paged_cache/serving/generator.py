@@ -277,7 +277,7 @@ class BatchGenerator:
         self.swap.copies.fence()  # a pending copy in writes the ids it was given, which defragmenting moves
         before = fragmentation(self.template)
         prefix = self.prefix_cache  # its entries hold block ids too
-        held = [] if prefix is None else [functools.partial(prefix.remap, groups=self.template.groups)]
+        held = [] if prefix is None else [functools.partial(prefix.remap, pools=self.template.blocks.group_pools())]
         defragment(self.template, held, keep_free)
         self.counters.defragmentations += 1
         return before, fragmentation(self.template)

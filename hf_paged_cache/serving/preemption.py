@@ -62,7 +62,7 @@ class WeightedVictims(VictimPolicy):
 
     def priority(self, request: Request, step: int, pool_blocks: int) -> tuple[float, int]:
         hot = request.hotness * self.decay ** (step - request.last_step)
-        share = held_blocks(request.cache) / max(pool_blocks, 1)
+        share = request.cache.blocks.held_count() / max(pool_blocks, 1)
         return hot - self.size_weight * share, -request.request_id
 
     def touch(self, request: Request, step: int) -> None:
@@ -73,12 +73,6 @@ class WeightedVictims(VictimPolicy):
 def check_weights(decay: float, size_weight: float) -> None:
     if not 0.0 < decay <= 1.0 or size_weight < 0:
         raise ValueError(f"`decay` must be in (0, 1] and `size_weight` >= 0, got {decay!r} and {size_weight!r}")
-
-
-def held_blocks(cache: PagedCache) -> int:
-    """Blocks the rows of `cache` hold (full-precision and quantized; shared ones counted once per holder)."""
-    return sum(len(blocks) for group in cache.groups.values() for row in group.rows
-               for blocks in row.block_lists())
 
 
 # ---------------------------------------------------------------------- preemption

@@ -18,9 +18,8 @@ import hashlib
 from array import array
 from dataclasses import dataclass
 
+from ..blocks.pool import BlockPool
 from ..blocks.renumbering import Renumbering
-from ..blocks.sealing import QuantizedBlockTables
-from ..blocks.tables import BlockTables
 from ..cache import PagedCache
 from .recurrent import holds_state
 
@@ -63,23 +62,19 @@ class PrefixCache:
     def supports(cache: PagedCache) -> bool:
         """Whether every group of `cache` can be cached (full precision, no eviction), and nothing else holds what
         a hit would need: a hybrid model's recurrent state at the cached prefix's end is not in blocks."""
-        quantized = any(isinstance(g, QuantizedBlockTables) for g in cache.groups.values())
-        return cache.evictor is None and not quantized and not holds_state(cache)
+        return cache.evictor is None and not cache.blocks.stores_sealed() and not holds_state(cache)
 
     # ------------------------------------------------------------------ lookup
     def attach(self, cache: PagedCache, prompt: list[int]) -> int:
         """Give the fresh `cache` the longest cached prefix of `prompt` (whole blocks, at least one prompt token
         left to compute); returns its length in tokens (0: nothing cached)."""
-        bs = self.block_size
+        bs, pools = self.block_size, cache.blocks.group_pools()
         keys = block_keys(prompt, bs, (len(prompt) - 1) // bs)
         for count in range(len(keys), 0, -1):
-            found = {name: self._blocks(group, keys, count) for name, group in cache.groups.items()}
+            firsts = cache.blocks.prefix_reads_from(count * bs)
+            found = {name: self._blocks(name, pool, firsts[name], keys[:count]) for name, pool in pools.items()}
             if all(blocks is not None for blocks in found.values()):
-                for name, (base, blocks) in found.items():
-                    for block in blocks:
-                        cache.groups[name].pool.take(block)
-                    cache.groups[name].adopt(base, blocks, count * bs)
-                cache.sync_lengths()
+                cache.blocks.attach_prefix(found, count * bs)
                 return count * bs
         return 0
 
@@ -93,13 +88,13 @@ class PrefixCache:
             return False
         return any(fed < end <= len(tokens) and tokens[:end] == prompt[:end] for tokens, fed in others)
 
-    def _blocks(self, group: BlockTables, keys: list[bytes], count: int) -> tuple[int, list[int]] | None:
-        """(base position, block ids) a row of `group` needs at length `count * block_size`, or None."""
-        first = group.read_offset(count * self.block_size) // self.block_size  # 0 without a window
+    def _blocks(self, name: str, pool: BlockPool, first: int, keys: list[bytes]) -> tuple[int, list[int]] | None:
+        """(base position, block ids) a row of group `name` (whose blocks are of `pool`) needs to hold the blocks of
+        `keys` from its block `first` on (0 without a window), or None."""
         blocks = []
-        for key in keys[first:count]:
-            block, epoch = self.entries.get(key, {}).get(group.name, (None, None))
-            if block is None or group.pool.epoch(block) != epoch:
+        for key in keys[first:]:
+            block, epoch = self.entries.get(key, {}).get(name, (None, None))
+            if block is None or pool.epoch(block) != epoch:
                 return None
             blocks.append(block)
         return first * self.block_size, blocks
@@ -113,22 +108,22 @@ class PrefixCache:
         if len(keys) == full:
             return keys
         done, keys = len(keys), block_keys(tokens, bs, full, keys)
-        if len(self.entries) > 4 * sum(group.pool.num_blocks for group in cache.groups.values()):
-            self._prune(cache)
-        for name, group in cache.groups.items():
-            row = group.rows[0]
-            first = row.base // bs  # a sliding group's row starts at its first block still in the window
+        pools = cache.blocks.group_pools()
+        if len(self.entries) > 4 * sum(pool.num_blocks for pool in pools.values()):
+            self._prune(pools)
+        for name, (first, ids) in cache.blocks.full_blocks().items():
+            pool = pools[name]  # a sliding group's row starts at its first block still in the window (`first`)
             for index in range(max(done, first), full):
-                block = row.blocks.ids[index - first]
+                block = ids[index - first]
                 entry = self.entries.setdefault(keys[index], {})
                 known = entry.get(name)
-                if known is None or group.pool.epoch(known[0]) != known[1]:
-                    entry[name] = (block, group.pool.epoch(block))
+                if known is None or pool.epoch(known[0]) != known[1]:
+                    entry[name] = (block, pool.epoch(block))
         return keys
 
-    def _prune(self, cache: PagedCache) -> None:
-        """Forget entries whose blocks were handed out again (kept bounded by the pools' size)."""
-        pools = {name: group.pool for name, group in cache.groups.items()}
+    def _prune(self, pools: dict[str, BlockPool]) -> None:
+        """Forget entries whose blocks were handed out again (kept bounded by the pools' size); `pools`: each group's,
+        by name."""
         for key in list(self.entries):
             entry = {name: (block, epoch) for name, (block, epoch) in self.entries[key].items()
                      if pools[name].epoch(block) == epoch}  # fmt: skip
@@ -143,14 +138,14 @@ class PrefixCache:
         self.entries.clear()
 
     # ------------------------------------------------------------------ state
-    def remap(self, old_to_new: Renumbering, groups: dict[str, BlockTables]) -> None:
-        """Renumber the entries after the pools of `groups` (the template's) were packed, ahead of the pools'
-        remap: entries on blocks handed out again, or on blocks no table holds, are forgotten."""
+    def remap(self, old_to_new: Renumbering, pools: dict[str, BlockPool]) -> None:
+        """Renumber the entries after the groups' `pools` (the template's, by group name) were packed, ahead of the
+        pools' remap: entries on blocks handed out again, or on blocks no table holds, are forgotten."""
         entries = {}
         for key, entry in self.entries.items():
             kept = {}
             for name, (block, epoch) in entry.items():
-                pool = groups[name].pool
+                pool = pools[name]
                 if pool.epoch(block) == epoch and block in old_to_new[pool]:
                     new = old_to_new[pool][block]
                     kept[name] = (new, pool.remapped_epoch(new))

@@ -11,7 +11,6 @@ from collections.abc import Callable
 
 from ..blocks.pool import BlockPool
 from ..cache import PagedCache
-from ..memory.defragment import device_pools
 from .requests import Request
 
 Priority = Callable[[Request], tuple]
@@ -52,7 +51,7 @@ class BlockRoom:
         self.threshold = threshold
 
     def pools(self) -> list[BlockPool]:
-        return [pool for pool, _kind in device_pools(self.template)]
+        return [pool for pool, _kind in self.template.blocks.pools()]
 
     def total_blocks(self) -> int:
         return sum(pool.num_blocks for pool in self.pools())

@@ -99,7 +99,7 @@ def test_sealed_copy_records_and_prefix_entries_follow_a_pack_and_forget_stale_o
     prefix = PrefixCache(SimpleNamespace(options=SimpleNamespace(block_size=4)))
     prefix.entries = {b"a": {"full_attention": (6, pool.epoch(6))}, b"b": {"full_attention": (2, pool.epoch(2))}}
     holders = [tables.remap, tables.remap_sealed_copies,
-               functools.partial(prefix.remap, groups={"full_attention": tables})]  # fmt: skip
+               functools.partial(prefix.remap, pools={"full_attention": pool})]  # fmt: skip
     renumber_to_front([(pool, lambda *_: None), (qpool, lambda *_: None)], holders)
     assert tables.tables == [[1, 2]] and tables.qtables == [[1]]
     assert tables.sealed_copies == {1: (pool.epoch(1), 1, qpool.epoch(1))}

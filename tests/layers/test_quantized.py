@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cache_state import stored_keys
 from tiny_models import VOCAB, feed_chunks, padded_batch, shared_model, token_by_token
 
 from hf_paged_cache import PagedCache
 from hf_paged_cache.layers import quantized as quantized_layers
+from hf_paged_cache.layers.paged import stored_keys
 from hf_paged_cache.read_paths import quantized as quantized_read
 
 BLOCK = 4
