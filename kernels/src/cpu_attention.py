@@ -85,10 +85,12 @@ def kernel_format(fmt: QuantFormat, block_size: int, head_dim: int) -> KernelFor
 
 
 def reads_format(fmt: QuantFormat, block_size: int, head_dim: int) -> bool:
-    """Whether the kernel decodes blocks of `fmt`: symmetric int8, or unrotated 4 / 2-bit codes with zero points."""
+    """Whether the kernel decodes (and encodes) blocks of `fmt`: symmetric int8, or unrotated 4 / 2-bit codes with zero
+    points, each over its whole code range (the C++ encode's: +-127, or 0 .. 2**bits - 1)."""
     kernel = kernel_format(fmt, block_size, head_dim)
+    levels = 127 if kernel.bits == 8 else (1 << kernel.bits) - 1
     return (kernel.exponent_bits == 0 and not kernel.rotate and kernel.bits in (2, 4, 8)
-            and kernel.zero_point == (kernel.bits != 8))  # fmt: skip
+            and kernel.zero_point == (kernel.bits != 8) and kernel.qmax == levels)  # fmt: skip
 
 
 @dataclass

@@ -1,5 +1,8 @@
 """quantize_blocks_cpu (the C++ seal of the CPU path) against the formats' own torch encode."""
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -41,7 +44,14 @@ def test_quantize_blocks_cpu_writes_the_codes_of_the_torch_encode_bit_for_bit(fm
     torch.testing.assert_close(errors, error, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt", [format_from_spec("int2").value, FP8()])
+@dataclass(frozen=True)
+class NarrowInt8(Int8):
+    """Int8's layout over a narrower code range: the C++ encode (+-127) would write codes the format never does."""
+
+    QMAX: ClassVar[int] = 63
+
+
+@pytest.mark.parametrize("fmt", [format_from_spec("int2").value, FP8(), NarrowInt8()])
 def test_quantize_blocks_cpu_refuses_formats_it_cannot_encode(fmt):
     pool = fmt.allocate(2, 16, 1, 64)
     with pytest.raises(ValueError, match="cannot encode"):
