@@ -30,7 +30,7 @@ def cache_state(cache: PagedCache) -> dict:
                  None if row.kept_positions is None else row.kept_positions.tolist())
                 for row in group.rows
             ],  # fmt: skip
-            "pools": [_pool(group.pool), _pool(group.quantized_pool)],
+            "pools": [_pool(group.pool), _pool(group.pools()[1])],
         }
     layers = []
     for layer in cache.layers:

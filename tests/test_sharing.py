@@ -124,7 +124,7 @@ class ForkWriteFree(RuleBasedStateMachine):
     def every_table_reads_its_own_tokens(self):
         for tables, rows in self.tables:
             for index, tokens in enumerate(rows):
-                slots = tables.slots(index, 0, tables.stored_tokens(index)).tolist()
+                slots = tables.rows[index].blocks.slots(0, tables.stored_tokens(index), tables.block_size).tolist()
                 assert [self.storage.get(slot) for slot in slots] == tokens
 
 

@@ -85,8 +85,8 @@ class StepPlan:
         return self.cached((name, device), lambda: self._build(name).to(device))
 
     def slots(self, row: int, first: int, count: int) -> torch.Tensor:
-        """Slots of the row's stored tokens [first, first + count)."""
-        return self.tables.slots(row, first, count)
+        """Slots of the row's full-precision stored tokens [first, first + count)."""
+        return self.tables.rows[row].blocks.slots(first, count, self.tables.block_size)
 
     def stored_blocks(self, start: int | None = None, stop: int | None = None) -> list[int]:
         """The ids of the full-precision blocks stored tokens `start` .. `stop` - 1 of this one-row plan lie in (its

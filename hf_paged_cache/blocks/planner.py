@@ -144,7 +144,7 @@ class StepPlanner:
             stored = tables.stored_tokens(index)
             new = min(new, stored)  # tokens sealed as they arrived are not stored here
             if new and index not in mirrors:
-                write_slots.append(tables.slots(index, stored - new, new))
+                write_slots.append(tables.rows[index].blocks.slots(stored - new, new, tables.block_size))
                 write_ranges.append((index * q_len + q_len - new, (index + 1) * q_len))
         slots = (write_slots[0] if len(write_slots) == 1 else
                  torch.cat(write_slots) if write_slots else torch.empty(0, dtype=torch.long))  # fmt: skip

@@ -29,6 +29,26 @@ class BlockList:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def one_run_start(self) -> int | None:
+        """The first id when all the ids form one run of consecutive ids, else None."""
+        return self.ids[0] if self.ids and self.run_from == 0 else None
+
+    def slots(self, first: int, count: int, block_size: int) -> torch.Tensor:
+        """Slots of tokens [first, first + count) of the list's blocks (`block_size` each): one range per run of
+        consecutive ids they lie in (a step's few new tokens: one range, built at the cost of a single op)."""
+        ids, ranges, position, stop = self.ids, [], first, first + count
+        while position < stop:
+            block = end = position // block_size
+            while (end + 1) * block_size < stop and ids[end + 1] == ids[end] + 1:  # the run goes on
+                end += 1
+            last = min(stop, (end + 1) * block_size)
+            begin = ids[block] * block_size + position % block_size
+            ranges.append(torch.arange(begin, begin + last - position))
+            position = last
+        if len(ranges) == 1:
+            return ranges[0]
+        return torch.cat(ranges) if ranges else torch.empty(0, dtype=torch.long)
+
     def extend(self, count: int) -> list[int]:
         """Allocate `count` blocks at the end, continuing the run where the pool allows."""
         fresh = self.pool.allocate(count, after=self.ids[-1] if self.ids else None)

@@ -173,9 +173,8 @@ class QuantizedBlockTables(BlockTables):
         """R: a token reads quantized the blocks that end at least R positions before it + 1."""
         return max(self.residual_length, 1)
 
-    @property
-    def quantized_pool(self) -> BlockPool:
-        return self.qpool
+    def pools(self) -> tuple[BlockPool | None, BlockPool]:
+        return self.pool, self.qpool
 
     def new_row(self, pad: int) -> Row:
         return Row(pads=pad, base=pad, blocks=BlockList(self.pool), quantized=BlockList(self.qpool))

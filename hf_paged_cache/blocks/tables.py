@@ -59,21 +59,12 @@ class BlockTables:
         return [row.quantized.ids if row.quantized is not None else [] for row in self.rows]
 
     @property
-    def quantized_pool(self) -> BlockPool | None:
-        """The pool of the sealed blocks (None: this group seals nothing)."""
-        return None
-
-    @property
     def pads(self) -> list[int]:
         return [row.pads for row in self.rows]
 
     @property
     def base(self) -> list[int]:
         return [row.base for row in self.rows]
-
-    @property
-    def batch_size(self) -> int | None:
-        return len(self.rows) if self.length > 0 else None
 
     def stored_tokens(self, row: int) -> int:
         """Full-precision tokens the row stores."""
@@ -132,28 +123,6 @@ class BlockTables:
     def new_row(self, pad: int) -> Row:
         """An empty row (a quantized group's also has a table of sealed blocks)."""
         return Row(pads=pad, base=pad, blocks=BlockList(self.pool))
-
-    def slots(self, row: int, first: int, count: int) -> torch.Tensor:
-        """Slots of the row's full-precision stored tokens [first, first + count): one range per run of consecutive
-        block ids they lie in (a step's few new tokens: one range, built at the cost of a single op)."""
-        ids, bs = self.rows[row].blocks.ids, self.block_size
-        ranges, position, stop = [], first, first + count
-        while position < stop:
-            block = end = position // bs
-            while (end + 1) * bs < stop and ids[end + 1] == ids[end] + 1:  # the run goes on
-                end += 1
-            last = min(stop, (end + 1) * bs)
-            begin = ids[block] * bs + position % bs
-            ranges.append(torch.arange(begin, begin + last - position))
-            position = last
-        if len(ranges) == 1:
-            return ranges[0]
-        return torch.cat(ranges) if ranges else torch.empty(0, dtype=torch.long)
-
-    def first_run_block(self, row: int) -> int | None:
-        """The first block id when all of the row's full-precision blocks form one run, else None."""
-        blocks = self.rows[row].blocks
-        return blocks.ids[0] if blocks.ids and blocks.run_from == 0 else None
 
     def adopt(self, base: int, blocks: list[int], length: int) -> None:
         """Become one row of `length` tokens whose blocks (already referenced for it) hold positions from `base`
@@ -248,8 +217,8 @@ class BlockTables:
 
     # ------------------------------------------------------------------ state
     def pools(self) -> tuple[BlockPool | None, BlockPool | None]:
-        """(full-precision pool, quantized pool): None where the group has none (yet)."""
-        return self.pool, self.quantized_pool
+        """(full-precision pool, quantized pool): None where the group has none (yet), or seals nothing."""
+        return self.pool, None
 
     def drop_plan(self) -> None:
         """Forget the step plan after the rows' tables moved (a swap, a packing): the next step makes its own."""

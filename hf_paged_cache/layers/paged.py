@@ -259,17 +259,15 @@ class PagedLayer(CacheLayerMixin):
     def stored_key_chunks(self, row: int):
         """The row's stored keys in stored order, as `[kv_heads, n, head_dim]` chunks (views when the
         blocks form one run), for eviction scores and attention statistics."""
-        tables = self.tables
-        count = tables.stored_tokens(row)
+        count, blocks, bs = self.tables.stored_tokens(row), self.tables.rows[row].blocks, self.tables.block_size
         if not count:
             return
         flat = self.key_blocks.view(-1, *self.key_blocks.shape[2:])
-        first_block = tables.first_run_block(row)
+        first_block = blocks.one_run_start()
         if first_block is not None:
-            first = first_block * tables.block_size
-            yield flat[first : first + count].transpose(0, 1)
+            yield flat[first_block * bs : first_block * bs + count].transpose(0, 1)
         else:
-            yield flat[tables.slots(row, 0, count).to(self.device)].transpose(0, 1)
+            yield flat[blocks.slots(0, count, bs).to(self.device)].transpose(0, 1)
 
     # ------------------------------------------------------------------ state
     def state_dict(self, blocks: list[int], quantized: list[int]) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -33,7 +33,8 @@ def test_padding_is_not_written_and_every_stored_token_has_its_slot():
     assert plan.write_tokens.tolist() == [0, 1, 2, 3, 4, 5, 8, 9, 10, 11]  # row 1's tokens 6, 7 are padding
     mapping = plan.tensor("slot_mapping", CPU)
     assert mapping[6:8].tolist() == [-1, -1]
-    stored = torch.cat([tables.slots(0, 0, 6), tables.slots(1, 0, 4)])
+    row_slots = [row.blocks.slots(0, count, tables.block_size) for row, count in zip(tables.rows, (6, 4))]
+    stored = torch.cat(row_slots)
     assert torch.equal(mapping[mapping >= 0], stored) and torch.equal(plan.tensor("write_slots", CPU), stored)
     assert plan.tensor("query_lens", CPU).tolist() == [6, 4]
     assert plan.tensor("seq_lens", CPU).tolist() == [6, 4]  # a full-precision group: no quantized prefix
@@ -47,7 +48,8 @@ def test_block_tables_are_null_padded_and_the_gather_maps_unstored_positions_to_
     assert table.dtype == torch.int32 and table.tolist() == [tables.tables[0], tables.tables[1] + [NULL_BLOCK]]
     slots = plan.gather_slots()
     assert slots[1, :2].tolist() == [NULL_BLOCK * BS] * 2  # the padding
-    assert torch.equal(slots[1, 2:], tables.slots(1, 0, 4)) and torch.equal(slots[0], tables.slots(0, 0, 6))
+    row_slots = [row.blocks.slots(0, count, tables.block_size) for row, count in zip(tables.rows, (6, 4))]
+    assert torch.equal(slots[1, 2:], row_slots[1]) and torch.equal(slots[0], row_slots[0])
 
 
 def test_block_read_masks_each_slot_by_its_logical_position():

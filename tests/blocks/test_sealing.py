@@ -54,7 +54,7 @@ def test_demands_name_both_pools_and_the_quantized_one_as_such():
     tables.planner.apply_step(9, [0], _no_copy, _seals([]))
     (fp, fp_needed, _, fp_name), (quantized, needed, _, name) = tables.planner.demands(1, [0], {})
     assert (fp, fp_name) == (tables.pool, "full/int8") and (quantized, name) == (tables.qpool, "full/int8 (quantized)")
-    assert tables.quantized_pool is tables.qpool
+    assert tables.pools()[1] is tables.qpool
 
 
 def test_a_crop_into_the_sealed_prefix_works_at_a_block_boundary_and_raises_elsewhere():

@@ -55,7 +55,7 @@ def test_slots_are_each_tokens_block_and_offset(ids, data):
     first = data.draw(st.integers(0, len(ids) * bs))
     count = data.draw(st.integers(0, len(ids) * bs - first))
     expected = [ids[token // bs] * bs + token % bs for token in range(first, first + count)]
-    slots = tables.slots(0, first, count)
+    slots = tables.rows[0].blocks.slots(first, count, tables.block_size)
     assert slots.dtype == torch.long and slots.tolist() == expected
 
 

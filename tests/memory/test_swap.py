@@ -33,7 +33,7 @@ def _scribble(cache: PagedCache) -> None:
         for layer in cache.group_layers(name):
             quantized = quantized_fields(layer)
             for pool, tensors in ((group.pool, [layer.key_blocks, layer.value_blocks]),
-                                  (group.quantized_pool, quantized)):  # fmt: skip
+                                  (group.pools()[1], quantized)):  # fmt: skip
                 free = [block for block in range(1, pool.num_blocks + 1) if pool.is_free(block)] if pool else []
                 for tensor in tensors:
                     tensor[free] = (torch.rand_like(tensor[free].float()) * 7).to(tensor.dtype)
@@ -52,7 +52,7 @@ def test_swap_out_and_in_is_bit_exact_and_keeps_shared_blocks(name, options):
     child, twin = parent.fork(), parent.fork()  # child is swapped; twin is the same state never swapped
     for cache in (child, twin):
         _feed(model, cache, tokens[18:21])
-    pools = [p for g in parent.groups.values() for p in (g.pool, g.quantized_pool) if p is not None]
+    pools = [p for g in parent.groups.values() for p in (g.pool, g.pools()[1]) if p is not None]
     used = [pool.num_used for pool in pools]
     before, parent_before = stored_blocks(child), stored_blocks(parent)
     space = SwapSpace(parent)
