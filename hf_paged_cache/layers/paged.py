@@ -218,15 +218,15 @@ class PagedLayer(CacheLayerMixin):
         """Write the new tokens of the one-row `plans` (caches sharing this layer's storage, each `writes_plain_row`),
         side by side in `key_states` / `value_states` `[1, kv_heads, tokens, d]` in the plans' order, with one copy
         per storage tensor (of the tokens each plan stores, `StepPlan.write_tokens`). `memo` keeps the joined slots for
-        the other layers of the group in the same forward."""
+        the other layers of the group in the same forward (kept with the plans they join, which a later layer checks)."""
         self.fit_pool()
-        key = ("write_rows", tuple(map(id, plans)), self.device)
-        if key not in memo:
+        key = ("write_rows", self.tables.name, self.device)
+        joined = memo.get(key)
+        if joined is None or len(joined[0]) != len(plans) or any(a is not b for a, b in zip(joined[0], plans)):
             slots = torch.cat([plan.tensor("write_slots", self.device) for plan in plans])
             every = all(plan.write_tokens is None for plan in plans)
-            memo[key] = slots, None if every else _stored_tokens(plans, self.device)
-        slots, tokens = memo[key]
-        self._store(slots, key_states, value_states, tokens)
+            joined = memo[key] = list(plans), slots, None if every else _stored_tokens(plans, self.device)
+        self._store(joined[1], key_states, value_states, joined[2])
 
     # ------------------------------------------------------------------ reading
     def cpu_kernel_reads(self, dtype: torch.dtype) -> bool:
