@@ -26,6 +26,7 @@ class SealedBlocks(BlockStore):
         super().__init__()
         self.kv_format = kv_format
         self._formats = (kv_format.key, kv_format.value)
+        self._split: tuple[dict | None, dict] = (None, {})  # (the tensors `fields` split, by side)
 
     def allocate(self, pool: BlockPool, block_size: int, kv_heads: int, dims: tuple[int, int],
                  device: torch.device) -> None:  # fmt: skip
@@ -43,9 +44,15 @@ class SealedBlocks(BlockStore):
         return tensors
 
     def fields(self, side: str) -> dict[str, torch.Tensor]:
-        """One side's format fields (`"qkey"` or `"qvalue"`), by field name."""
-        prefix = f"{side}."
-        return {name[len(prefix) :]: tensor for name, tensor in self.tensors.items() if name.startswith(prefix)}
+        """One side's format fields (`"qkey"` or `"qvalue"`), by field name (split once per set of tensors: every
+        read asks)."""
+        if self._split[0] is not self.tensors:
+            split: dict[str, dict[str, torch.Tensor]] = {prefix: {} for prefix in SIDES}
+            for name, tensor in self.tensors.items():
+                prefix, field = name.split(".", 1)
+                split[prefix][field] = tensor
+            self._split = (self.tensors, split)
+        return self._split[1][side]
 
     @torch.no_grad()
     def seal(self, key_blocks: torch.Tensor, value_blocks: torch.Tensor, src: torch.Tensor, targets: list[int],
