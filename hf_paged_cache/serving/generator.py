@@ -73,8 +73,9 @@ class BatchGenerator:
                                                                 self.config.max_num_seqs))  # fmt: skip
         check_packable(self.template)
         self.sliding = layer_sliding(self.template)
-        self.per_request = PerRequestLayers.of(model, self.template)  # recurrent layers: one call per request
-        self.states = StatePool.of(model, self.template, self.config.max_num_seqs)  # their state: a slot per request
+        self.states = StatePool.of(model, self.template, self.config.max_num_seqs)  # recurrent state: a slot per request
+        gather = self.states.gathered if self.states.batches_steps else None  # their single-token steps as one batch
+        self.per_request = PerRequestLayers.of(model, self.template, gather)  # recurrent layers: by request
         self.compiled = CompiledModules(model, len(self.template.layers)) if self.config.compile else None
         self.onednn = (OneDnnLinears(model, self.config.prepack_weights, self.config.max_batch_tokens)
                        if self.config.onednn else None)  # fmt: skip

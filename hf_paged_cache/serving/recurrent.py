@@ -2,17 +2,20 @@
 
 A packed forward concatenates many requests into one row. Attention layers split it by request in
 `PackedCache.update`, but a recurrent or convolutional layer would carry its state across the requests'
-boundaries. So each decoder layer whose type says `per_request` runs once per request: on that request's slice
-of the hidden states and positions, with that request's own `PagedCache` (which holds the layer's state,
-empty before its first chunk), and the outputs are concatenated back in order.
+boundaries. So each decoder layer whose type says `per_request` runs by request: the requests that take one token
+and continue their state (the decode steps) as one batch of single-token sequences, over their states gathered from
+the state pool (`StatePool.gathered`: one index per state tensor each way, written back after the forward); every
+other request (a prompt chunk) alone, on its slice of the hidden states and positions, with its own `PagedCache`
+(which holds the layer's state, empty before its first chunk). The outputs go back to the requests' tokens.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
-from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from ..cache import PagedCache
 from ..errors import UnsupportedModelError
@@ -29,14 +32,19 @@ class PerRequestLayers:
     """The decoder layers of `model` that a packed forward runs once per request (`indices`, from the cache's
     layer types); `split(caches, spans)` makes them so for the forward it encloses."""
 
-    def __init__(self, model: torch.nn.Module, indices: list[int], num_layers: int):
+    def __init__(self, model: torch.nn.Module, indices: list[int], num_layers: int,
+                 gather: Gather | None = None):  # fmt: skip
         modules = decoder_layers(model, num_layers)
         # Once each, should a model reuse one module at several indices: the wrapper reads the cache it is given.
         self.layers = list({id(modules[index]): modules[index] for index in indices}.values())
+        self.indices = indices
+        self.gather = gather
 
     @classmethod
-    def of(cls, model: torch.nn.Module, template: PagedCache) -> PerRequestLayers | None:
-        """The per-request layers of a model served with caches like `template`; None when it has none."""
+    def of(cls, model: torch.nn.Module, template: PagedCache, gather: Gather | None = None) -> PerRequestLayers | None:
+        """The per-request layers of a model served with caches like `template`; None when it has none. `gather`
+        (a state pool's): the states of several caches as one batch, for their single-token steps (None: every
+        request runs alone)."""
         indices = per_request_indices(template)
         if not indices:
             return None
@@ -46,15 +54,54 @@ class PerRequestLayers:
                 f"The batch generator cannot serve {template.model_config.model_type}: {why}, so prompts computed in "
                 "chunks would differ; use `model.generate` with a `PagedCache` for this model"
             )
-        return cls(model, indices, len(template.layers))
+        return cls(model, indices, len(template.layers), gather)
 
     def split(self, caches: list[PagedCache], spans: list[tuple[int, int]]) -> AbstractContextManager[None]:
-        """Within the block, the layers run per request (`caches[i]` takes tokens `spans[i]`)."""
-        return swapped_forwards(self.layers, [_per_request(module, module.forward, caches, spans)
-                                              for module in self.layers])  # fmt: skip
+        """Within the block, the layers run by request (`caches[i]` takes tokens `spans[i]`): the single-token steps
+        of caches that continue their state as one batch, the rest one request at a time."""
+        stepping = [index for index, (start, stop) in enumerate(spans)
+                    if stop - start == 1 and self._continues(caches[index])] if self.gather is not None else []  # fmt: skip
+        if len(stepping) < 2:
+            stepping = []
+        return self._run(caches, spans, stepping)
+
+    @contextmanager
+    def _run(self, caches: list[PagedCache], spans: list[tuple[int, int]], stepping: list[int]) -> Iterator[None]:
+        batch = self.gather([caches[index] for index in stepping]) if stepping else None
+        step = _Step(spans, stepping, batch)
+        with swapped_forwards(self.layers, [_per_request(module, module.forward, caches, step)
+                                            for module in self.layers]):  # fmt: skip
+            yield
+        if batch is not None:  # a failed forward leaves the slots as they were before it
+            batch.scatter()
+
+    def _continues(self, cache: PagedCache) -> bool:
+        """Whether `cache`'s per-request layers all hold a previous state (its next token is a single-token step)."""
+        return all(all(cache.layers[index].has_previous_state.values()) for index in self.indices)
 
 
-def _per_request(module: torch.nn.Module, forward, caches: list[PagedCache], spans: list[tuple[int, int]]):
+Gather = Callable[[list[PagedCache]], Cache]  # the states of several caches as one batch (`StatePool.gathered`)
+
+
+class _Step:
+    """How one packed forward's tokens go through a per-request layer: the requests' spans, which of them step as
+    one batch (`stepping`: one token each, at `index`) over `batch`, their gathered states."""
+
+    def __init__(self, spans: list[tuple[int, int]], stepping: list[int], batch: Cache | None):
+        self.spans, self.batch = spans, batch
+        batched = set(stepping)
+        self.alone = [index for index in range(len(spans)) if index not in batched]
+        self.starts = [spans[index][0] for index in stepping]
+        self._index: dict[torch.device, torch.Tensor] = {}
+
+    def index(self, device: torch.device) -> torch.Tensor:
+        """The stepping requests' tokens in the packed row."""
+        if device not in self._index:
+            self._index[device] = torch.tensor(self.starts, device=device)
+        return self._index[device]
+
+
+def _per_request(module: torch.nn.Module, forward, caches: list[PagedCache], step: _Step):
     def run(hidden_states: torch.Tensor, *args, **kwargs):
         names = [name for name in CACHE_KWARGS if name in kwargs]
         if args or len(names) != 1:
@@ -63,20 +110,49 @@ def _per_request(module: torch.nn.Module, forward, caches: list[PagedCache], spa
                 "`cache=` keyword, so the batch generator cannot run it per request: use `model.generate` with a "
                 "`PagedCache` for this model"
             )
-        outs = []
-        for cache, (start, stop) in zip(caches, spans):
+        parts = []  # (where the part's tokens go in the packed row, its output [1, tokens, d])
+        if step.batch is not None:
+            index = step.index(hidden_states.device)
+            own = {key: _batch_slice(key, value, index) for key, value in kwargs.items()}
+            own[names[0]] = step.batch
+            parts.append((index, forward(hidden_states[:, index].transpose(0, 1), **own)))
+        for request in step.alone:
+            start, stop = step.spans[request]
             own = {key: _request_slice(key, value, start, stop) for key, value in kwargs.items()}
-            own[names[0]] = cache
-            outs.append(forward(hidden_states[:, start:stop], **own))
-        if not isinstance(outs[0], tuple):
-            return torch.cat(outs, dim=1)
-        if len(outs[0]) != 1:
-            raise UnsupportedModelError(f"{type(module).__name__} returns more than its hidden states, which the "
-                                        "batch generator cannot join across requests: use `model.generate` with a "
-                                        "`PagedCache`")  # fmt: skip
-        return (torch.cat([out[0] for out in outs], dim=1),)  # some models' layers return a one-tuple
+            own[names[0]] = caches[request]
+            parts.append((slice(start, stop), forward(hidden_states[:, start:stop], **own)))
+        tupled = isinstance(parts[0][1], tuple)  # some models' layers return a one-tuple
+        outs = [_hidden(module, out) for _where, out in parts]
+        if step.batch is None:
+            joined = torch.cat(outs, dim=1)
+        else:
+            outs[0] = outs[0].transpose(0, 1)  # the batch's [sequences, 1, d] as its tokens of the packed row
+            joined = outs[0].new_empty(1, hidden_states.shape[1], outs[0].shape[-1])
+            for (where, _out), out in zip(parts, outs):
+                joined[:, where] = out
+        return (joined,) if tupled else joined
 
     return run
+
+
+def _hidden(module: torch.nn.Module, out) -> torch.Tensor:
+    """A decoder layer's hidden states out of what it returned (a tensor, or a one-tuple)."""
+    if not isinstance(out, tuple):
+        return out
+    if len(out) != 1:
+        raise UnsupportedModelError(f"{type(module).__name__} returns more than its hidden states, which the batch "
+                                    "generator cannot join across requests: use `model.generate` with a `PagedCache`")
+    return out[0]
+
+
+def _batch_slice(key: str, value, index: torch.Tensor):
+    """What a batch of single-token steps (the tokens at `index` of the packed row, one sequence each) gets of a
+    decoder layer's keyword argument `key` of the packed call: as `_request_slice`, the sequences along the batch."""
+    if key == "position_ids" and value is not None:
+        return value[..., index.to(value.device)].transpose(-2, -1)  # [..., 1, n] -> [..., n, 1]
+    if key == "position_embeddings" and value is not None:
+        return tuple(part[..., index.to(part.device), :].transpose(-3, -2) for part in value)
+    return _request_slice(key, value, 0, 0)
 
 
 def _request_slice(key: str, value, start: int, stop: int):

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 
 import torch
-from transformers.cache_utils import LinearAttentionCacheLayerMixin
+from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from ..cache import PagedCache
 from ..sequence_state import SequenceState, StateTensor, layer_states, sequence_state
@@ -124,6 +124,21 @@ class StatePool:
         self._holders[cache] = slot
         return slot
 
+    # ------------------------------------------------------------------ batches
+    def gathered(self, caches: list[PagedCache]) -> GatheredStates:
+        """The states of `caches` (each holding a slot, each past its first chunk) as one batch: copied out of their
+        slots by one index per state tensor, into a transformers `Cache` that a recurrent layer steps as a batch of
+        `len(caches)` sequences; `GatheredStates.scatter()` writes them back."""
+        slots = [self._holders[cache] for cache in caches]
+        return GatheredStates(self.storage, slots, max(tensor.layer for tensor in self.state.tensors) + 1)
+
+    @property
+    def batches_steps(self) -> bool:
+        """Whether single-token steps of the per-request layers can run as one batch over gathered states: the
+        layers hold state tensors and nothing else (a layer that also keeps its own K/V, as Falcon-H1's attention
+        beside its Mamba mixer does, runs per request)."""
+        return bool(self.state.tensors) and self.state.kv_bytes_per_token == 0
+
     # ------------------------------------------------------------------ helpers
     def _check_free(self, cache: PagedCache) -> None:
         if cache in self._holders:
@@ -150,3 +165,25 @@ def _point(layer: LinearAttentionCacheLayerMixin, tensor: StateTensor, states: d
         layer.conv_kernel_size[tensor.index] = tensor.shape[-1]
     if layer.device is None:
         layer.dtype, layer.device = view.dtype, view.device
+
+
+class GatheredStates(Cache):
+    """Several sequences' recurrent / conv states as one batch, for one packed forward's single-token steps: each
+    recurrent layer reads and updates them in place through transformers' own linear-attention layer (its state
+    getters and updates), and `scatter()` copies them back to the sequences' slots."""
+
+    def __init__(self, storage: dict[StateTensor, torch.Tensor], slots: list[int], num_layers: int):
+        super().__init__(layers=[LinearAttentionLayer() for _ in range(num_layers)])
+        self.storage = storage
+        self.indices: dict[torch.device, torch.Tensor] = {}
+        for tensor, pool in storage.items():
+            index = self.indices.setdefault(pool.device, torch.tensor(slots, device=pool.device))
+            layer = self.layers[tensor.layer]
+            _point(layer, tensor, layer_states(layer)[tensor.kind], pool.index_select(0, index))
+            layer.has_previous_state[tensor.index] = True
+
+    def scatter(self) -> None:
+        """Write the batch's states back to the sequences' slots."""
+        for tensor, pool in self.storage.items():
+            state = layer_states(self.layers[tensor.layer])[tensor.kind][tensor.index]
+            pool.index_copy_(0, self.indices[pool.device], state)

@@ -1,6 +1,6 @@
 """The batch generator on hybrid models (linear attention, convolutions, Mamba): packed forwards run their recurrent
-layers once per request, each request's state in a slot of the state pool, so every request produces what it would
-alone with DynamicCache."""
+layers by request (decode steps as one batch over gathered states, prompt chunks alone), each request's state in a
+slot of the state pool, so every request produces what it would alone with DynamicCache."""
 
 from __future__ import annotations
 
@@ -180,3 +180,28 @@ def test_a_forward_that_fails_in_a_recurrent_layer_is_rolled_back_and_changes_no
         assert [o.generated_tokens for o in outputs] == expected and all(o.error is None for o in outputs)
     finally:
         del layer.forward
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2", "nemotron_h"])
+def test_decode_steps_go_through_each_recurrent_layer_as_one_batch(name):
+    """A step's single-token steps of every request that continues its state run a recurrent mixer once, as a batch
+    of sequences over their gathered states (written back to their slots); prompt chunks run alone; outputs as
+    alone."""
+    model = hybrid(name)
+    mixers = [module for module in model.modules() if type(module).__name__.endswith(("ShortConv", "GatedDeltaNet",
+                                                                                       "Mamba2Mixer"))]  # fmt: skip
+    calls = []
+    hooks = [mixer.register_forward_pre_hook(lambda _m, args, kwargs: calls.append(
+        (kwargs.get("hidden_states", args[0] if args else None)).shape[:2]), with_kwargs=True) for mixer in mixers]
+    try:
+        prompts = random_prompts((5, 17, 9, 12), seed=2)
+        outputs = generate_batch(model, prompts, max_new_tokens=NEW, block_size=4, max_batch_tokens=64)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert [output.generated_tokens for output in outputs] == reference(name, prompts)
+    batched = [shape for shape in calls if shape[0] > 1]
+    assert mixers and batched and all(shape[1] == 1 for shape in batched)
+    # Every decode step of the four requests is one call per mixer: no single-token call of one sequence is left
+    # once all four run (prompts are computed whole in the first step, with max_batch_tokens 64).
+    assert len(batched) == (NEW - 1) * len(mixers) and not [shape for shape in calls if tuple(shape) == (1, 1)]

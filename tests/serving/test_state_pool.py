@@ -63,6 +63,24 @@ class StatePoolMachine(RuleBasedStateMachine):
             layer_states(self.caches[i].layers[0])[tensor.kind][tensor.index].fill_(value)
         self.values[i] = value
 
+    @rule(add=st.floats(1, 9), scatter=st.booleans())
+    def step_as_a_batch(self, add, scatter):
+        """The caches holding slots step as one batch: their states gathered, each row moved on in place through the
+        batch's cache (as a recurrent layer does), written back only by `scatter` (a failed forward never does)."""
+        held = [i for i, where in enumerate(self.where) if where == "slot"]
+        if not held:
+            return
+        batch = self.pool.gathered([self.caches[i] for i in held])
+        states = (batch.get_conv_state(0), batch.get_recurrent_state(0))
+        for row, i in enumerate(held):
+            assert all(torch.all(state[row] == self.values[i]) for state in states)  # gathered from its own slot
+        batch.update_recurrent_state(states[1] + add, 0)
+        states[0].add_(add)
+        if scatter:
+            batch.scatter()
+            for i in held:
+                self.values[i] += add
+
     @rule(i=st.integers(0, 4))
     def swap_out(self, i):
         if self.where[i] != "slot":
