@@ -517,3 +517,10 @@ def test_swap_quality_tiny(tmp_path):
     rows = {row["copies"]: row for row in json.loads(out.with_suffix(".json").read_text())["rows"]}
     assert abs(rows["none"]["delta_pct"]) < 1e-3 and rows["none"]["host_bytes_vs_exact"] == 1.0
     assert rows["int4"]["host_bytes_vs_exact"] < rows["fp8"]["host_bytes_vs_exact"] < 0.3
+
+
+def test_ab_timing_prints_times_and_a_digest_of_the_tokens():
+    runs = [json.loads(_run("ab_timing.py", "--prompts", "2", "--runs", "2", *quant).stdout.strip().splitlines()[-1])
+            for quant in ((), ("--quant", "int4"))]
+    for run in runs:
+        assert len(run["times"]) == 2 and all(t > 0 for t in run["times"]) and len(run["digest"]) == 12
