@@ -40,7 +40,7 @@ from .batch_config import BatchConfig, pools_up_front, split_options
 from .metrics import BatchMetrics, ServingCounters
 from .runner import check_packable, layer_sliding, packed_logits
 from .prefix_cache import PrefixCache
-from .recurrent import PerRequestLayers
+from .recurrent import PerRequestLayers, restarts_state
 from .request_scheduler import Batch, RequestScheduler
 from .requests import GenerationOutput, Request
 from .state_pool import StatePool
@@ -87,7 +87,7 @@ class BatchGenerator:
         self.swap = self.config.make_preemption().swap_space(self.template, model.device)
         self.counters = ServingCounters()
         self.requests = RequestScheduler(self.config, self.template, self.states, self.swap, self.prefix_cache,
-                                         self.counters, self._finish)  # fmt: skip
+                                         self.counters, self._finish, restarts_state(self.template))  # fmt: skip
         model.set_attn_implementation(ATTENTION_NAME)
         if model.config._attn_implementation != ATTENTION_NAME:  # set_attn_implementation ignored: nothing changed
             raise UnsupportedAttentionError(

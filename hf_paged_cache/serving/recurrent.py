@@ -22,10 +22,9 @@ from ..errors import UnsupportedModelError
 from ..forwards import decoder_layers, swapped_forwards
 
 CACHE_KWARGS = ("cache", "past_key_values")  # the name transformers passes a decoder layer its cache by
-# Models whose recurrent layers drop their state at a chunk of several tokens (only the one-token step continues
-# it), so a prompt computed in chunks would silently differ.
-RESTARTS_STATE = dict.fromkeys(("jamba", "mamba", "falcon_mamba", "zamba"),
-                               "its Mamba mixer's multi-token path starts from an empty state")  # fmt: skip
+# Models whose recurrent layers (Mamba-1 mixers) drop their state at a chunk of several tokens (only the one-token
+# step continues it), so a prompt computed in chunks would silently differ: the generator computes their prompts whole.
+RESTARTS_STATE = frozenset(("jamba", "mamba", "falcon_mamba", "zamba"))
 
 
 class PerRequestLayers:
@@ -48,12 +47,6 @@ class PerRequestLayers:
         indices = per_request_indices(template)
         if not indices:
             return None
-        why = RESTARTS_STATE.get(template.model_config.model_type)
-        if why is not None:
-            raise ValueError(
-                f"The batch generator cannot serve {template.model_config.model_type}: {why}, so prompts computed in "
-                "chunks would differ; use `model.generate` with a `PagedCache` for this model"
-            )
         return cls(model, indices, len(template.layers), gather)
 
     def split(self, caches: list[PagedCache], spans: list[tuple[int, int]]) -> AbstractContextManager[None]:
@@ -171,6 +164,12 @@ def _request_slice(key: str, value, start: int, stop: int):
             "split by request: use `model.generate` with a `PagedCache` for this model"
         )
     return value
+
+
+def restarts_state(cache: PagedCache) -> bool:
+    """Whether the recurrent layers of `cache`'s model start from an empty state at every multi-token chunk, so a
+    prompt must be computed in one step (`RESTARTS_STATE`)."""
+    return cache.model_config.model_type in RESTARTS_STATE and bool(per_request_indices(cache))
 
 
 def per_request_indices(cache: PagedCache) -> list[int]:

@@ -33,7 +33,8 @@ class RequestScheduler:
     """The queues of one generator and the decisions that move requests between them."""
 
     def __init__(self, config: BatchConfig, template: PagedCache, states: StatePool, swap: SwapSpace,
-                 prefix_cache: PrefixCache | None, counters: ServingCounters, finish: Finish):  # fmt: skip
+                 prefix_cache: PrefixCache | None, counters: ServingCounters, finish: Finish,
+                 whole_prompts: bool = False):  # fmt: skip
         self.order = config.make_scheduler()
         self.victims = config.make_victims()
         self.preemption = config.make_preemption()
@@ -47,6 +48,8 @@ class RequestScheduler:
         self.swapped: deque[Request] = deque()  # preempted to host memory, oldest first
         self.waited = 0  # running requests that waited for blocks at the latest step
         self.step = 0  # the step being scheduled (the victim policies' clock)
+        # The model's recurrent layers restart their state at a multi-token chunk: a prompt is computed whole.
+        self.whole_prompts = whole_prompts
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -103,11 +106,11 @@ class RequestScheduler:
         budget, batch, taken = self.max_batch_tokens, [], {}
         self.waited = 0
         queue = deque(self.order.order(list(self.running), self._priority))
-        while queue:
+        while queue and budget > 0:
             request = queue.popleft()
-            q = min(request.pending, budget)
-            if q == 0:
-                break
+            q = self._chunk(request, budget, alone=not batch)
+            if q == 0:  # a prompt computed whole that does not fit the rest of the budget: at a later step
+                continue
             q = self._make_room(request, q, queue, taken, scheduled=bool(batch))
             if q == 0:
                 self.waited += 1
@@ -128,7 +131,9 @@ class RequestScheduler:
                 self._drop_waiting_cache()  # it attaches again once the running request's blocks are cached
                 deferred.append(self.waiting.popleft())  # the requests behind it are admitted meanwhile
                 continue
-            q = min(request.pending, budget)
+            q = self._chunk(request, budget, alone=not batch and not self.running)
+            if q == 0:
+                break
             demand = request.memory.step_demand(q)
             idle = not self.running
             if not (self.room.below_threshold(demand, idle) and self.room.fits(demand, taken, len(self.running))):
@@ -149,6 +154,14 @@ class RequestScheduler:
         self.waiting.extendleft(reversed(deferred))
         return batch, taken
 
+    def _chunk(self, request: Request, budget: int, alone: bool) -> int:
+        """Tokens `request` computes this step within `budget` tokens. Where a prompt is computed whole
+        (`whole_prompts`), its first step takes all of it or nothing (beyond the budget when it runs alone)."""
+        q = min(request.pending, budget)
+        if self.whole_prompts and request.fed == 0 and q < request.pending:
+            return request.pending if alone else 0
+        return q
+
     def _admit(self, request: Request) -> None:
         request.admitted = True
         request.output.prefix_hit_tokens = request.fed
@@ -166,8 +179,9 @@ class RequestScheduler:
         while not self.room.fits(demand, taken, headroom=0):
             if queue:
                 self._preempt(queue.pop())
-            elif scheduled:
-                return self.room.largest_chunk(request.cache, q - 1, taken)
+            elif scheduled:  # a smaller chunk, where prompts may be cut
+                whole = self.whole_prompts and request.fed == 0
+                return 0 if whole else self.room.largest_chunk(request.cache, q - 1, taken)
             elif self._drop_waiting_cache():  # a queued request's prefix hit held blocks; it attaches again later
                 continue
             else:

@@ -14,6 +14,7 @@ from batch_workloads import NEW, PRESSURE, alone, failing, random_prompts
 from transformers import DynamicCache
 
 from hf_paged_cache.accounting import blocks_in_budget
+from hf_paged_cache.errors import UnsupportedModelError
 from hf_paged_cache.sequence_state import layer_states, sequence_state
 from hf_paged_cache.serving.generator import BatchGenerator, generate_batch
 from hf_paged_cache.serving.prefix_cache import PrefixCache
@@ -36,7 +37,9 @@ def hybrid(name: str):
 
 
 def reference(name: str, prompts) -> list[list[int]]:
-    return [alone(hybrid(name), prompt, DynamicCache(config=hybrid(name).config), "sdpa") for prompt in prompts]
+    model = hybrid(name)
+    attention = "sdpa" if model._supports_sdpa else "eager"  # a model without attention (Mamba) has no SDPA
+    return [alone(model, prompt, DynamicCache(config=model.config), attention) for prompt in prompts]
 
 
 def slot_checked(generator: BatchGenerator) -> BatchGenerator:
@@ -136,13 +139,34 @@ def test_prefix_caching_gives_no_hits_for_hybrid_models(name):
     assert all(output.prefix_hit_tokens == 0 for output in generator.run())
 
 
-@pytest.mark.parametrize("model_type, match", [
-    ("jamba", "cannot serve jamba: its Mamba mixer's multi-token path starts from an empty state"),
-    ("deepseek_v32", r"Layer 0 is not stored in blocks \(DynamicIndexedLayer"),  # attention, not a recurrence
-])  # fmt: skip
-def test_layers_a_per_request_call_would_not_serve_exactly_are_refused_at_construction(model_type, match):
-    with pytest.raises(ValueError, match=match):
-        BatchGenerator(zoo.build(model_type)[0], max_new_tokens=2)
+@pytest.mark.parametrize("name", ["jamba", "mamba", "falcon_mamba"])
+def test_mamba1_models_compute_each_prompt_whole_and_equal_each_prompt_alone(name):
+    """Their mixers start from an empty state at every multi-token chunk, so a prompt is computed in one step: beyond
+    `max_batch_tokens` when it runs alone, else at a step whose budget holds it; the decode steps continue it."""
+    model = hybrid(name)
+    prompts = random_prompts((5, 17, 9, 30, 3, 12), seed=5)
+    generator = BatchGenerator(model, max_new_tokens=NEW, block_size=4, max_batch_tokens=8, max_num_seqs=3)
+    chunks = []
+    generator.before_forward.append(lambda batch: chunks.extend(
+        (request.fed, q, len(request.tokens)) for request, q in batch))
+    for prompt in prompts:
+        generator.add_request(prompt)
+    outputs = generator.run()
+    assert [output.generated_tokens for output in outputs] == reference(name, prompts)
+    assert all(q == tokens for fed, q, tokens in chunks if fed == 0)  # every first step takes the whole prompt
+    assert any(q > 8 for _fed, q, _tokens in chunks)  # beyond the budget, alone
+
+
+def test_layers_a_per_request_call_would_not_serve_exactly_are_refused_at_construction():
+    with pytest.raises(ValueError, match=r"Layer 0 is not stored in blocks \(DynamicIndexedLayer"):
+        BatchGenerator(zoo.build("deepseek_v32")[0], max_new_tokens=2)  # attention, not a recurrence
+
+
+@pytest.mark.parametrize("name", ["zamba", "zamba2"])
+def test_layers_called_with_positional_arguments_are_refused_at_the_first_forward(name):
+    """Zamba's hybrid layers hand their mixer's inputs positionally: no call per request can be made of them."""
+    with pytest.raises(UnsupportedModelError, match="called with positional arguments"):
+        generate_batch(hybrid(name), random_prompts((5, 7), seed=6), max_new_tokens=2, block_size=4)
 
 
 def test_a_memory_budget_for_a_model_with_nothing_in_blocks_is_refused_clearly():

@@ -78,8 +78,8 @@ class StatePoolMachine(RuleBasedStateMachine):
         states[0].add_(add)
         if scatter:
             batch.scatter()
-            for i in held:
-                self.values[i] += add
+            for i in held:  # as the float32 state holds it
+                self.values[i] = torch.tensor(self.values[i], dtype=torch.float32).add(add).item()
 
     @rule(i=st.integers(0, 4))
     def swap_out(self, i):
