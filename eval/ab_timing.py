@@ -1,4 +1,4 @@
-"""One process of a before / after timing pair: `generate_batch` on the mixed workload, timed (issue 60).
+"""One process of a before / after timing pair: `generate_batch` on the mixed workload, timed (issues 60, 61).
 
 Run it alternately from two checkouts (e.g. a git worktree of the code before, with its own venv) with nothing else
 running; it prints one JSON line: each run's seconds and a digest of the generated tokens (equal digests: equal
@@ -8,6 +8,8 @@ shuffled), 24 new tokens each, greedy, 2 threads, after a warm-up on two prompts
     python eval/ab_timing.py --model smollm2 --runs 3
     python eval/ab_timing.py --model smollm2 --quant int4 --runs 3
     python eval/ab_timing.py --model gemma3-random --runs 3   # Gemma-3-shaped, ~100M parameters, seed 0
+    python eval/ab_timing.py --model lfm2-random --runs 3     # LFM2-shaped (conv 2 : 1 attention), 66M, seed 0
+    python eval/ab_timing.py --model lfm2-random --system padded --runs 1   # padded batches of 8, DynamicCache
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serving  # noqa: E402
 from common import DEFAULT_TEXT  # noqa: E402
 
 from hf_paged_cache import generate_batch  # noqa: E402
@@ -43,17 +46,33 @@ def gemma3_random() -> torch.nn.Module:
     return model
 
 
+def lfm2_random() -> torch.nn.Module:
+    """An LFM2-shaped model (short convolutions in 2 of every 3 layers, full attention in the 3rd; 12 layers, width
+    512), random weights of seed 0, SmolLM2's vocabulary: 66M parameters."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Lfm2Config(vocab_size=49152, hidden_size=512, intermediate_size=2048, num_hidden_layers=12,
+                        num_attention_heads=8, num_key_value_heads=8, layer_types=["conv", "conv", "full_attention"] * 4,
+                        max_position_embeddings=4096, pad_token_id=0, eos_token_id=None, bos_token_id=None)  # fmt: skip
+    model = Lfm2ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["smollm2", "gemma3-random"], default="smollm2")
+    parser.add_argument("--model", choices=["smollm2", "gemma3-random", "lfm2-random"], default="smollm2")
+    parser.add_argument("--system", choices=["generate_batch", "padded"], default="generate_batch",
+                        help="what is timed: ours, or padded batches of 8 with DynamicCache (eval/serving.py's)")
     parser.add_argument("--quant", help="a `quant` spec for the cache (with residual_length=0)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=24, help="the first N of the 24 prompts (a smoke test)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     model, tokenizer = load_smollm2()
-    if args.model == "gemma3-random":
-        model = gemma3_random()
+    if args.model != "smollm2":
+        model = {"gemma3-random": gemma3_random, "lfm2-random": lfm2_random}[args.model]()
     tokens = tokenizer(DEFAULT_TEXT.read_text())["input_ids"]
     count, low, high = 24, 100, 800
     lengths = [round(low + i * (high - low) / (count - 1)) for i in range(count)]
@@ -62,11 +81,20 @@ def main() -> None:
     options = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
     if args.quant:
         options.update(quant=args.quant, residual_length=0)
-    generate_batch(model, prompts[:2], **options)
+    if args.quant and args.system == "padded":
+        parser.error("--quant applies to generate_batch only")
+    if args.system == "padded":
+        def run(texts):
+            return serving.padded_batches(model, texts, options["max_new_tokens"])
+    else:
+        def run(texts):
+            return [output.generated_tokens for output in generate_batch(model, texts, **options)]
+    run(prompts[:2])
     times, outputs = [], None
     for _ in range(args.runs):
         start = time.perf_counter()
-        outputs = [output.generated_tokens for output in generate_batch(model, prompts, **options)]
+        with torch.no_grad():
+            outputs = run(prompts)
         times.append(time.perf_counter() - start)
     print(json.dumps({"times": times, "digest": hashlib.sha1(str(outputs).encode()).hexdigest()[:12]}))
 

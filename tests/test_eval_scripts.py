@@ -520,7 +520,9 @@ def test_swap_quality_tiny(tmp_path):
 
 
 def test_ab_timing_prints_times_and_a_digest_of_the_tokens():
-    runs = [json.loads(_run("ab_timing.py", "--prompts", "2", "--runs", "2", *quant).stdout.strip().splitlines()[-1])
-            for quant in ((), ("--quant", "int4"))]
+    runs = [json.loads(_run("ab_timing.py", "--prompts", "2", "--runs", "2", *extra).stdout.strip().splitlines()[-1])
+            for extra in ((), ("--quant", "int4"), ("--model", "lfm2-random"), ("--model", "lfm2-random", "--system",
+                                                                                   "padded"))]  # fmt: skip
     for run in runs:
         assert len(run["times"]) == 2 and all(t > 0 for t in run["times"]) and len(run["digest"]) == 12
+    assert runs[2]["digest"] == runs[3]["digest"]  # the hybrid's tokens as padded batches give them
