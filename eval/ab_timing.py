@@ -1,15 +1,17 @@
-"""One process of a before / after timing pair: `generate_batch` on the mixed workload, timed (issues 60, 61).
+"""One process of a before / after timing pair: `generate_batch` on the mixed or shared workload, timed (issues 60, 61).
 
 Run it alternately from two checkouts (e.g. a git worktree of the code before, with its own venv) with nothing else
 running; it prints one JSON line: each run's seconds and a digest of the generated tokens (equal digests: equal
 tokens). The prompts are `eval/serving.py`'s mixed ones (24 prompts of 100–800 tokens cut from Pride and Prejudice,
-shuffled), 24 new tokens each, greedy, 2 threads, after a warm-up on two prompts.
+shuffled), or with `--workload shared` 16 prompts of the text's first 600 tokens and 30–80 of their own; 24 new
+tokens each, greedy, 2 threads, after a warm-up on two prompts (of the other workload: no prefix hits carried over).
 
     python eval/ab_timing.py --model smollm2 --runs 3
     python eval/ab_timing.py --model smollm2 --quant int4 --runs 3
     python eval/ab_timing.py --model gemma3-random --runs 3   # Gemma-3-shaped, ~100M parameters, seed 0
     python eval/ab_timing.py --model lfm2-random --runs 3     # LFM2-shaped (conv 2 : 1 attention), 66M, seed 0
     python eval/ab_timing.py --model lfm2-random --system padded --runs 1   # padded batches of 8, DynamicCache
+    python eval/ab_timing.py --model lfm2-random --workload shared --prefix-caching off   # hits off (on: default)
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ def main() -> None:
     parser.add_argument("--system", choices=["generate_batch", "padded"], default="generate_batch",
                         help="what is timed: ours, or padded batches of 8 with DynamicCache (eval/serving.py's)")
     parser.add_argument("--quant", help="a `quant` spec for the cache (with residual_length=0)")
+    parser.add_argument("--workload", choices=["mixed", "shared"], default="mixed")
+    parser.add_argument("--prefix-caching", choices=["on", "off"], default="on")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=24, help="the first N of the 24 prompts (a smoke test)")
     args = parser.parse_args()
@@ -77,19 +81,23 @@ def main() -> None:
     count, low, high = 24, 100, 800
     lengths = [round(low + i * (high - low) / (count - 1)) for i in range(count)]
     random.Random(0).shuffle(lengths)
-    prompts = [tokens[i * 997 : i * 997 + length] for i, length in enumerate(lengths)][: args.prompts]
-    options = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
+    mixed = [tokens[i * 997 : i * 997 + length] for i, length in enumerate(lengths)]
+    own = [30 + round(i * 50 / 15) for i in range(16)]
+    shared = [tokens[:600] + tokens[50_000 + i * 100 : 50_000 + i * 100 + n] for i, n in enumerate(own)]
+    prompts, warm_up = (mixed, shared) if args.workload == "mixed" else (shared, mixed)
+    prompts = prompts[: args.prompts]
+    options = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, prefix_caching=args.prefix_caching == "on")
     if args.quant:
         options.update(quant=args.quant, residual_length=0)
-    if args.quant and args.system == "padded":
-        parser.error("--quant applies to generate_batch only")
+    if (args.quant or args.prefix_caching == "off") and args.system == "padded":
+        parser.error("--quant and --prefix-caching apply to generate_batch only")
     if args.system == "padded":
         def run(texts):
             return serving.padded_batches(model, texts, options["max_new_tokens"])
     else:
         def run(texts):
             return [output.generated_tokens for output in generate_batch(model, texts, **options)]
-    run(prompts[:2])
+    run(warm_up[:2])
     times, outputs = [], None
     for _ in range(args.runs):
         start = time.perf_counter()

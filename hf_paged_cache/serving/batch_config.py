@@ -15,12 +15,13 @@ from dataclasses import dataclass
 
 from transformers import GenerationConfig, PreTrainedModel
 
-from ..config import PagedCacheConfig
+from ..config import PagedCacheConfig, parse_bytes
 from ..distributed import tensor_parallel_size
 from ..accounting import blocks_in_budget
 from ..sequence_state import sequence_state
 from ..memory.copy_stream import COPY_MODES
 from .preemption import Auto, LRUVictims, Preemption, Recompute, Swap, VictimPolicy, WeightedVictims, check_weights
+from .recurrent import RESTARTS_STATE
 from .scheduler import FIFO, DecodeFirst, Scheduler
 from .settings import FIELDS, check_generation_config
 
@@ -43,7 +44,12 @@ class BatchConfig:
         max_num_seqs: requests running at once at most (the seeds' `--max-num-seqs`); a hybrid model's state pool
             holds this many slots of recurrent state, allocated up front (`state_pool.py`).
         prefix_caching: reuse full blocks of earlier requests with the same leading tokens (full-precision
-            caches without eviction; ignored otherwise, see `PrefixCache.supports`).
+            caches without eviction; ignored otherwise, see `PrefixCache.supports`). A hybrid model's hits also
+            restore the recurrent state kept after the prefix (`checkpoint_memory`).
+        checkpoint_memory: bytes (an int or "64MiB") for a hybrid model's state checkpoints, the recurrent / conv
+            state kept after cached prefixes (`state_checkpoints.py`), least recently used dropped first; None: as
+            many bytes as the state pool (one checkpoint per slot); 0: none (no prefix hits for such a model).
+            Counted in `max_memory`.
         progress: show a progress bar of finished requests.
         preemption: what happens to a preempted request (a `Preemption`, or its name): `"swap"` (`Swap`: its
             blocks go to host memory and come back before it runs again; recompute when the host pool is full),
@@ -91,6 +97,7 @@ class BatchConfig:
     max_batch_tokens: int = 512
     max_num_seqs: int = 32
     prefix_caching: bool = True
+    checkpoint_memory: int | str | None = None
     progress: bool = False
     preemption: str | Preemption = "auto"
     victim_policy: str | VictimPolicy = "lru"
@@ -116,6 +123,8 @@ class BatchConfig:
         for name in ("prefix_caching", "progress", "compile", "onednn", "prepack_weights", "keep_host_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.checkpoint_memory, bool) or self.checkpoint_memory not in (None, 0):
+            parse_bytes(self.checkpoint_memory, "checkpoint_memory")
         if self.prepack_weights and not self.onednn:
             raise ValueError("`prepack_weights=True` packs the weights for oneDNN's products: it needs `onednn=True`")
         for name, table, base in (("preemption", PREEMPTIONS, Preemption), ("victim_policy", VICTIM_POLICIES,
@@ -145,6 +154,12 @@ class BatchConfig:
                     f"{given} are knobs of the `{strategy}` named by a string; a `{strategy}` instance brings its own: "
                     f"give them to it (e.g. `Swap(compression=...)`, `WeightedVictims(decay=...)`)"
                 )
+
+    def checkpoint_bytes(self, state_pool_bytes: int) -> int:
+        """Bytes for state checkpoints (`checkpoint_memory`; None: as many as the state pool's)."""
+        if self.checkpoint_memory is None:
+            return state_pool_bytes
+        return 0 if self.checkpoint_memory == 0 else parse_bytes(self.checkpoint_memory, "checkpoint_memory")
 
     def make_preemption(self) -> Preemption:
         if isinstance(self.preemption, Preemption):
@@ -193,18 +208,24 @@ def split_options(model: PreTrainedModel, generation_config: GenerationConfig | 
     return config, generation, {k: v for k, v in options.items() if k in _CACHE_FIELDS}
 
 
-def pools_up_front(options: PagedCacheConfig, model: PreTrainedModel, state_slots: int) -> PagedCacheConfig:
+def pools_up_front(options: PagedCacheConfig, model: PreTrainedModel, config: BatchConfig) -> PagedCacheConfig:
     """A `max_memory` budget as `num_blocks`: a cache sizes `max_memory` pools at its first step, which would give
     every request pools of its own; the requests must share the template's from the start. A hybrid model's state
-    pool (`state_slots` slots of recurrent state, `state_pool.py`) is served from the same budget, first."""
+    pool (`max_num_seqs` slots of recurrent state, `state_pool.py`) and, with prefix caching, its state checkpoints
+    (`checkpoint_memory`) are served from the same budget, first."""
     if options.max_memory is None:
         return options
-    state = state_slots * sequence_state(model.config, model.dtype, type(model)).nbytes
-    if state and state >= options.max_memory:
+    state = sequence_state(model.config, model.dtype, type(model))
+    slots = config.max_num_seqs * state.nbytes
+    restorable = state.kv_bytes_per_token == 0 and model.config.model_type not in RESTARTS_STATE  # `PrefixCache.supports`
+    checkpoints = config.checkpoint_bytes(slots) if config.prefix_caching and restorable else 0
+    if slots and slots + checkpoints >= options.max_memory:
         raise ValueError(
-            f"`max_memory`={options.max_memory} bytes cannot hold the recurrent state of `max_num_seqs`={state_slots} "
-            f"requests ({state} bytes, besides any block): raise `max_memory` or lower `max_num_seqs`"
+            f"`max_memory`={options.max_memory} bytes cannot hold the recurrent state of `max_num_seqs`="
+            f"{config.max_num_seqs} requests ({slots} bytes) and its checkpoints ({checkpoints} bytes, "
+            "`checkpoint_memory`), besides any block: raise `max_memory`, or lower `max_num_seqs` or "
+            "`checkpoint_memory`"
         )
-    num_blocks = blocks_in_budget(model.config, options.max_memory - state, options.block_size,
+    num_blocks = blocks_in_budget(model.config, options.max_memory - slots - checkpoints, options.block_size,
                                   options.dtype or model.dtype, tensor_parallel_size(model.config))  # fmt: skip
     return dataclasses.replace(options, max_memory=None, num_blocks=num_blocks)

@@ -43,6 +43,7 @@ from .prefix_cache import PrefixCache
 from .recurrent import PerRequestLayers, restarts_state
 from .request_scheduler import Batch, RequestScheduler
 from .requests import GenerationOutput, Request
+from .state_checkpoints import StateCheckpoints
 from .state_pool import StatePool
 from .settings import RequestSettings, request_settings, row_argmax, token_ids
 
@@ -70,7 +71,7 @@ class BatchGenerator:
         self._settings({}, "the generation config", 1, 0)  # its values, checked once before any request
         check_model_features(model.config)  # the packed forward always runs the "paged" attention
         self.template = PagedCache(model.config, pools_up_front(PagedCacheConfig(**cache_options), model,
-                                                                self.config.max_num_seqs))  # fmt: skip
+                                                                self.config))  # fmt: skip
         check_packable(self.template)
         self.sliding = layer_sliding(self.template)
         self.states = StatePool.of(model, self.template, self.config.max_num_seqs)  # recurrent state: a slot per request
@@ -82,8 +83,7 @@ class BatchGenerator:
         self.fused = (FusedDecoderLayers.of(model, len(self.template.layers), self.onednn,
                                             self.per_request.layers if self.per_request is not None else [])
                       if self.onednn is not None and self.compiled is None else None)  # fmt: skip
-        cacheable = self.config.prefix_caching and self.template.options.sharing and PrefixCache.supports(self.template)
-        self.prefix_cache = PrefixCache(self.template) if cacheable else None
+        self.prefix_cache = self._prefix_cache()
         self.swap = self.config.make_preemption().swap_space(self.template, model.device)
         self.counters = ServingCounters()
         self.requests = RequestScheduler(self.config, self.template, self.states, self.swap, self.prefix_cache,
@@ -204,7 +204,7 @@ class BatchGenerator:
             request.fed += q
             request.peak = max(request.peak, request.fed)
             if self.prefix_cache is not None:
-                request.keys = self.prefix_cache.register(request.cache, request.tokens[: request.fed], request.keys)
+                self._register(request)
             if token is None:
                 continue
             if isinstance(token, Exception):
@@ -217,6 +217,25 @@ class BatchGenerator:
             if reason is not None:
                 self.requests.retire(request)
                 self._finish(request, reason)
+
+    def _prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache, where `prefix_caching` asks for one and the caches support it; a hybrid model's keeps
+        its states after cached prefixes within `checkpoint_memory` (none there: no hits, no prefix cache)."""
+        if not (self.config.prefix_caching and self.template.options.sharing
+                and PrefixCache.supports(self.template, self.states.state)):  # fmt: skip
+            return None
+        if not self.states.slot_bytes:
+            return PrefixCache(self.template)
+        checkpoints = StateCheckpoints(self.config.checkpoint_bytes(self.states.pool_bytes), self.states.slot_bytes)
+        return PrefixCache(self.template, checkpoints) if checkpoints.capacity else None
+
+    def _register(self, request: Request) -> None:
+        """After a step: the request's new full blocks are cached, and its state kept where a mark says."""
+        request.keys = self.prefix_cache.register(request.cache, request.tokens[: request.fed], request.keys)
+        if request.marks and request.marks[0] <= request.fed:
+            if request.marks[0] == request.fed:
+                self.prefix_cache.keep_state(request.keys, request.fed, self.states.saved(request.cache))
+            request.marks = [mark for mark in request.marks if mark > request.fed]
 
     @staticmethod
     def _next_tokens(batch: Batch, logits: torch.Tensor) -> list[int | Exception | None]:
@@ -265,9 +284,11 @@ class BatchGenerator:
         requests = self.requests
         queues = (len(requests.running), len(requests.waiting), len(requests.swapped) + requests.waited)
         state = self.states.usage([request.cache for request in requests.running])
+        kept = self.prefix_cache.checkpoints if self.prefix_cache is not None else None
         self.history.append(self.counters.snapshot(
             len(self.history), time.perf_counter() - self._started, queues, scheduled, self.config.max_batch_tokens,
             self.template.metrics(), prefix, self.swap.stats, self.swap.copies.stats, holes, state,
+            (len(kept), kept.nbytes) if kept is not None else (0, 0),
             self.onednn.packed_bytes if self.onednn is not None else 0,
         ))  # fmt: skip
 

@@ -49,6 +49,8 @@ class BatchMetrics:
     state_bytes: int = 0  # running requests' recurrent state outside the blocks (hybrid models: `recurrent.py`)
     state_slots: int = 0  # slots of the state pool (`state_pool.py`): one per request that may run at once
     state_pool_bytes: int = 0  # bytes the state pool allocated up front (0 for a model without recurrent state)
+    state_checkpoints: int = 0  # states kept after cached prefixes (hybrid models' prefix caching)
+    state_checkpoint_bytes: int = 0
     packed_weight_bytes: int = 0  # the linear weights' packed copies (`BatchConfig(prepack_weights=True)`)
 
     @property
@@ -108,11 +110,12 @@ class ServingCounters:
 
     def snapshot(self, step: int, seconds: float, queues: tuple[int, int, int], scheduled: int, budget: int,
                  cache: CacheMetrics, prefix: PrefixStats | None, swap: SwapStats, copies: CopyStats,
-                 holes: float, state: tuple[int, int, int] = (0, 0, 0),
+                 holes: float, state: tuple[int, int, int] = (0, 0, 0), checkpoints: tuple[int, int] = (0, 0),
                  packed_weight_bytes: int = 0) -> BatchMetrics:  # fmt: skip
         """The metrics after a step that computed `scheduled` tokens; `queues`: running, waiting and stalled
         requests (swapped out, or running but not scheduled); `state`: the running requests' recurrent state bytes,
-        the state pool's slots and its bytes; `packed_weight_bytes`: what packed weights hold."""
+        the state pool's slots and its bytes; `checkpoints`: states kept for prefix hits and their bytes;
+        `packed_weight_bytes`: what packed weights hold."""
         running, waiting, stalled = queues
         state_bytes, state_slots, state_pool_bytes = state
         return BatchMetrics(
@@ -127,5 +130,6 @@ class ServingCounters:
             swap_copy_seconds=copies.copy_seconds, swap_prefetched=self.prefetched,
             recomputed_tokens=self.recomputed_tokens, fragmentation=holes, defragmentations=self.defragmentations,
             state_bytes=state_bytes, state_slots=state_slots, state_pool_bytes=state_pool_bytes,
+            state_checkpoints=checkpoints[0], state_checkpoint_bytes=checkpoints[1],
             packed_weight_bytes=packed_weight_bytes,
         )  # fmt: skip

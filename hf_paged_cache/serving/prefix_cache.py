@@ -10,6 +10,12 @@ blocks are dropped least-recently-used, and only when the pool needs them — no
 Groups: full-attention groups need every block of the prefix; a sliding-window group needs only the blocks
 its window still reads at the hit length. Quantized and evicting groups are not cached (their blocks'
 contents depend on when they were sealed or compacted), so `PrefixCache.supports` says no for them.
+
+Hybrid models: a hit also needs the recurrent / conv state after the prefix, which no block holds, so it is found
+only where a state checkpoint was kept (`state_checkpoints.py`). A request keeps one at its marks
+(`checkpoint_marks`): where its prompt's shared part ends -- the blocks already cached of it, or its common prefix
+with the requests queued beside it -- and at its prompt's last full block; its prompt chunks end there. The
+attention block size stays as it is, so prompts of a few blocks get hits too.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ from dataclasses import dataclass
 from ..blocks.pool import BlockPool
 from ..blocks.renumbering import Renumbering
 from ..cache import PagedCache
-from .recurrent import holds_state
+from ..sequence_state import SequenceState
+from .recurrent import holds_state, restarts_state
+from .state_checkpoints import Saved, StateCheckpoints
 
 
 def block_keys(tokens: list[int], block_size: int, count: int, known: list[bytes] | None = None) -> list[bytes]:
@@ -53,40 +61,74 @@ class PrefixStats:
 class PrefixCache:
     """Maps chained block keys to the blocks that hold them, per layer group of one family of caches."""
 
-    def __init__(self, template: PagedCache):
+    def __init__(self, template: PagedCache, checkpoints: StateCheckpoints | None = None):
+        """`checkpoints`: where a hybrid model's states after cached prefixes are kept (None for a model without
+        recurrent state)."""
         self.block_size = template.options.block_size
         self.entries: dict[bytes, dict[str, tuple[int, int]]] = {}  # key -> {group: (block, epoch)}
+        self.checkpoints = checkpoints
         self.stats = PrefixStats()
 
     @staticmethod
-    def supports(cache: PagedCache) -> bool:
-        """Whether every group of `cache` can be cached (full precision, no eviction), and nothing else holds what
-        a hit would need: a hybrid model's recurrent state at the cached prefix's end is not in blocks."""
-        return cache.evictor is None and not cache.blocks.stores_sealed() and not holds_state(cache)
+    def supports(cache: PagedCache, state: SequenceState) -> bool:
+        """Whether every group of `cache` can be cached (full precision, no eviction), and a hit can restore whatever
+        else a sequence holds: a hybrid model's `state` is its slot's tensors alone (not a layer's own K/V, as
+        Falcon-H1's), and its prompts may be cut where a checkpoint is kept (not Mamba-1's, computed whole)."""
+        if cache.evictor is not None or cache.blocks.stores_sealed():
+            return False
+        return not holds_state(cache) or (state.kv_bytes_per_token == 0 and not restarts_state(cache))
 
     # ------------------------------------------------------------------ lookup
-    def attach(self, cache: PagedCache, prompt: list[int]) -> int:
+    def attach(self, cache: PagedCache, prompt: list[int]) -> tuple[int, Saved | None]:
         """Give the fresh `cache` the longest cached prefix of `prompt` (whole blocks, at least one prompt token
-        left to compute); returns its length in tokens (0: nothing cached)."""
-        bs, pools = self.block_size, cache.blocks.group_pools()
-        keys = block_keys(prompt, bs, (len(prompt) - 1) // bs)
+        left to compute; for a hybrid model, one after which a state was kept). Returns its length in tokens (0:
+        nothing cached) and the state to start the rest from (None for a model without one, or no hit)."""
+        keys = block_keys(prompt, self.block_size, (len(prompt) - 1) // self.block_size)
         for count in range(len(keys), 0, -1):
-            firsts = cache.blocks.prefix_reads_from(count * bs)
-            found = {name: self._blocks(name, pool, firsts[name], keys[:count]) for name, pool in pools.items()}
-            if all(blocks is not None for blocks in found.values()):
-                cache.blocks.attach_prefix(found, count * bs)
-                return count * bs
-        return 0
+            if self.checkpoints is not None and keys[count - 1] not in self.checkpoints:
+                continue
+            found = self._found(cache, keys, count)
+            if found is not None:
+                cache.blocks.attach_prefix(found, count * self.block_size)
+                state = self.checkpoints.restore(keys[count - 1]) if self.checkpoints is not None else None
+                return count * self.block_size, state
+        return 0, None
 
-    def computed_by_others(self, prompt: list[int], hit: int, others: list[tuple[list[int], int]]) -> bool:
-        """Whether the block after the `hit` tokens a fresh cache found of `prompt` is one that another running
-        sequence (its tokens, and how many of them its cache holds) has yet to compute: waiting until it has, the
-        prompt finds that block too, instead of computing it a second time (a prompt's first chunk and its siblings'
-        admitted in the same step would all compute their shared prefix)."""
+    def checkpoint_marks(self, cache: PagedCache, prompt: list[int], hit: int, neighbours: list[list[int]]) -> list[int]:
+        """Where a hybrid model's request of `prompt` (a fresh `cache` given a `hit`) keeps its state, in ascending
+        order: the end of its blocks already cached, of its common prefix with each of `neighbours` (the prompts
+        queued or running beside it), and of its last full block before its last token. None without checkpoints."""
+        if self.checkpoints is None:
+            return []
+        bs, last = self.block_size, (len(prompt) - 1) // self.block_size
+        keys = block_keys(prompt, bs, last)
+        cached = next((count for count in range(last, hit // bs, -1) if self._found(cache, keys, count)), 0)
+        shared = [_common_blocks(prompt, other, bs, last) for other in neighbours]
+        return sorted({count * bs for count in (cached, last, *shared) if count * bs > hit})
+
+    def computed_by_others(self, prompt: list[int], hit: int, others: list[tuple[list[int], int, list[int]]]) -> bool:
+        """Whether another running sequence (its tokens, how many of them its cache holds, its checkpoint marks) has
+        yet to compute what the `hit` tokens a fresh cache found of `prompt` would continue with: the block after
+        them, or for a hybrid model a checkpoint beyond them. Waiting until it has, the prompt finds that too,
+        instead of computing it a second time (a prompt's first chunk and its siblings' admitted in the same step
+        would all compute their shared prefix)."""
+        if self.checkpoints is not None:
+            return any(hit < mark < len(prompt) and fed < mark and tokens[:mark] == prompt[:mark]
+                       for tokens, fed, marks in others for mark in marks)  # fmt: skip
         end = hit + self.block_size
         if end >= len(prompt):  # a hit leaves at least one token to compute: no further block to find
             return False
-        return any(fed < end <= len(tokens) and tokens[:end] == prompt[:end] for tokens, fed in others)
+        return any(fed < end <= len(tokens) and tokens[:end] == prompt[:end] for tokens, fed, _marks in others)
+
+    def _found(self, cache: PagedCache, keys: list[bytes], count: int) -> dict[str, tuple[int, list[int]]] | None:
+        """Per group of `cache`, what a row needs to hold the first `count` blocks of `keys`; None if one is missing."""
+        firsts = cache.blocks.prefix_reads_from(count * self.block_size)
+        found = {}
+        for name, pool in cache.blocks.group_pools().items():
+            found[name] = self._blocks(name, pool, firsts[name], keys[:count])
+            if found[name] is None:
+                return None
+        return found
 
     def _blocks(self, name: str, pool: BlockPool, first: int, keys: list[bytes]) -> tuple[int, list[int]] | None:
         """(base position, block ids) a row of group `name` (whose blocks are of `pool`) needs to hold the blocks of
@@ -132,10 +174,16 @@ class PrefixCache:
             else:
                 del self.entries[key]
 
+    def keep_state(self, keys: list[bytes], fed: int, saved: Saved) -> None:
+        """Keep a hybrid model's state `saved` after the first `fed` tokens (a whole number of the blocks `keys`)."""
+        self.checkpoints.keep(keys[fed // self.block_size - 1], saved)
+
     def clear(self) -> None:
         """Forget every cached prefix: later prompts compute theirs again. Blocks stay with whoever holds them, and
         a running sequence registers only the blocks it completes from now on."""
         self.entries.clear()
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
 
     # ------------------------------------------------------------------ state
     def remap(self, old_to_new: Renumbering, pools: dict[str, BlockPool]) -> None:
@@ -152,3 +200,15 @@ class PrefixCache:
             if kept:
                 entries[key] = kept
         self.entries = entries
+
+
+def _common_blocks(prompt: list[int], other: list[int], block_size: int, most: int) -> int:
+    """Full blocks `prompt` and `other` begin with alike, at most `most` (a binary search on slices: C-speed)."""
+    low, high = 0, min(most, len(other) // block_size)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if prompt[: middle * block_size] == other[: middle * block_size]:
+            low = middle
+        else:
+            high = middle - 1
+    return low

@@ -193,6 +193,6 @@ def state_bytes(cache: PagedCache) -> int:
 
 
 def holds_state(cache: PagedCache) -> bool:
-    """Whether `cache` has per-request layers: their state lives in the cache's own layers, not in blocks, so swap
-    and the prefix cache (which move and share blocks only) cannot serve it."""
+    """Whether `cache` has per-request layers: their state lives in the cache's own layers (views of a state-pool
+    slot), not in blocks, so swap and prefix hits move or restore it beside the blocks."""
     return bool(per_request_indices(cache))

@@ -8,6 +8,7 @@ from __future__ import annotations
 from ..blocks.pool import BlockPool
 from ..cache import PagedCache
 from ..memory.swap import SwapSpace
+from .state_checkpoints import Saved
 from .state_pool import StatePool
 
 
@@ -17,10 +18,13 @@ class RequestMemory:
     def __init__(self, cache: PagedCache, states: StatePool):
         self.cache = cache
         self.states = states
+        self.start: Saved | None = None  # the state after the cache's prefix hit, until the slot is taken
 
     def take_slot(self) -> None:
-        """A state slot for a request that starts running (a fresh sequence, or a recomputed one)."""
-        self.states.attach(self.cache)
+        """A state slot for a request that starts running (a fresh sequence, a recomputed one, or one continuing
+        from the state saved after its prefix hit)."""
+        self.states.attach(self.cache, self.start)
+        self.start = None
 
     def step_demand(self, q: int) -> dict[BlockPool, int]:
         """Free blocks per pool a step of `q` tokens takes."""

@@ -10,8 +10,9 @@ computing is admitted once it has (prefix caching), and requests that cannot fit
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from ..blocks.pool import BlockPool
 from ..cache import PagedCache
@@ -27,6 +28,7 @@ from .state_pool import StatePool
 
 Batch = list[tuple[Request, int]]  # the requests of a step and the tokens each computes
 Finish = Callable[[Request, str], None]  # how a request leaves (its memory released first): the generator's
+NEIGHBOURS = 64  # queued requests whose prompts a hybrid model's new request looks for a shared prefix with
 
 
 class RequestScheduler:
@@ -124,9 +126,11 @@ class RequestScheduler:
             if request.memory is None:
                 request.memory = RequestMemory(self.template.sibling(), self.states)
                 if self.prefix_cache is not None:
-                    request.fed = self.prefix_cache.attach(request.cache, request.tokens)
+                    request.fed, request.memory.start = self.prefix_cache.attach(request.cache, request.tokens)
+                    request.marks = self.prefix_cache.checkpoint_marks(request.cache, request.tokens, request.fed,
+                                                                       self._neighbours(request))  # fmt: skip
             if self.prefix_cache is not None and self.prefix_cache.computed_by_others(
-                    request.tokens, request.fed, [(other.tokens, other.fed) for other in self.running
+                    request.tokens, request.fed, [(other.tokens, other.fed, other.marks) for other in self.running
                                                   if other.pending > 1]):  # fmt: skip
                 self._drop_waiting_cache()  # it attaches again once the running request's blocks are cached
                 deferred.append(self.waiting.popleft())  # the requests behind it are admitted meanwhile
@@ -160,7 +164,15 @@ class RequestScheduler:
         q = min(request.pending, budget)
         if self.whole_prompts and request.fed == 0 and q < request.pending:
             return request.pending if alone else 0
+        if request.marks:  # a chunk ends where a state checkpoint is kept
+            q = min(q, request.marks[0] - request.fed)
         return q
+
+    def _neighbours(self, request: Request) -> Iterator[list[int]]:
+        """The prompts a new request may share a prefix with: the running requests' and the next ones queued."""
+        for other in itertools.chain(self.running, itertools.islice(self.waiting, NEIGHBOURS)):
+            if other is not request:
+                yield other.output.prompt_ids
 
     def _admit(self, request: Request) -> None:
         request.admitted = True
@@ -212,7 +224,7 @@ class RequestScheduler:
     def _requeue(self, request: Request) -> None:
         """Drop the request's memory (device or host) and queue it first, to be computed again from its tokens."""
         self.release(request)
-        request.fed, request.keys = 0, []
+        request.fed, request.keys, request.marks = 0, [], []
         self.waiting.appendleft(request)
 
     def _swap_in(self, taken: dict[BlockPool, int], prefetch: bool) -> None:
@@ -247,7 +259,7 @@ class RequestScheduler:
             return False
         request = self.waiting[0]
         self.release(request)
-        request.fed = 0
+        request.fed, request.marks = 0, []
         return True
 
     def _fail(self, request: Request, q: int) -> None:

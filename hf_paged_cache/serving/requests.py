@@ -38,6 +38,7 @@ class Request:
     memory: RequestMemory | None = None  # its cache and state slot (None while queued without a prefix hit)
     fed: int = 0  # tokens in its cache
     keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
+    marks: list[int] = field(default_factory=list)  # where it keeps its recurrent state next (`checkpoint_marks`)
     last_step: int = -1  # the step it was last scheduled in
     hotness: float = 0.0  # the weighted victim policy's access score, as of `last_step`
     peak: int = 0  # most tokens its cache ever held (tokens fed again below it are recomputed)

@@ -22,6 +22,7 @@ from ..cache import PagedCache
 from ..sequence_state import SequenceState, StateTensor, layer_states, sequence_state
 from ..forwards import decoder_layers
 from .recurrent import holds_state, state_bytes
+from .state_checkpoints import Saved
 
 
 class StatePool:
@@ -71,8 +72,9 @@ class StatePool:
         return sum(state_bytes(cache) for cache in caches), self.num_slots, self.pool_bytes
 
     # ------------------------------------------------------------------ slots
-    def attach(self, cache: PagedCache) -> int:
-        """Give `cache` the oldest free slot, zeroed: its layers start a fresh sequence in it. Returns the slot."""
+    def attach(self, cache: PagedCache, start: Saved | None = None) -> int:
+        """Give `cache` the oldest free slot: zeroed, so its layers start a fresh sequence in it, or holding `start`
+        (a state `saved` after a prefix its cache holds: its layers continue from there). Returns the slot."""
         if cache in self._swapped:
             raise ValueError("this cache's state is swapped out: `swap_in` brings it back")
         self._check_free(cache)
@@ -80,10 +82,15 @@ class StatePool:
         self._holders[cache] = slot
         for tensor, layer, states in self._states(cache):
             view = self.storage[tensor][slot : slot + 1]
-            view.zero_()
+            view.zero_() if start is None else view.copy_(start[tensor])
             _point(layer, tensor, states, view)
-            layer.has_previous_state[tensor.index] = False
+            layer.has_previous_state[tensor.index] = start is not None
         return slot
+
+    def saved(self, cache: PagedCache) -> Saved:
+        """A copy of the state in `cache`'s slot (for `StateCheckpoints`; `attach(..., start=)` takes it back)."""
+        slot = self._holders[cache]
+        return {tensor: pool[slot : slot + 1].clone() for tensor, pool in self.storage.items()}
 
     def detach(self, cache: PagedCache) -> None:
         """`cache` lets go of its state (its slot back to the free queue, or its host copies dropped): its layers

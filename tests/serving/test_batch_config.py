@@ -43,6 +43,9 @@ def test_instances_are_used_as_given():
     ("preemption", ["swap"], "got \\['swap'\\]"),
     ("decay", 0.0, "decay"),
     ("size_weight", -1.0, "size_weight"),
+    ("checkpoint_memory", -1, "`checkpoint_memory` must be positive"),
+    ("checkpoint_memory", "lots", "`checkpoint_memory`='lots' is not a size"),
+    ("checkpoint_memory", True, "`checkpoint_memory` must be a number of bytes"),
 ])  # fmt: skip
 def test_bad_strategies_and_knobs_are_refused_clearly(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -70,3 +73,9 @@ def test_a_swap_instance_sizes_the_generators_host_space():
     assert generator.swap.num_blocks == 5 and generator.swap.copies.mode == "deferred"
     with pytest.raises(ValueError, match="needs a model on CUDA"):
         BatchGenerator(tiny_model("llama_gqa"), preemption=Auto(copies="async"))
+
+
+def test_checkpoint_memory_defaults_to_the_state_pools_bytes_and_zero_means_none():
+    assert BatchConfig().checkpoint_bytes(4096) == 4096
+    assert BatchConfig(checkpoint_memory="1KiB").checkpoint_bytes(4096) == 1024
+    assert BatchConfig(checkpoint_memory=0).checkpoint_bytes(4096) == 0

@@ -128,13 +128,71 @@ def test_cancel_frees_the_requests_state_and_blocks(name):
     assert not generator.has_work() and generator.states.num_free == generator.states.num_slots
 
 
-@pytest.mark.parametrize("name", HYBRIDS)
-def test_prefix_caching_gives_no_hits_for_hybrid_models(name):
-    """A hit would need the recurrent state at the cached prefix's end, which no block holds."""
+@pytest.mark.parametrize("name", WITH_BLOCKS)
+def test_prefix_hits_restore_the_state_kept_after_the_shared_prefix_and_change_nothing(name):
+    """The first request's chunk ends where its prompt stops sharing with the queued ones (12 tokens), and keeps its
+    state there; the others wait for it, then start from its blocks and its state."""
+    prompts = random_prompts((4, 4, 8, 1, 18, 4), seed=3, prefix=12)
+    generator = slot_checked(BatchGenerator(hybrid(name), max_new_tokens=NEW, block_size=4, max_batch_tokens=64))
+    chunks = []
+    generator.before_forward.append(lambda batch: chunks.append([(r.request_id, r.fed, q) for r, q in batch]))
+    for prompt in prompts:
+        generator.add_request(prompt)
+    outputs = generator.run()
+    assert [o.generated_tokens for o in outputs] == reference(name, prompts)
+    assert [o.prefix_hit_tokens for o in outputs] == [0, 12, 12, 12, 12, 12]
+    assert chunks[0] == [(0, 0, 12)]  # the others wait for the shared part's state
+    metrics = generator.metrics()
+    assert metrics.prefix_hit_tokens == 60 and 0 < metrics.state_checkpoints <= generator.states.num_slots
+    assert metrics.state_checkpoint_bytes == metrics.state_checkpoints * generator.states.slot_bytes
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2"])
+def test_a_prompt_repeated_or_continued_later_starts_from_the_state_after_its_last_full_block(name):
+    """Each prompt keeps its state at its last full block: the same prompt again, or a conversation's next turn
+    (the prompt, its answer and more), skips that far."""
+    (prompt,) = random_prompts((18,), seed=7)
+    generator = BatchGenerator(hybrid(name), max_new_tokens=NEW, block_size=4)
+    generator.add_request(prompt)
+    (first,) = generator.run()
+    turn = prompt + first.generated_tokens + random_prompts((5,), seed=8)[0]
+    generator.add_request(prompt)
+    generator.add_request(turn)
+    outputs = generator.run()
+    assert [o.prefix_hit_tokens for o in outputs] == [16, 16]
+    assert [first.generated_tokens] + [o.generated_tokens for o in outputs] == reference(name, [prompt, prompt, turn])
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_prefix_hits_under_preemption_change_nothing(preemption):
+    prompts = random_prompts((20, 33, 12, 41, 27, 18), seed=9, prefix=8)
+    generator = slot_checked(BatchGenerator(hybrid("qwen3_next"), num_blocks=20, preemption=preemption,
+                                            max_new_tokens=NEW, block_size=4, max_batch_tokens=16))  # fmt: skip
+    for prompt in prompts:
+        generator.add_request(prompt)
+    outputs = generator.run()
+    assert [o.generated_tokens for o in outputs] == reference("qwen3_next", prompts)
+    assert generator.metrics().preempted[preemption] > 0 and sum(o.prefix_hit_tokens for o in outputs) > 0
+
+
+def test_the_checkpoint_budget_drops_the_least_recently_used_states_and_zero_turns_hits_off():
+    model = hybrid("lfm2")
+    prompts = random_prompts((4, 4), seed=3, prefix=12) + random_prompts((4, 4), seed=4, prefix=12)
+    slot = sequence_state(model.config, model.dtype).nbytes
+    one = BatchGenerator(model, max_new_tokens=NEW, block_size=4, checkpoint_memory=slot)
+    for prompt in prompts:
+        one.add_request(prompt)
+    assert [o.generated_tokens for o in one.run()] == reference("lfm2", prompts)
+    assert one.metrics().state_checkpoints == 1 and one.prefix_cache.checkpoints.stats.dropped > 0
+    assert BatchGenerator(model, max_new_tokens=NEW, checkpoint_memory=0).prefix_cache is None
+
+
+@pytest.mark.parametrize("name", ["falcon_h1", "jamba"])
+def test_hybrids_whose_state_a_checkpoint_cannot_restore_get_no_prefix_cache(name):
+    """Falcon-H1's layers keep their own K/V beside the state; Jamba's mixers compute a prompt whole."""
     generator = BatchGenerator(hybrid(name), max_new_tokens=2, block_size=4, prefix_caching=True)
-    assert not PrefixCache.supports(generator.template) and generator.prefix_cache is None
-    shared = random_prompts((16, 16), seed=3, prefix=12)
-    for prompt in shared:
+    assert not PrefixCache.supports(generator.template, generator.states.state) and generator.prefix_cache is None
+    for prompt in random_prompts((16, 16), seed=3, prefix=12):
         generator.add_request(prompt)
     assert all(output.prefix_hit_tokens == 0 for output in generator.run())
 
@@ -177,11 +235,13 @@ def test_a_memory_budget_for_a_model_with_nothing_in_blocks_is_refused_clearly()
 def test_a_memory_budget_holds_the_state_pool_first_and_blocks_in_the_rest():
     model = hybrid("qwen3_next")
     slots = 4 * sequence_state(model.config, model.dtype).nbytes
-    generator = BatchGenerator(model, max_memory=2**20, max_num_seqs=4, block_size=4)
-    assert generator.template.options.num_blocks == blocks_in_budget(model.config, 2**20 - slots, 4, model.dtype)
+    generator = BatchGenerator(model, max_memory=2**20, max_num_seqs=4, block_size=4)  # as many bytes of checkpoints
+    assert generator.template.options.num_blocks == blocks_in_budget(model.config, 2**20 - 2 * slots, 4, model.dtype)
     assert generator.states.pool_bytes == slots
+    plain = BatchGenerator(model, max_memory=2**20, max_num_seqs=4, block_size=4, prefix_caching=False)
+    assert plain.template.options.num_blocks == blocks_in_budget(model.config, 2**20 - slots, 4, model.dtype)
     with pytest.raises(ValueError, match=r"cannot hold the recurrent state of `max_num_seqs`=4 requests"):
-        BatchGenerator(model, max_memory=slots, max_num_seqs=4)
+        BatchGenerator(model, max_memory=2 * slots, max_num_seqs=4)
 
 
 def test_a_forward_that_fails_in_a_recurrent_layer_is_rolled_back_and_changes_nothing():
@@ -219,7 +279,8 @@ def test_decode_steps_go_through_each_recurrent_layer_as_one_batch(name):
         (kwargs.get("hidden_states", args[0] if args else None)).shape[:2]), with_kwargs=True) for mixer in mixers]
     try:
         prompts = random_prompts((5, 17, 9, 12), seed=2)
-        outputs = generate_batch(model, prompts, max_new_tokens=NEW, block_size=4, max_batch_tokens=64)
+        outputs = generate_batch(model, prompts, max_new_tokens=NEW, block_size=4, max_batch_tokens=64,
+                                 prefix_caching=False)  # each prompt in one chunk (no chunk ends at a checkpoint)
     finally:
         for hook in hooks:
             hook.remove()

@@ -55,7 +55,7 @@ def test_a_prefix_hit_gives_the_logits_of_a_cold_run():
     generator.add_request(first)
     generator.run()
     cache = generator.template.sibling()
-    assert generator.prefix_cache.attach(cache, second) == 16
+    assert generator.prefix_cache.attach(cache, second) == (16, None)  # no recurrent state to restore
     with torch.no_grad():
         hit = model(input_ids=torch.tensor([second[16:]]), cache=cache).logits
         cold = model(input_ids=torch.tensor([second]), cache=PagedCache(model.config, block_size=4)).logits[:, 16:]
@@ -82,12 +82,12 @@ def test_prompts_sharing_a_prefix_wait_for_the_first_to_compute_it_rather_than_c
 @pytest.mark.parametrize(
     ("others", "expected"),
     [
-        ([([1] * 12, 0)], True),  # the other computes the next block (tokens 8-11) from the start
-        ([([1] * 12, 4)], True),  # ... having computed one block so far
-        ([([1] * 16, 12)], False),  # it holds the next block already (a hit would have found it)
-        ([([1] * 8 + [2] * 4, 0)], False),  # its next block holds other tokens
-        ([([1] * 10, 0)], False),  # it never computes a whole next block
-        ([([2] * 12, 0), ([1] * 16, 6)], True),  # one of several
+        ([([1] * 12, 0, [])], True),  # the other computes the next block (tokens 8-11) from the start
+        ([([1] * 12, 4, [])], True),  # ... having computed one block so far
+        ([([1] * 16, 12, [])], False),  # it holds the next block already (a hit would have found it)
+        ([([1] * 8 + [2] * 4, 0, [])], False),  # its next block holds other tokens
+        ([([1] * 10, 0, [])], False),  # it never computes a whole next block
+        ([([2] * 12, 0, []), ([1] * 16, 6, [])], True),  # one of several
     ],
 )
 def test_computed_by_others_finds_a_running_prompt_that_computes_the_block_after_the_hit(others, expected):

@@ -160,7 +160,7 @@ def test_decode_tokens_sharing_a_cached_prefix_read_it_once_and_give_the_logits_
     caches = [generator.template.sibling() for _ in prompts]
     with torch.no_grad():
         for cache, prompt in zip(caches, prompts):
-            hit = generator.prefix_cache.attach(cache, prompt[:-1])
+            hit, _state = generator.prefix_cache.attach(cache, prompt[:-1])
             model(input_ids=torch.tensor([prompt[hit:-1]]), cache=cache)
         sliding = [layer.is_sliding for layer in generator.template.layers]
         logits = packed_logits(model, [(cache, prompt[-1:], len(prompt) - 1) for cache, prompt in zip(caches, prompts)],

@@ -37,6 +37,7 @@ class StatePoolMachine(RuleBasedStateMachine):
         self.caches = [base.sibling() for _ in range(5)]
         self.where: list[str | None] = [None] * 5
         self.values = [0.0] * 5
+        self.kept = None  # (value, a state `saved` from a slot), for an attach that starts from it
 
     def _refused(self, call) -> None:
         before = self._snapshot()
@@ -47,13 +48,21 @@ class StatePoolMachine(RuleBasedStateMachine):
     def _snapshot(self):
         return self.pool.num_free, [self.pool.slot_of(cache) for cache in self.caches]
 
-    @rule(i=st.integers(0, 4))
-    def attach(self, i):
+    @rule(i=st.integers(0, 4), kept=st.booleans())
+    def attach(self, i, kept):
+        start = self.kept if kept else None
         if self.where[i] is not None or self.pool.num_free == 0:
-            self._refused(lambda: self.pool.attach(self.caches[i]))
+            self._refused(lambda: self.pool.attach(self.caches[i], start and start[1]))
             return
-        self.pool.attach(self.caches[i])
-        self.where[i], self.values[i] = "slot", 0.0  # a fresh sequence: zeroed
+        self.pool.attach(self.caches[i], start and start[1])
+        self.where[i], self.values[i] = "slot", start[0] if start else 0.0  # a fresh sequence: zeroed
+        assert all(self.caches[i].layers[0].has_previous_state.values()) == (start is not None)
+
+    @rule(i=st.integers(0, 4))
+    def save(self, i):
+        """A checkpoint of a slot: a copy, which later writes to the slot leave as it was."""
+        if self.where[i] == "slot":
+            self.kept = (self.values[i], self.pool.saved(self.caches[i]))
 
     @rule(i=st.integers(0, 4), value=st.floats(1, 9))
     def write(self, i, value):
@@ -101,6 +110,11 @@ class StatePoolMachine(RuleBasedStateMachine):
     def detach(self, i):
         self.pool.detach(self.caches[i])
         self.where[i] = None
+
+    @invariant()
+    def a_saved_state_keeps_its_value(self):
+        if self.kept is not None:
+            assert all(torch.all(tensor == self.kept[0]) for tensor in self.kept[1].values())
 
     @invariant()
     def slots_are_free_or_held_once_and_states_stay_their_own(self):
