@@ -29,54 +29,30 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serving  # noqa: E402
 from common import DEFAULT_TEXT  # noqa: E402
+from random_models import MODELS  # noqa: E402
 
 from hf_paged_cache import generate_batch  # noqa: E402
 from hf_paged_cache.smollm2 import load_smollm2  # noqa: E402
 
 
-def gemma3_random() -> torch.nn.Module:
-    """A Gemma-3-shaped model (GELU-tanh MLP, pre / post norms, q / k norms, head_dim 256, sliding windows of 512),
-    random weights of seed 0, SmolLM2's vocabulary."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(vocab_size=49152, hidden_size=640, intermediate_size=2048, num_hidden_layers=12,
-                              num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
-                              max_position_embeddings=4096, pad_token_id=0, eos_token_id=None, bos_token_id=None)  # fmt: skip
-    model = Gemma3ForCausalLM(config).eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def lfm2_random() -> torch.nn.Module:
-    """An LFM2-shaped model (short convolutions in 2 of every 3 layers, full attention in the 3rd; 12 layers, width
-    512), random weights of seed 0, SmolLM2's vocabulary: 66M parameters."""
-    from transformers import Lfm2Config, Lfm2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Lfm2Config(vocab_size=49152, hidden_size=512, intermediate_size=2048, num_hidden_layers=12,
-                        num_attention_heads=8, num_key_value_heads=8, layer_types=["conv", "conv", "full_attention"] * 4,
-                        max_position_embeddings=4096, pad_token_id=0, eos_token_id=None, bos_token_id=None)  # fmt: skip
-    model = Lfm2ForCausalLM(config).eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["smollm2", "gemma3-random", "lfm2-random"], default="smollm2")
+    parser.add_argument("--model", choices=["smollm2", *MODELS], default="smollm2")
     parser.add_argument("--system", choices=["generate_batch", "padded"], default="generate_batch",
                         help="what is timed: ours, or padded batches of 8 with DynamicCache (eval/serving.py's)")
     parser.add_argument("--quant", help="a `quant` spec for the cache (with residual_length=0)")
     parser.add_argument("--workload", choices=["mixed", "shared"], default="mixed")
     parser.add_argument("--prefix-caching", choices=["on", "off"], default="on")
+    parser.add_argument("--max-batch-tokens", type=int, default=512)
+    parser.add_argument("--prepack-weights", action="store_true", help="BatchConfig(prepack_weights=True)")
+    parser.add_argument("--keep-host-memory", action="store_true", help="BatchConfig(keep_host_memory=True)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=24, help="the first N of the 24 prompts (a smoke test)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     model, tokenizer = load_smollm2()
     if args.model != "smollm2":
-        model = {"gemma3-random": gemma3_random, "lfm2-random": lfm2_random}[args.model]()
+        model = MODELS[args.model]()
     tokens = tokenizer(DEFAULT_TEXT.read_text())["input_ids"]
     count, low, high = 24, 100, 800
     lengths = [round(low + i * (high - low) / (count - 1)) for i in range(count)]
@@ -86,11 +62,15 @@ def main() -> None:
     shared = [tokens[:600] + tokens[50_000 + i * 100 : 50_000 + i * 100 + n] for i, n in enumerate(own)]
     prompts, warm_up = (mixed, shared) if args.workload == "mixed" else (shared, mixed)
     prompts = prompts[: args.prompts]
-    options = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, prefix_caching=args.prefix_caching == "on")
+    options = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, prefix_caching=args.prefix_caching == "on",
+                   max_batch_tokens=args.max_batch_tokens, prepack_weights=args.prepack_weights,
+                   keep_host_memory=args.keep_host_memory)  # fmt: skip
     if args.quant:
         options.update(quant=args.quant, residual_length=0)
-    if (args.quant or args.prefix_caching == "off") and args.system == "padded":
-        parser.error("--quant and --prefix-caching apply to generate_batch only")
+    if args.system == "padded" and (args.quant or args.prefix_caching == "off" or args.prepack_weights
+                                    or args.keep_host_memory or args.max_batch_tokens != 512):  # fmt: skip
+        parser.error("--quant, --prefix-caching, --max-batch-tokens, --prepack-weights and --keep-host-memory apply "
+                     "to generate_batch only")
     if args.system == "padded":
         def run(texts):
             return serving.padded_batches(model, texts, options["max_new_tokens"])

@@ -7,7 +7,7 @@ from `hf_paged_cache`: the prompts come as token ids from `python eval/serving.p
     /work/vllm-venv/bin/python eval/vllm_cpu.py --prompts eval/results/serving_prompts.json \\
         --model ~/.cache/hf_paged_cache/SmolLM2-135M-Instruct --out eval/results/vllm_cpu.json
 
-Greedy, EOS ignored, float32. Start-up is engine construction (weights, compile, KV cache); generation is
+Greedy, EOS ignored, float32 (`--dtype bfloat16`: vLLM's CPU gated delta-net runs only in it). Start-up is engine construction (weights, compile, KV cache); generation is
 one `generate` call per workload over all its prompts. One engine serves every workload, so prefix caching
 (--prefix-caching, on by default) is the same for all; the mixed prompts share no prefix.
 
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--out", default="eval/results/vllm_cpu.json")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--serve", action="store_true", help="run the workloads named on stdin (eval/vllm_paired.py)")
     args = parser.parse_args(argv)
     # vLLM reads these when the engine starts, so they are set before it is imported.
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     saved = json.loads(Path(args.prompts).read_text())
     workloads = args.workloads or list(saved["workloads"])
     start = time.perf_counter()
-    llm = LLM(model=args.model, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=args.prefix_caching,
+    llm = LLM(model=args.model, dtype=args.dtype, skip_tokenizer_init=True, enable_prefix_caching=args.prefix_caching,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batch_tokens, seed=0)  # fmt: skip
     startup = time.perf_counter() - start
     print({"startup_seconds": startup}, flush=True)

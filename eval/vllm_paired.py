@@ -45,7 +45,8 @@ class VllmEngine:
     def __init__(self, python: str, args: argparse.Namespace):
         script = Path(__file__).resolve().with_name("vllm_cpu.py")
         command = [python, str(script), "--serve", "--prompts", args.prompts, "--model", args.vllm_model,
-                   "--max-num-seqs", str(args.max_num_seqs), "--max-batch-tokens", str(args.max_batch_tokens)]
+                   "--max-num-seqs", str(args.max_num_seqs), "--max-batch-tokens", str(args.max_batch_tokens),
+                   "--dtype", args.dtype]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.started = self._reply()
 
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prepack-weights", action="store_true", help="ours with its weights prepacked for oneDNN")
     parser.add_argument("--keep-host-memory", action="store_true",
                         help="ours with BatchConfig(keep_host_memory=True): its process keeps the memory it frees")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="both engines' (vLLM's CPU gated delta-net runs only in bfloat16)")
     parser.add_argument("--out", default="eval/results/vllm_paired.json")
     args = parser.parse_args(argv)
     if args.pairs < 1:
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     missing = [name for name in args.workloads if name not in saved["workloads"]]
     if missing:
         parser.error(f"--workloads {missing} are not in {args.prompts} (it has {list(saved['workloads'])})")
-    model, _ = common.load_model(args.model)
+    model, _ = common.load_model(args.model, dtype=getattr(torch, args.dtype))
     model.generation_config.eos_token_id = None
 
     generator = BatchGenerator(model, do_sample=False, eos_token_id=None, block_size=16,

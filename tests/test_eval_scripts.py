@@ -526,3 +526,20 @@ def test_ab_timing_prints_times_and_a_digest_of_the_tokens():
     for run in runs:
         assert len(run["times"]) == 2 and all(t > 0 for t in run["times"]) and len(run["digest"]) == 12
     assert runs[2]["digest"] == runs[3]["digest"]  # the hybrid's tokens as padded batches give them
+
+
+def test_ab_timing_on_shared_prompts_gives_the_same_tokens_with_prefix_caching_off():
+    runs = [json.loads(_run("ab_timing.py", "--model", "lfm2-random", "--workload", "shared", "--prompts", "3",
+                            "--runs", "1", "--prefix-caching", switch).stdout.strip().splitlines()[-1])
+            for switch in ("on", "off")]  # fmt: skip
+    assert runs[0]["digest"] == runs[1]["digest"]
+
+
+def test_random_models_saves_a_folder_that_loads_with_the_fields_vllm_reads(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _run("random_models.py", "lfm2-random", "--save", str(tmp_path / "lfm2"))
+    config = json.loads((tmp_path / "lfm2" / "config.json").read_text())
+    assert config["conv_dim"] == config["conv_dim_out"] == config["block_dim"] == 512
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "lfm2")
+    assert model.config.model_type == "lfm2" and AutoTokenizer.from_pretrained(tmp_path / "lfm2").vocab_size == 49152

@@ -40,10 +40,10 @@ from .batch_config import BatchConfig, pools_up_front, split_options
 from .metrics import BatchMetrics, ServingCounters
 from .runner import check_packable, layer_sliding, packed_logits
 from .prefix_cache import PrefixCache
-from .recurrent import PerRequestLayers, restarts_state
+from .recurrent import PerRequestLayers, StateCuts, restarts_state
 from .request_scheduler import Batch, RequestScheduler
 from .requests import GenerationOutput, Request
-from .state_checkpoints import StateCheckpoints
+from .state_checkpoints import Saved, StateCheckpoints
 from .state_pool import StatePool
 from .settings import RequestSettings, request_settings, row_argmax, token_ids
 
@@ -76,7 +76,8 @@ class BatchGenerator:
         self.sliding = layer_sliding(self.template)
         self.states = StatePool.of(model, self.template, self.config.max_num_seqs)  # recurrent state: a slot per request
         gather = self.states.gathered if self.states.batches_steps else None  # their single-token steps as one batch
-        self.per_request = PerRequestLayers.of(model, self.template, gather)  # recurrent layers: by request
+        self.per_request = PerRequestLayers.of(model, self.template, gather,  # recurrent layers: by request
+                                               self.states.state.tensors)  # fmt: skip
         self.compiled = CompiledModules(model, len(self.template.layers)) if self.config.compile else None
         self.onednn = (OneDnnLinears(model, self.config.prepack_weights, self.config.max_batch_tokens)
                        if self.config.onednn else None)  # fmt: skip
@@ -189,9 +190,12 @@ class BatchGenerator:
             hook(batch)
         chunks = [(request.cache, request.tokens[request.fed : request.fed + q], request.fed) for request, q in batch]
         states = [request.settings.snapshot() for request, _ in batch]
+        checkpoints = self.prefix_cache is not None and self.prefix_cache.checkpoints is not None
+        cuts = StateCuts([[mark - request.fed for mark in request.marks if request.fed < mark < request.fed + q]
+                          for request, q in batch]) if checkpoints else None  # fmt: skip
         try:
             logits = packed_logits(self.model, chunks, self.sliding, self.per_request, self.compiled, self.onednn,
-                                   self.fused)  # fmt: skip
+                                   self.fused, cuts)  # fmt: skip
             samples = self._next_tokens(batch, logits)
         except BaseException as error:
             self._roll_back(batch, states)
@@ -199,12 +203,13 @@ class BatchGenerator:
                 raise
             self._isolate(batch, error)
             return
-        for (request, q), token in zip(batch, samples):
+        for index, ((request, q), token) in enumerate(zip(batch, samples)):
             self.counters.recomputed_tokens += max(min(request.fed + q, request.peak) - request.fed, 0)
+            cut = {request.fed + offset: saved for offset, saved in cuts.taken[index].items()} if cuts else {}
             request.fed += q
             request.peak = max(request.peak, request.fed)
             if self.prefix_cache is not None:
-                self._register(request)
+                self._register(request, cut)
             if token is None:
                 continue
             if isinstance(token, Exception):
@@ -227,15 +232,19 @@ class BatchGenerator:
         if not self.states.slot_bytes:
             return PrefixCache(self.template)
         checkpoints = StateCheckpoints(self.config.checkpoint_bytes(self.states.pool_bytes), self.states.slot_bytes)
-        return PrefixCache(self.template, checkpoints) if checkpoints.capacity else None
+        usable = checkpoints.capacity and self.per_request is not None and self.per_request.cuts_states
+        return PrefixCache(self.template, checkpoints) if usable else None
 
-    def _register(self, request: Request) -> None:
-        """After a step: the request's new full blocks are cached, and its state kept where a mark says."""
+    def _register(self, request: Request, cut: dict[int, Saved]) -> None:
+        """After a step: the request's new full blocks are cached, and its state kept at its marks: those inside
+        the step's chunk as its per-request layers copied them there (`cut`, by position), one at its end from its
+        slot."""
         request.keys = self.prefix_cache.register(request.cache, request.tokens[: request.fed], request.keys)
-        if request.marks and request.marks[0] <= request.fed:
-            if request.marks[0] == request.fed:
-                self.prefix_cache.keep_state(request.keys, request.fed, self.states.saved(request.cache))
-            request.marks = [mark for mark in request.marks if mark > request.fed]
+        for position, saved in cut.items():
+            self.prefix_cache.keep_state(request.keys, position, saved)
+        if request.fed in request.marks:
+            self.prefix_cache.keep_state(request.keys, request.fed, self.states.saved(request.cache))
+        request.marks = [mark for mark in request.marks if mark > request.fed]
 
     @staticmethod
     def _next_tokens(batch: Batch, logits: torch.Tensor) -> list[int | Exception | None]:

@@ -14,8 +14,8 @@ contents depend on when they were sealed or compacted), so `PrefixCache.supports
 Hybrid models: a hit also needs the recurrent / conv state after the prefix, which no block holds, so it is found
 only where a state checkpoint was kept (`state_checkpoints.py`). A request keeps one at its marks
 (`checkpoint_marks`): where its prompt's shared part ends -- the blocks already cached of it, or its common prefix
-with the requests queued beside it -- and at its prompt's last full block; its prompt chunks end there. The
-attention block size stays as it is, so prompts of a few blocks get hits too.
+with the requests queued beside it; its per-request layers copy their state there inside the chunk
+(`recurrent.StateCuts`). The attention block size stays as it is, so prompts of a few blocks get hits too.
 """
 
 from __future__ import annotations
@@ -96,15 +96,16 @@ class PrefixCache:
 
     def checkpoint_marks(self, cache: PagedCache, prompt: list[int], hit: int, neighbours: list[list[int]]) -> list[int]:
         """Where a hybrid model's request of `prompt` (a fresh `cache` given a `hit`) keeps its state, in ascending
-        order: the end of its blocks already cached, of its common prefix with each of `neighbours` (the prompts
-        queued or running beside it), and of its last full block before its last token. None without checkpoints."""
+        order: where its shared part ends, as the end of its blocks already cached and of its common prefix with each
+        of `neighbours` (the prompts queued or running beside it), in whole blocks before its last token. None
+        without checkpoints. (Not at every prompt's end: a piece of a chunk re-reads its decoder layers' weights.)"""
         if self.checkpoints is None:
             return []
         bs, last = self.block_size, (len(prompt) - 1) // self.block_size
         keys = block_keys(prompt, bs, last)
         cached = next((count for count in range(last, hit // bs, -1) if self._found(cache, keys, count)), 0)
         shared = [_common_blocks(prompt, other, bs, last) for other in neighbours]
-        return sorted({count * bs for count in (cached, last, *shared) if count * bs > hit})
+        return sorted({count * bs for count in (cached, *shared) if count * bs > hit})
 
     def computed_by_others(self, prompt: list[int], hit: int, others: list[tuple[list[int], int, list[int]]]) -> bool:
         """Whether another running sequence (its tokens, how many of them its cache holds, its checkpoint marks) has

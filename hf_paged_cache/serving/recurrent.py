@@ -7,6 +7,10 @@ and continue their state (the decode steps) as one batch of single-token sequenc
 the state pool (`StatePool.gathered`: one index per state tensor each way, written back after the forward); every
 other request (a prompt chunk) alone, on its slice of the hidden states and positions, with its own `PagedCache`
 (which holds the layer's state, empty before its first chunk). The outputs go back to the requests' tokens.
+
+A prompt chunk may be cut inside these layers (`StateCuts`): the layer runs on its pieces one after the other and
+copies its state at each cut, so the prefix cache can keep a hybrid model's state at a block boundary inside a chunk
+without the chunk ending there (which would cost the request a step).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCach
 from ..cache import PagedCache
 from ..errors import UnsupportedModelError
 from ..forwards import decoder_layers, swapped_forwards
+from ..sequence_state import StateTensor, layer_states
 
 CACHE_KWARGS = ("cache", "past_key_values")  # the name transformers passes a decoder layer its cache by
 # Models whose recurrent layers (Mamba-1 mixers) drop their state at a chunk of several tokens (only the one-token
@@ -32,37 +37,48 @@ class PerRequestLayers:
     layer types); `split(caches, spans)` makes them so for the forward it encloses."""
 
     def __init__(self, model: torch.nn.Module, indices: list[int], num_layers: int,
-                 gather: Gather | None = None):  # fmt: skip
+                 gather: Gather | None = None, tensors: tuple[StateTensor, ...] = ()):  # fmt: skip
         modules = decoder_layers(model, num_layers)
         # Once each, should a model reuse one module at several indices: the wrapper reads the cache it is given.
         self.layers = list({id(modules[index]): modules[index] for index in indices}.values())
         self.indices = indices
         self.gather = gather
+        # What a cut copies: each layer's state tensors (`tensors`: a state pool's), by its module.
+        self.states_of = {module: [tensor for tensor in tensors if tensor.layer == index]
+                          for index, module in ((index, modules[index]) for index in indices)}  # fmt: skip
+        self.cuts_states = bool(tensors) and len(self.layers) == len(indices)  # each module at one index
 
     @classmethod
-    def of(cls, model: torch.nn.Module, template: PagedCache, gather: Gather | None = None) -> PerRequestLayers | None:
+    def of(cls, model: torch.nn.Module, template: PagedCache, gather: Gather | None = None,
+           tensors: tuple[StateTensor, ...] = ()) -> PerRequestLayers | None:  # fmt: skip
         """The per-request layers of a model served with caches like `template`; None when it has none. `gather`
         (a state pool's): the states of several caches as one batch, for their single-token steps (None: every
-        request runs alone)."""
+        request runs alone); `tensors`: the state tensors a cut copies (none: chunks are not cut)."""
         indices = per_request_indices(template)
         if not indices:
             return None
-        return cls(model, indices, len(template.layers), gather)
+        return cls(model, indices, len(template.layers), gather, tensors)
 
-    def split(self, caches: list[PagedCache], spans: list[tuple[int, int]]) -> AbstractContextManager[None]:
+    def split(self, caches: list[PagedCache], spans: list[tuple[int, int]],
+              cuts: StateCuts | None = None) -> AbstractContextManager[None]:  # fmt: skip
         """Within the block, the layers run by request (`caches[i]` takes tokens `spans[i]`): the single-token steps
-        of caches that continue their state as one batch, the rest one request at a time."""
+        of caches that continue their state as one batch, the rest one request at a time, in pieces where `cuts`
+        says (which then holds the states copied there)."""
+        if cuts is not None and not self.cuts_states and any(cuts.at):
+            raise ValueError("this model's per-request layers cannot copy their states at a cut (a module serves "
+                             "several layers, or the layers hold no state tensors)")  # fmt: skip
         stepping = [index for index, (start, stop) in enumerate(spans)
                     if stop - start == 1 and self._continues(caches[index])] if self.gather is not None else []  # fmt: skip
         if len(stepping) < 2:
             stepping = []
-        return self._run(caches, spans, stepping)
+        return self._run(caches, spans, stepping, cuts)
 
     @contextmanager
-    def _run(self, caches: list[PagedCache], spans: list[tuple[int, int]], stepping: list[int]) -> Iterator[None]:
+    def _run(self, caches: list[PagedCache], spans: list[tuple[int, int]], stepping: list[int],
+             cuts: StateCuts | None) -> Iterator[None]:  # fmt: skip
         batch = self.gather([caches[index] for index in stepping]) if stepping else None
-        step = _Step(spans, stepping, batch)
-        with swapped_forwards(self.layers, [_per_request(module, module.forward, caches, step)
+        step = _Step(spans, stepping, batch, cuts)
+        with swapped_forwards(self.layers, [_per_request(module, module.forward, caches, step, self.states_of[module])
                                             for module in self.layers]):  # fmt: skip
             yield
         if batch is not None:  # a failed forward leaves the slots as they were before it
@@ -76,16 +92,34 @@ class PerRequestLayers:
 Gather = Callable[[list[PagedCache]], Cache]  # the states of several caches as one batch (`StatePool.gathered`)
 
 
+class StateCuts:
+    """Where a packed forward's chunks are cut inside the per-request layers (`at[i]`: offsets into chunk `i`, each
+    strictly inside it), and the states each layer copied there: `taken[i][offset]`, one sequence's state tensors."""
+
+    def __init__(self, at: list[list[int]]):
+        self.at = at
+        self.taken: list[dict[int, dict[StateTensor, torch.Tensor]]] = [{} for _ in at]
+
+
 class _Step:
     """How one packed forward's tokens go through a per-request layer: the requests' spans, which of them step as
-    one batch (`stepping`: one token each, at `index`) over `batch`, their gathered states."""
+    one batch (`stepping`: one token each, at `index`) over `batch`, their gathered states; where chunks are cut."""
 
-    def __init__(self, spans: list[tuple[int, int]], stepping: list[int], batch: Cache | None):
-        self.spans, self.batch = spans, batch
+    def __init__(self, spans: list[tuple[int, int]], stepping: list[int], batch: Cache | None,
+                 cuts: StateCuts | None = None):  # fmt: skip
+        self.spans, self.batch, self.cuts = spans, batch, cuts
         batched = set(stepping)
         self.alone = [index for index in range(len(spans)) if index not in batched]
         self.starts = [spans[index][0] for index in stepping]
         self._index: dict[torch.device, torch.Tensor] = {}
+
+    def pieces(self, request: int) -> Iterator[tuple[int, int, int | None]]:
+        """Request `request`'s chunk as pieces (start, stop in the packed row, and the cut's offset at their end or
+        None at the chunk's end)."""
+        start, stop = self.spans[request]
+        offsets = self.cuts.at[request] if self.cuts is not None else []
+        for low, high in zip([0, *offsets], [*offsets, stop - start]):
+            yield start + low, start + high, high if high < stop - start else None
 
     def index(self, device: torch.device) -> torch.Tensor:
         """The stepping requests' tokens in the packed row."""
@@ -94,7 +128,8 @@ class _Step:
         return self._index[device]
 
 
-def _per_request(module: torch.nn.Module, forward, caches: list[PagedCache], step: _Step):
+def _per_request(module: torch.nn.Module, forward, caches: list[PagedCache], step: _Step,
+                 states: list[StateTensor]):  # fmt: skip
     def run(hidden_states: torch.Tensor, *args, **kwargs):
         names = [name for name in CACHE_KWARGS if name in kwargs]
         if args or len(names) != 1:
@@ -110,10 +145,14 @@ def _per_request(module: torch.nn.Module, forward, caches: list[PagedCache], ste
             own[names[0]] = step.batch
             parts.append((index, forward(hidden_states[:, index].transpose(0, 1), **own)))
         for request in step.alone:
-            start, stop = step.spans[request]
-            own = {key: _request_slice(key, value, start, stop) for key, value in kwargs.items()}
-            own[names[0]] = caches[request]
-            parts.append((slice(start, stop), forward(hidden_states[:, start:stop], **own)))
+            for start, stop, cut in step.pieces(request):
+                own = {key: _request_slice(key, value, start, stop) for key, value in kwargs.items()}
+                own[names[0]] = caches[request]
+                parts.append((slice(start, stop), forward(hidden_states[:, start:stop], **own)))
+                if cut is not None:  # the layer's state after the piece, for the prefix cache
+                    taken = step.cuts.taken[request].setdefault(cut, {})
+                    for tensor in states:
+                        taken[tensor] = layer_states(caches[request].layers[tensor.layer])[tensor.kind][tensor.index].clone()
         tupled = isinstance(parts[0][1], tuple)  # some models' layers return a one-tuple
         outs = [_hidden(module, out) for _where, out in parts]
         if step.batch is None:

@@ -164,8 +164,6 @@ class RequestScheduler:
         q = min(request.pending, budget)
         if self.whole_prompts and request.fed == 0 and q < request.pending:
             return request.pending if alone else 0
-        if request.marks:  # a chunk ends where a state checkpoint is kept
-            q = min(q, request.marks[0] - request.fed)
         return q
 
     def _neighbours(self, request: Request) -> Iterator[list[int]]:

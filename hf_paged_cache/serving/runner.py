@@ -26,7 +26,7 @@ from ..attention.paged_states import paged_only
 from ..cpu_runtime.compiled import CompiledModules
 from ..cpu_runtime.fused_layers import FusedDecoderLayers
 from ..cpu_runtime.onednn import OneDnnLinears
-from .recurrent import PerRequestLayers
+from .recurrent import PerRequestLayers, StateCuts
 
 
 class _PackedLayer(CacheLayerMixin):
@@ -140,11 +140,11 @@ def layer_sliding(cache: PagedCache) -> list[bool]:
 def packed_logits(model, chunks: list[tuple[PagedCache, list[int], int]], sliding: list[bool],
                   per_request: PerRequestLayers | None = None, compiled: CompiledModules | None = None,
                   onednn: OneDnnLinears | None = None,
-                  fused: FusedDecoderLayers | None = None) -> torch.Tensor:  # fmt: skip
+                  fused: FusedDecoderLayers | None = None, cuts: StateCuts | None = None) -> torch.Tensor:  # fmt: skip
     """One forward of every chunk (its cache, its tokens, the position of the first) packed into one row; the
     logits of each chunk's last token, one row per chunk (`sliding`: which layers are sliding-window;
-    `per_request`: the layers that run once per chunk, recurrent ones; `compiled`: modules run compiled;
-    `onednn`: linear layers run on oneDNN; `fused`: decoder layers run fused)."""
+    `per_request`: the layers that run once per chunk, recurrent ones, cut inside chunks where `cuts` says;
+    `compiled`: modules run compiled; `onednn`: linear layers run on oneDNN; `fused`: decoder layers run fused)."""
     tokens, positions, spans, keep = [], [], [], []
     for _cache, chunk, start in chunks:
         spans.append((len(tokens), len(tokens) + len(chunk)))
@@ -159,7 +159,7 @@ def packed_logits(model, chunks: list[tuple[PagedCache, list[int], int]], slidin
         if fused is not None:  # first: it checks that no other forward is swapped into its layers
             inside_fused = patches.enter_context(fused.active(keep))
         if per_request is not None:
-            patches.enter_context(per_request.split(caches, spans))
+            patches.enter_context(per_request.split(caches, spans, cuts))
         if onednn is not None:
             patches.enter_context(onednn.active(skip=inside_fused))
         if compiled is not None:

@@ -130,8 +130,9 @@ def test_cancel_frees_the_requests_state_and_blocks(name):
 
 @pytest.mark.parametrize("name", WITH_BLOCKS)
 def test_prefix_hits_restore_the_state_kept_after_the_shared_prefix_and_change_nothing(name):
-    """The first request's chunk ends where its prompt stops sharing with the queued ones (12 tokens), and keeps its
-    state there; the others wait for it, then start from its blocks and its state."""
+    """The first request's recurrent layers stop where its prompt stops sharing with the queued ones (12 tokens) and
+    copy their state there, its prompt computed in one chunk all the same; the others wait for it, then start from
+    its blocks and that state."""
     prompts = random_prompts((4, 4, 8, 1, 18, 4), seed=3, prefix=12)
     generator = slot_checked(BatchGenerator(hybrid(name), max_new_tokens=NEW, block_size=4, max_batch_tokens=64))
     chunks = []
@@ -141,26 +142,27 @@ def test_prefix_hits_restore_the_state_kept_after_the_shared_prefix_and_change_n
     outputs = generator.run()
     assert [o.generated_tokens for o in outputs] == reference(name, prompts)
     assert [o.prefix_hit_tokens for o in outputs] == [0, 12, 12, 12, 12, 12]
-    assert chunks[0] == [(0, 0, 12)]  # the others wait for the shared part's state
+    assert chunks[0] == [(0, 0, 16)]  # the others wait for the shared part's state
     metrics = generator.metrics()
     assert metrics.prefix_hit_tokens == 60 and 0 < metrics.state_checkpoints <= generator.states.num_slots
     assert metrics.state_checkpoint_bytes == metrics.state_checkpoints * generator.states.slot_bytes
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "lfm2"])
-def test_a_prompt_repeated_or_continued_later_starts_from_the_state_after_its_last_full_block(name):
-    """Each prompt keeps its state at its last full block: the same prompt again, or a conversation's next turn
-    (the prompt, its answer and more), skips that far."""
+def test_a_prompt_seen_again_keeps_its_state_where_its_cached_blocks_end_and_is_found_from_then_on(name):
+    """The second time, its blocks are cached but no state: it computes its prompt and keeps the state where its
+    cached blocks end; the third time, and a conversation's next turn (the prompt, its answer and more), start there."""
     (prompt,) = random_prompts((18,), seed=7)
     generator = BatchGenerator(hybrid(name), max_new_tokens=NEW, block_size=4)
-    generator.add_request(prompt)
-    (first,) = generator.run()
-    turn = prompt + first.generated_tokens + random_prompts((5,), seed=8)[0]
-    generator.add_request(prompt)
+    outputs = []
+    for _ in range(3):
+        generator.add_request(prompt)
+        outputs += generator.run()
+    turn = prompt + outputs[0].generated_tokens + random_prompts((5,), seed=8)[0]
     generator.add_request(turn)
-    outputs = generator.run()
-    assert [o.prefix_hit_tokens for o in outputs] == [16, 16]
-    assert [first.generated_tokens] + [o.generated_tokens for o in outputs] == reference(name, [prompt, prompt, turn])
+    outputs += generator.run()
+    assert [o.prefix_hit_tokens for o in outputs] == [0, 0, 16, 16]
+    assert [o.generated_tokens for o in outputs] == reference(name, [prompt, prompt, prompt, turn])
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
@@ -280,7 +282,7 @@ def test_decode_steps_go_through_each_recurrent_layer_as_one_batch(name):
     try:
         prompts = random_prompts((5, 17, 9, 12), seed=2)
         outputs = generate_batch(model, prompts, max_new_tokens=NEW, block_size=4, max_batch_tokens=64,
-                                 prefix_caching=False)  # each prompt in one chunk (no chunk ends at a checkpoint)
+                                 prefix_caching=False)  # no prompt cut in pieces where a checkpoint is kept
     finally:
         for hook in hooks:
             hook.remove()
