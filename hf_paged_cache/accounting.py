@@ -183,12 +183,17 @@ def estimate_kv_bytes(
 
 
 def max_sequences(config: PretrainedConfig, seq_len: int, memory: int | str, block_size: int = 16,
-                  dtype: torch.dtype = torch.float16, **quant_options) -> int:  # fmt: skip
+                  dtype: torch.dtype = torch.float16, served: bool = False, **quant_options) -> int:  # fmt: skip
     """How many sequences of `seq_len` stored tokens fit in `memory` bytes of blocks (an int or "2GiB"):
     `memory // estimate_kv_bytes(one sequence)`. Linear in the length, counting KV heads only (see
     docs/GUIDE.md, "Planning memory"), plus a hybrid model's state per sequence; a pool also holds one all-zero
-    null block per layer."""
-    return parse_bytes(memory, "memory") // estimate_kv_bytes(config, 1, seq_len, block_size, dtype, **quant_options)
+    null block per layer. `served`: as the batch generator holds them with prefix caching, a hybrid model's
+    sequence also counts one state checkpoint (the default `checkpoint_memory`: a slot's bytes per sequence)."""
+    per_sequence = estimate_kv_bytes(config, 1, seq_len, block_size, dtype, **quant_options)
+    if served:
+        state = sequence_state(config, dtype)
+        per_sequence += state.nbytes if state.kv_bytes_per_token == 0 else 0  # Falcon-H1's state is not checkpointed
+    return parse_bytes(memory, "memory") // per_sequence
 
 
 class StoredKVShape(NamedTuple):

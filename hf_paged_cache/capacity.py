@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--quant", help="a quantization format (int8, int4, int2, fp8, K4V2, ...)")
     parser.add_argument("--residual-length", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--served", action="store_true",
+                        help="as generate_batch holds them with prefix caching: a hybrid model's sequence also counts "
+                             "one state checkpoint (the default checkpoint_memory)")
     args = parser.parse_args(argv)
     if args.model == "smollm2":
         from .smollm2 import model_dir
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for tokens in args.tokens:
         per_sequence = estimate_kv_bytes(config, 1, tokens, args.block_size, DTYPES[args.dtype], **options)
-        fits = max_sequences(config, tokens, args.memory, args.block_size, DTYPES[args.dtype], **options)
+        fits = max_sequences(config, tokens, args.memory, args.block_size, DTYPES[args.dtype], args.served, **options)
         state = sequence_state(config, DTYPES[args.dtype]).bytes_at(tokens)
         rows.append({"tokens": tokens, "bytes_per_sequence": per_sequence, "state_bytes_per_sequence": state,
                      "sequences": fits})  # fmt: skip

@@ -2,7 +2,9 @@
 
 A packed forward concatenates many requests into one row. Attention layers split it by request in
 `PackedCache.update`, but a recurrent or convolutional layer would carry its state across the requests'
-boundaries. So each decoder layer whose type says `per_request` runs by request: the requests that take one token
+boundaries. So each decoder layer whose type says `per_request` runs by request -- only its mixer where it has one
+(the one child module that takes the cache: a short conv, a gated delta net, a Mamba mixer), so its norms and MLP
+still run on the packed row; else the whole decoder layer: the requests that take one token
 and continue their state (the decode steps) as one batch of single-token sequences, over their states gathered from
 the state pool (`StatePool.gathered`: one index per state tensor each way, written back after the forward); every
 other request (a prompt chunk) alone, on its slice of the hidden states and positions, with its own `PagedCache`
@@ -15,6 +17,7 @@ without the chunk ending there (which would cost the request a step).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
@@ -26,7 +29,7 @@ from ..errors import UnsupportedModelError
 from ..forwards import decoder_layers, swapped_forwards
 from ..sequence_state import StateTensor, layer_states
 
-CACHE_KWARGS = ("cache", "past_key_values")  # the name transformers passes a decoder layer its cache by
+CACHE_KWARGS = ("cache", "past_key_values")  # the names transformers passes a layer or its mixer the cache by
 # Models whose recurrent layers (Mamba-1 mixers) drop their state at a chunk of several tokens (only the one-token
 # step continues it), so a prompt computed in chunks would silently differ: the generator computes their prompts whole.
 RESTARTS_STATE = frozenset(("jamba", "mamba", "falcon_mamba", "zamba"))
@@ -34,7 +37,8 @@ RESTARTS_STATE = frozenset(("jamba", "mamba", "falcon_mamba", "zamba"))
 
 class PerRequestLayers:
     """The decoder layers of `model` that a packed forward runs once per request (`indices`, from the cache's
-    layer types); `split(caches, spans)` makes them so for the forward it encloses."""
+    layer types), by their mixers where they have one (`runs`); `split(caches, spans)` makes them so for the
+    forward it encloses."""
 
     def __init__(self, model: torch.nn.Module, indices: list[int], num_layers: int,
                  gather: Gather | None = None, tensors: tuple[StateTensor, ...] = ()):  # fmt: skip
@@ -43,10 +47,11 @@ class PerRequestLayers:
         self.layers = list({id(modules[index]): modules[index] for index in indices}.values())
         self.indices = indices
         self.gather = gather
-        # What a cut copies: each layer's state tensors (`tensors`: a state pool's), by its module.
-        self.states_of = {module: [tensor for tensor in tensors if tensor.layer == index]
-                          for index, module in ((index, modules[index]) for index in indices)}  # fmt: skip
-        self.cuts_states = bool(tensors) and len(self.layers) == len(indices)  # each module at one index
+        runs = {index: mixer(modules[index]) or modules[index] for index in indices}
+        self.runs = list({id(module): module for module in runs.values()}.values())
+        # What a cut copies: each layer's state tensors (`tensors`: a state pool's), by the module run per request.
+        self.states_of = {runs[index]: [tensor for tensor in tensors if tensor.layer == index] for index in indices}
+        self.cuts_states = bool(tensors) and len(self.runs) == len(indices)  # each module at one index
 
     @classmethod
     def of(cls, model: torch.nn.Module, template: PagedCache, gather: Gather | None = None,
@@ -78,8 +83,8 @@ class PerRequestLayers:
              cuts: StateCuts | None) -> Iterator[None]:  # fmt: skip
         batch = self.gather([caches[index] for index in stepping]) if stepping else None
         step = _Step(spans, stepping, batch, cuts)
-        with swapped_forwards(self.layers, [_per_request(module, module.forward, caches, step, self.states_of[module])
-                                            for module in self.layers]):  # fmt: skip
+        with swapped_forwards(self.runs, [_per_request(module, module.forward, caches, step, self.states_of[module])
+                                          for module in self.runs]):  # fmt: skip
             yield
         if batch is not None:  # a failed forward leaves the slots as they were before it
             batch.scatter()
@@ -153,8 +158,8 @@ def _per_request(module: torch.nn.Module, forward, caches: list[PagedCache], ste
                     taken = step.cuts.taken[request].setdefault(cut, {})
                     for tensor in states:
                         taken[tensor] = layer_states(caches[request].layers[tensor.layer])[tensor.kind][tensor.index].clone()
-        tupled = isinstance(parts[0][1], tuple)  # some models' layers return a one-tuple
-        outs = [_hidden(module, out) for _where, out in parts]
+        rest = _rest(module, [out for _where, out in parts])  # what a layer returns beside its hidden states
+        outs = [out[0] if isinstance(out, tuple) else out for _where, out in parts]
         if step.batch is None:
             joined = torch.cat(outs, dim=1)
         else:
@@ -162,19 +167,21 @@ def _per_request(module: torch.nn.Module, forward, caches: list[PagedCache], ste
             joined = outs[0].new_empty(1, hidden_states.shape[1], outs[0].shape[-1])
             for (where, _out), out in zip(parts, outs):
                 joined[:, where] = out
-        return (joined,) if tupled else joined
+        return joined if rest is None else (joined, *rest)
 
     return run
 
 
-def _hidden(module: torch.nn.Module, out) -> torch.Tensor:
-    """A decoder layer's hidden states out of what it returned (a tensor, or a one-tuple)."""
-    if not isinstance(out, tuple):
-        return out
-    if len(out) != 1:
+def _rest(module: torch.nn.Module, outs: list) -> tuple | None:
+    """What the per-request calls of `module` returned beside their hidden states: None for a tensor each; for a
+    tuple each (a one-tuple, or a mixer's output and its attention weights), the rest, which must be None (nothing
+    else can be joined across requests)."""
+    if not isinstance(outs[0], tuple):
+        return None
+    if any(part is not None for out in outs for part in out[1:]):
         raise UnsupportedModelError(f"{type(module).__name__} returns more than its hidden states, which the batch "
                                     "generator cannot join across requests: use `model.generate` with a `PagedCache`")
-    return out[0]
+    return outs[0][1:]
 
 
 def _batch_slice(key: str, value, index: torch.Tensor):
@@ -203,6 +210,14 @@ def _request_slice(key: str, value, start: int, stop: int):
             "split by request: use `model.generate` with a `PagedCache` for this model"
         )
     return value
+
+
+def mixer(layer: torch.nn.Module) -> torch.nn.Module | None:
+    """The one child of decoder `layer` whose forward takes the cache (its recurrent or conv mixer), or None where
+    none or several do (Falcon-H1's Mamba mixer beside its attention): then the whole layer runs per request."""
+    takes = [child for child in layer.children()
+             if any(name in inspect.signature(type(child).forward).parameters for name in CACHE_KWARGS)]  # fmt: skip
+    return takes[0] if len(takes) == 1 else None
 
 
 def restarts_state(cache: PagedCache) -> bool:

@@ -59,7 +59,7 @@ def slot_checked(generator: BatchGenerator) -> BatchGenerator:
     return generator
 
 
-@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize("name", [*HYBRIDS, "zaya"])  # zaya: its mixer returns (output, None)
 def test_greedy_outputs_equal_each_prompt_alone_with_dynamic_cache(name):
     """More requests than slots: the others wait for a slot. Prompts computed in chunks continue their state;
     chunks share forwards with other requests' decode tokens."""
@@ -272,13 +272,13 @@ def test_a_forward_that_fails_in_a_recurrent_layer_is_rolled_back_and_changes_no
 def test_decode_steps_go_through_each_recurrent_layer_as_one_batch(name):
     """A step's single-token steps of every request that continues its state run a recurrent mixer once, as a batch
     of sequences over their gathered states (written back to their slots); prompt chunks run alone; outputs as
-    alone."""
+    alone. (Each mixer call is seen at its first linear layer: the mixer's own call is the packed one.)"""
     model = hybrid(name)
     mixers = [module for module in model.modules() if type(module).__name__.endswith(("ShortConv", "GatedDeltaNet",
                                                                                        "Mamba2Mixer"))]  # fmt: skip
     calls = []
-    hooks = [mixer.register_forward_pre_hook(lambda _m, args, kwargs: calls.append(
-        (kwargs.get("hidden_states", args[0] if args else None)).shape[:2]), with_kwargs=True) for mixer in mixers]
+    firsts = [next(child for child in mixer.children() if isinstance(child, torch.nn.Linear)) for mixer in mixers]
+    hooks = [first.register_forward_pre_hook(lambda _m, args: calls.append(args[0].shape[:2])) for first in firsts]
     try:
         prompts = random_prompts((5, 17, 9, 12), seed=2)
         outputs = generate_batch(model, prompts, max_new_tokens=NEW, block_size=4, max_batch_tokens=64,
@@ -292,3 +292,25 @@ def test_decode_steps_go_through_each_recurrent_layer_as_one_batch(name):
     # Every decode step of the four requests is one call per mixer: no single-token call of one sequence is left
     # once all four run (prompts are computed whole in the first step, with max_batch_tokens 64).
     assert len(batched) == (NEW - 1) * len(mixers) and not [shape for shape in calls if tuple(shape) == (1, 1)]
+
+
+def test_only_the_mixers_run_per_request_and_the_rest_of_their_layers_on_the_packed_row():
+    """A conv layer's norms and MLP see each packed forward once, whatever its requests; Falcon-H1's layers, with a
+    Mamba mixer beside their attention, run whole per request."""
+    model = hybrid("lfm2")
+    prompts = random_prompts((5, 17, 9), seed=2)
+    generator = BatchGenerator(model, max_new_tokens=NEW, block_size=4)
+    assert {type(module).__name__ for module in generator.per_request.runs} == {"Lfm2ShortConv"}
+    layer = generator.per_request.layers[0]
+    calls = []
+    hook = layer.feed_forward.register_forward_pre_hook(lambda _m, args: calls.append(args[0].shape[:2]))
+    try:
+        for prompt in prompts:
+            generator.add_request(prompt)
+        outputs = generator.run()
+    finally:
+        hook.remove()
+    assert [output.generated_tokens for output in outputs] == reference("lfm2", prompts)
+    assert len(calls) == len(generator.history) and calls[0] == (1, sum(len(prompt) for prompt in prompts))
+    whole = BatchGenerator(hybrid("falcon_h1"), max_new_tokens=2).per_request
+    assert whole.runs == whole.layers
