@@ -55,7 +55,47 @@ def qwen3_next_random() -> torch.nn.Module:
     return _ready(Qwen3NextForCausalLM(config))
 
 
-MODELS = {"gemma3-random": gemma3_random, "lfm2-random": lfm2_random, "qwen3-next-random": qwen3_next_random}
+# Transformers of the main families at ~100–130M parameters (12 layers, width 768, 12 query heads of 64), for speed on
+# every architecture (issue 62): each with what sets its decoder layer apart from Llama's.
+_WIDTH = dict(vocab_size=49152, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+              max_position_embeddings=4096, pad_token_id=0, eos_token_id=None, bos_token_id=None)  # fmt: skip
+
+
+def qwen3_random() -> torch.nn.Module:
+    """Qwen3-shaped: q / k RMSNorms per head, 4 KV heads, tied embeddings."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    return _ready(Qwen3ForCausalLM(Qwen3Config(**_WIDTH, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True)))
+
+
+def mistral_random() -> torch.nn.Module:
+    """Mistral-shaped: a sliding window of 512 tokens in every layer, 4 KV heads."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    return _ready(MistralForCausalLM(MistralConfig(**_WIDTH, num_key_value_heads=4, sliding_window=512)))
+
+
+def phi3_random() -> torch.nn.Module:
+    """Phi-3 / Phi-4-mini-shaped: fused QKV and gate-up products, rotary on 3/4 of each head, 4 KV heads."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    return _ready(Phi3ForCausalLM(Phi3Config(**_WIDTH, num_key_value_heads=4, partial_rotary_factor=0.75)))
+
+
+def olmo2_random() -> torch.nn.Module:
+    """OLMo-2-shaped: norms after attention and MLP (not before), q / k RMSNorms over all heads."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    torch.manual_seed(0)
+    return _ready(Olmo2ForCausalLM(Olmo2Config(**_WIDTH, num_key_value_heads=12)))
+
+
+MODELS = {"gemma3-random": gemma3_random, "lfm2-random": lfm2_random, "qwen3-next-random": qwen3_next_random,
+          "qwen3-random": qwen3_random, "mistral-random": mistral_random, "phi3-random": phi3_random,
+          "olmo2-random": olmo2_random}  # fmt: skip
 # Config fields released checkpoints carry that transformers' config class does not write, but vLLM's loader reads.
 _EXTRA_FIELDS = {"lfm2": lambda config: {"conv_dim": config.hidden_size, "conv_dim_out": config.hidden_size,
                                          "block_dim": config.hidden_size}}  # fmt: skip

@@ -543,3 +543,13 @@ def test_random_models_saves_a_folder_that_loads_with_the_fields_vllm_reads(tmp_
     assert config["conv_dim"] == config["conv_dim_out"] == config["block_dim"] == 512
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "lfm2")
     assert model.config.model_type == "lfm2" and AutoTokenizer.from_pretrained(tmp_path / "lfm2").vocab_size == 49152
+
+
+@pytest.mark.parametrize("name", ["gemma3-random", "qwen3-random", "mistral-random", "phi3-random", "olmo2-random"])
+def test_the_random_transformers_are_of_the_size_the_serving_comparison_needs(name):
+    import random_models
+
+    model = random_models.MODELS[name]()
+    parameters = sum(parameter.numel() for parameter in model.parameters())
+    assert 50e6 <= parameters <= 300e6 and model.config.vocab_size == 49152  # SmolLM2's tokenizer serves them
+    assert model.generation_config.eos_token_id is None  # every request generates its new tokens
