@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..blocks.pool import BlockPool
@@ -94,11 +95,13 @@ class PrefixCache:
                 return count * self.block_size, state
         return 0, None
 
-    def checkpoint_marks(self, cache: PagedCache, prompt: list[int], hit: int, neighbours: list[list[int]]) -> list[int]:
+    def checkpoint_marks(self, cache: PagedCache, prompt: list[int], hit: int,
+                         neighbours: Iterable[list[int]]) -> list[int]:  # fmt: skip
         """Where a hybrid model's request of `prompt` (a fresh `cache` given a `hit`) keeps its state, in ascending
         order: where its shared part ends, as the end of its blocks already cached and of its common prefix with each
-        of `neighbours` (the prompts queued or running beside it), in whole blocks before its last token. None
-        without checkpoints. (Not at every prompt's end: a piece of a chunk re-reads its decoder layers' weights.)"""
+        of `neighbours` (the prompts queued or running beside it), in whole blocks before its last token; empty
+        without checkpoints. Not at every prompt's end: that would cut every prompt, and each cut piece costs a
+        mixer call of its own (docs/BENCHMARKS.md)."""
         if self.checkpoints is None:
             return []
         bs, last = self.block_size, (len(prompt) - 1) // self.block_size
