@@ -192,7 +192,7 @@ def max_sequences(config: PretrainedConfig, seq_len: int, memory: int | str, blo
     per_sequence = estimate_kv_bytes(config, 1, seq_len, block_size, dtype, **quant_options)
     if served:
         state = sequence_state(config, dtype)
-        per_sequence += state.nbytes if state.kv_bytes_per_token == 0 else 0  # Falcon-H1's state is not checkpointed
+        per_sequence += state.nbytes if state.checkpointable(config.get_text_config(decoder=True).model_type) else 0
     return parse_bytes(memory, "memory") // per_sequence
 
 

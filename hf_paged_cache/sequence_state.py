@@ -20,6 +20,11 @@ from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerM
 from .layer_types.registry import layer_type_for
 
 
+# Models whose recurrent layers (Mamba-1 mixers) drop their state at a chunk of several tokens (only the one-token
+# step continues it), so a prompt computed in chunks would silently differ: the generator computes their prompts whole.
+RESTARTS_STATE = frozenset(("jamba", "mamba", "falcon_mamba", "zamba"))
+
+
 @dataclass(frozen=True)
 class StateTensor:
     """One state tensor of one sequence: layer `layer`'s `kind` state number `index`, `shape` with the batch
@@ -47,6 +52,12 @@ class SequenceState:
     def nbytes(self) -> int:
         """Bytes of one sequence's state tensors (a state pool's slot)."""
         return sum(tensor.nbytes for tensor in self.tensors)
+
+    def checkpointable(self, model_type: str) -> bool:
+        """Whether a copy of one sequence's slot restores it after a prefix (the batch generator's prefix hits): its
+        state is these tensors alone (no K/V of a layer's own, as Falcon-H1's) and its prompts may be cut (not a
+        model of `RESTARTS_STATE`, whose prompts are computed whole)."""
+        return self.kv_bytes_per_token == 0 and model_type not in RESTARTS_STATE
 
     def bytes_at(self, tokens: int) -> int:
         """Bytes outside the blocks of one sequence of `tokens` stored tokens: its state and its layers' own K/V."""

@@ -21,7 +21,6 @@ from ..accounting import blocks_in_budget
 from ..sequence_state import sequence_state
 from ..memory.copy_stream import COPY_MODES
 from .preemption import Auto, LRUVictims, Preemption, Recompute, Swap, VictimPolicy, WeightedVictims, check_weights
-from .recurrent import RESTARTS_STATE
 from .scheduler import FIFO, DecodeFirst, Scheduler
 from .settings import FIELDS, check_generation_config
 
@@ -217,8 +216,8 @@ def pools_up_front(options: PagedCacheConfig, model: PreTrainedModel, config: Ba
         return options
     state = sequence_state(model.config, model.dtype, type(model))
     slots = config.max_num_seqs * state.nbytes
-    restorable = state.kv_bytes_per_token == 0 and model.config.model_type not in RESTARTS_STATE  # `PrefixCache.supports`
-    checkpoints = config.checkpoint_bytes(slots) if config.prefix_caching and restorable else 0
+    kept = config.prefix_caching and state.checkpointable(model.config.model_type)  # `PrefixCache.supports`
+    checkpoints = config.checkpoint_bytes(slots) if kept else 0
     if slots and slots + checkpoints >= options.max_memory:
         raise ValueError(
             f"`max_memory`={options.max_memory} bytes cannot hold the recurrent state of `max_num_seqs`="

@@ -205,7 +205,7 @@ class BatchGenerator:
             return
         for index, ((request, q), token) in enumerate(zip(batch, samples)):
             self.counters.recomputed_tokens += max(min(request.fed + q, request.peak) - request.fed, 0)
-            cut = {request.fed + offset: saved for offset, saved in cuts.taken[index].items()} if cuts else {}
+            cut = {request.fed + offset: saved for offset, saved in cuts.taken[index].items()} if cuts is not None else {}
             request.fed += q
             request.peak = max(request.peak, request.fed)
             if self.prefix_cache is not None:

@@ -29,7 +29,7 @@ from ..blocks.pool import BlockPool
 from ..blocks.renumbering import Renumbering
 from ..cache import PagedCache
 from ..sequence_state import SequenceState
-from .recurrent import holds_state, restarts_state
+from .recurrent import holds_state
 from .state_checkpoints import Saved, StateCheckpoints
 
 
@@ -77,7 +77,7 @@ class PrefixCache:
         Falcon-H1's), and its prompts may be cut where a checkpoint is kept (not Mamba-1's, computed whole)."""
         if cache.evictor is not None or cache.blocks.stores_sealed():
             return False
-        return not holds_state(cache) or (state.kv_bytes_per_token == 0 and not restarts_state(cache))
+        return not holds_state(cache) or state.checkpointable(cache.model_config.model_type)
 
     # ------------------------------------------------------------------ lookup
     def attach(self, cache: PagedCache, prompt: list[int]) -> tuple[int, Saved | None]:

@@ -27,12 +27,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCach
 from ..cache import PagedCache
 from ..errors import UnsupportedModelError
 from ..forwards import decoder_layers, swapped_forwards
-from ..sequence_state import StateTensor, layer_states
+from ..sequence_state import RESTARTS_STATE, StateTensor, layer_states
 
 CACHE_KWARGS = ("cache", "past_key_values")  # the names transformers passes a layer or its mixer the cache by
-# Models whose recurrent layers (Mamba-1 mixers) drop their state at a chunk of several tokens (only the one-token
-# step continues it), so a prompt computed in chunks would silently differ: the generator computes their prompts whole.
-RESTARTS_STATE = frozenset(("jamba", "mamba", "falcon_mamba", "zamba"))
 
 
 class PerRequestLayers:
@@ -68,10 +65,7 @@ class PerRequestLayers:
               cuts: StateCuts | None = None) -> AbstractContextManager[None]:  # fmt: skip
         """Within the block, the layers run by request (`caches[i]` takes tokens `spans[i]`): the single-token steps
         of caches that continue their state as one batch, the rest one request at a time, in pieces where `cuts`
-        says (which then holds the states copied there)."""
-        if cuts is not None and not self.cuts_states and any(cuts.at):
-            raise ValueError("this model's per-request layers cannot copy their states at a cut (a module serves "
-                             "several layers, or the layers hold no state tensors)")  # fmt: skip
+        says (which then holds the states copied there; only where `cuts_states`)."""
         stepping = [index for index, (start, stop) in enumerate(spans)
                     if stop - start == 1 and self._continues(caches[index])] if self.gather is not None else []  # fmt: skip
         if len(stepping) < 2:
